@@ -63,7 +63,16 @@ class TokenLogprobs:
 
 
 @dataclass
+class PromptLogprobsChunk:
+    """Logprobs of prompt tokens first_position, first_position + 1, ... computed in
+    one step (the logits at position p score prompt token p + 1)."""
+
+    first_position: int
+    entries: list[TokenLogprobs]
+
+
+@dataclass
 class RunnerOutput:
     sampled_token_ids: dict[str, int] = field(default_factory=dict)
     logprobs: dict[str, TokenLogprobs] = field(default_factory=dict)
-    prompt_logprobs: dict[str, list[TokenLogprobs]] = field(default_factory=dict)
+    prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)

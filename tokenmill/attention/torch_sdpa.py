@@ -1,0 +1,121 @@
+"""Paged attention in plain PyTorch: works on any device, tuned for none.
+
+K/V are written with `index_copy_` on the flattened cache through the slot
+mapping. Decode requests (one query token) are attended in one padded batch;
+prefill chunks one by one, with a causal mask aligned to the bottom right so a
+chunk also sees the earlier chunks of its prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.attention.backend import AttentionBackend, BatchLayout
+
+
+@dataclass
+class PrefillSpan:
+    start: int  # first query row
+    end: int
+    context_gather: torch.Tensor | None  # cache slots of the whole context; None: no earlier context
+    mask: torch.Tensor | None  # bottom-right causal mask [q_len, context_len]
+
+
+@dataclass
+class SDPAMetadata:
+    slot_mapping: torch.Tensor  # [tokens]
+    decode_rows: torch.Tensor | None  # query rows of the decode requests
+    decode_gather: torch.Tensor | None  # [decodes, max_context] cache slots, padded
+    decode_mask: torch.Tensor | None  # [decodes, 1, 1, max_context] True = attend
+    prefills: list[PrefillSpan]
+
+
+class TorchSDPABackend(AttentionBackend):
+    name = "torch_sdpa"
+
+    def build_metadata(self, layout: BatchLayout, device: torch.device) -> SDPAMetadata:
+        starts = layout.query_starts
+        decodes = [i for i, n in enumerate(layout.query_lens) if n == 1]
+        prefills = [i for i, n in enumerate(layout.query_lens) if n > 1]
+        return SDPAMetadata(
+            slot_mapping=torch.tensor(layout.slot_mapping, dtype=torch.long, device=device),
+            prefills=[self._prefill_span(layout, i, starts[i], device) for i in prefills],
+            **self._decode_batch(layout, decodes, starts, device),
+        )
+
+    def forward(self, q, k, v, kv_cache, metadata: SDPAMetadata, scale: float) -> torch.Tensor:
+        k_cache, v_cache = kv_cache
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+        k_flat.index_copy_(0, metadata.slot_mapping, k)
+        v_flat.index_copy_(0, metadata.slot_mapping, v)
+
+        out = torch.empty_like(q)
+        if metadata.decode_rows is not None:
+            qd = q[metadata.decode_rows].unsqueeze(2)  # [D, H, 1, d]
+            kd = k_flat[metadata.decode_gather].transpose(1, 2)  # [D, KVH, L, d]
+            vd = v_flat[metadata.decode_gather].transpose(1, 2)
+            o = _sdpa(qd, kd, vd, metadata.decode_mask, scale, causal=False)
+            out[metadata.decode_rows] = o.squeeze(2)
+        for span in metadata.prefills:
+            qp = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
+            if span.context_gather is None:  # the whole context is this chunk
+                kp, vp = k[span.start : span.end], v[span.start : span.end]
+            else:
+                kp, vp = k_flat[span.context_gather], v_flat[span.context_gather]
+            kp = kp.transpose(0, 1).unsqueeze(0)
+            vp = vp.transpose(0, 1).unsqueeze(0)
+            o = _sdpa(qp, kp, vp, span.mask, scale, causal=span.mask is None)
+            out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
+        return out
+
+    # ----- metadata ------------------------------------------------------------------
+
+    @staticmethod
+    def _prefill_span(layout: BatchLayout, i: int, start: int, device: torch.device) -> PrefillSpan:
+        q_len, ctx_len = layout.query_lens[i], layout.context_lens[i]
+        if q_len == ctx_len:
+            return PrefillSpan(start, start + q_len, None, None)
+        gather = _context_slots(layout.block_tables[i], ctx_len, layout.block_size, device)
+        # Query row r sits at position ctx_len - q_len + r and sees keys up to it.
+        rows = torch.arange(q_len, device=device).unsqueeze(1) + (ctx_len - q_len)
+        mask = torch.arange(ctx_len, device=device).unsqueeze(0) <= rows
+        return PrefillSpan(start, start + q_len, gather, mask)
+
+    @staticmethod
+    def _decode_batch(layout: BatchLayout, decodes: list[int], starts: list[int], device: torch.device) -> dict:
+        if not decodes:
+            return {"decode_rows": None, "decode_gather": None, "decode_mask": None}
+        max_ctx = max(layout.context_lens[i] for i in decodes)
+        gathers = []
+        for i in decodes:
+            slots = _context_slots(layout.block_tables[i], layout.context_lens[i], layout.block_size, device)
+            # Padding points at slot 0: real (finite) cache memory, masked out below.
+            gathers.append(F.pad(slots, (0, max_ctx - slots.numel())))
+        lens = torch.tensor([layout.context_lens[i] for i in decodes], device=device)
+        mask = torch.arange(max_ctx, device=device).unsqueeze(0) < lens.unsqueeze(1)
+        return {
+            "decode_rows": torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=device),
+            "decode_gather": torch.stack(gathers),
+            "decode_mask": mask[:, None, None, :],
+        }
+
+
+def _context_slots(block_table: list[int], ctx_len: int, block_size: int, device: torch.device) -> torch.Tensor:
+    """Cache slots of a request's first ctx_len tokens, in order."""
+    num_blocks = -(-ctx_len // block_size)
+    blocks = torch.tensor(block_table[:num_blocks], dtype=torch.long, device=device)
+    slots = (blocks.unsqueeze(1) * block_size + torch.arange(block_size, device=device)).flatten()
+    return slots[:ctx_len]
+
+
+def _sdpa(q, k, v, mask, scale: float, causal: bool) -> torch.Tensor:
+    if k.shape[1] != q.shape[1]:  # GQA: share each KV head among its query heads
+        repeat = q.shape[1] // k.shape[1]
+        k = k.repeat_interleave(repeat, dim=1)
+        v = v.repeat_interleave(repeat, dim=1)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale)

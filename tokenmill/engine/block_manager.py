@@ -1,0 +1,227 @@
+"""Paged KV-cache bookkeeping with automatic prefix caching. Knows no tensors.
+
+The KV memory is `num_blocks` blocks of `block_size` token slots. Each request
+holds a block table (a list of block ids). A *full* block gets a content hash
+chained to its parent block's hash, so equal hashes mean equal whole prefixes,
+and a later request with the same prefix reuses those blocks instead of
+recomputing them. Blocks are reference-counted; a block whose count drops to 0
+joins the free queue but keeps its hash (and KV) until it is evicted, least
+recently used first, when a new block is needed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from array import array
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from tokenmill.engine.request import Request
+
+BlockHash = bytes
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra_key: str | None = None) -> BlockHash:
+    """SHA-256 over the parent's hash, the block's token ids and an extra key.
+
+    The extra key carries anything besides token ids that changes the KV (a
+    cache salt today; a LoRA id or multimodal hashes later). It only needs to go
+    into the first block: the chain carries it to every later one. A cryptographic
+    hash makes a collision (which would silently serve wrong KV) implausible.
+    """
+    digest = hashlib.sha256(parent or b"\0")
+    digest.update(array("q", token_ids).tobytes())
+    if extra_key is not None:
+        digest.update(extra_key.encode())
+    return digest.digest()
+
+
+@dataclass
+class KVBlock:
+    block_id: int
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+
+
+@dataclass
+class PrefixCacheStats:
+    queries: int = 0  # prompt tokens looked up at admission
+    hits: int = 0  # of those, tokens served from the cache
+
+
+class KVBlockManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        if num_blocks < 1:
+            raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.enable_caching = enable_caching
+        self.blocks = [KVBlock(i) for i in range(num_blocks)]
+        # Free blocks in eviction order: the head is evicted first.
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self.cached_blocks: dict[BlockHash, int] = {}
+        self.req_blocks: dict[str, list[int]] = {}
+        self.req_hashes: dict[str, list[BlockHash]] = {}
+        self.req_num_hashed_blocks: dict[str, int] = {}
+        self.stats = PrefixCacheStats()
+
+    # ----- queries -------------------------------------------------------------------
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    @property
+    def usage(self) -> float:
+        """Fraction of blocks held by requests (free cached blocks count as free)."""
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return self.req_blocks.get(request_id, [])
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        """The longest run of cached full blocks that prefixes the request's tokens,
+        and the number of tokens they cover. Never covers the last token: that one
+        must be computed so that its logits can be sampled."""
+        if not self.enable_caching or request.params.prompt_logprobs is not None:
+            return [], 0  # prompt logprobs need every prompt position computed
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hits: list[int] = []
+        for block_hash in self._block_hashes(request)[:max_blocks]:
+            block_id = self.cached_blocks.get(block_hash)
+            if block_id is None:
+                break
+            hits.append(block_id)
+        return hits, len(hits) * self.block_size
+
+    # ----- allocation ----------------------------------------------------------------
+
+    def allocate_slots(
+        self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
+    ) -> bool:
+        """Make room for `num_new_tokens` more tokens after the computed ones.
+
+        `computed_blocks` (at admission) are prefix-cache hits to take over first.
+        Returns False, changing nothing, when there are not enough free blocks.
+        """
+        computed_blocks = computed_blocks or []
+        held = self.req_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_tokens_after = num_computed + num_new_tokens
+        num_new_blocks = self.blocks_needed(num_tokens_after) - len(held) - len(computed_blocks)
+        # Hits sitting in the free queue are taken out of it, so they are not free for new blocks.
+        num_revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
+        if num_new_blocks > self.num_free_blocks - num_revived:
+            return False
+
+        for block_id in computed_blocks:
+            self._take(block_id)
+        new_blocks = [self._pop_free_block() for _ in range(max(num_new_blocks, 0))]
+        self.req_blocks[request.request_id] = held + computed_blocks + new_blocks
+        if request.request_id not in self.req_num_hashed_blocks:  # admission
+            self.stats.queries += request.num_tokens
+            self.stats.hits += len(computed_blocks) * self.block_size
+            self.req_num_hashed_blocks[request.request_id] = 0
+        # The KV of these tokens is written in this step, before any later step can
+        # read it, so their full blocks can be offered to other requests right away.
+        self._hash_full_blocks(request, min(num_tokens_after, request.num_tokens))
+        return True
+
+    def free(self, request: Request) -> None:
+        """Release a request's blocks (finished, aborted or preempted).
+
+        Hashed blocks go to the tail of the free queue in reverse order, so a
+        sequence's end is evicted before its (more shareable) beginning; blocks
+        without a hash hold nothing reusable and go to the head.
+        """
+        rid = request.request_id
+        self.req_hashes.pop(rid, None)
+        self.req_num_hashed_blocks.pop(rid, None)
+        for block_id in reversed(self.req_blocks.pop(rid, [])):
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+                if block.block_hash is None:
+                    self.free_queue.move_to_end(block_id, last=False)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash; only possible while no request holds blocks."""
+        if self.req_blocks:
+            return False
+        for block in self.blocks:
+            block.block_hash = None
+        self.cached_blocks.clear()
+        return True
+
+    # ----- internals -----------------------------------------------------------------
+
+    def _take(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        if block.ref_count == 0:
+            del self.free_queue[block_id]  # a hit on a free cached block revives it
+        block.ref_count += 1
+
+    def _pop_free_block(self) -> int:
+        block_id, _ = self.free_queue.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.block_hash is not None:  # evict its cached content
+            if self.cached_blocks.get(block.block_hash) == block_id:
+                del self.cached_blocks[block.block_hash]
+            block.block_hash = None
+        block.ref_count = 1
+        return block_id
+
+    def _block_hashes(self, request: Request) -> list[BlockHash]:
+        """Hashes of the request's full blocks, extended as tokens arrive."""
+        hashes = self.req_hashes.setdefault(request.request_id, [])
+        tokens, size = request.all_token_ids, self.block_size
+        for i in range(len(hashes), len(tokens) // size):
+            parent = hashes[-1] if hashes else None
+            extra = request.cache_salt if i == 0 else None
+            hashes.append(hash_block(parent, tokens[i * size : (i + 1) * size], extra))
+        return hashes
+
+    def _hash_full_blocks(self, request: Request, num_tokens: int) -> None:
+        if not self.enable_caching:
+            return
+        rid = request.request_id
+        start, end = self.req_num_hashed_blocks[rid], num_tokens // self.block_size
+        if end <= start:
+            return
+        hashes = self._block_hashes(request)
+        for i in range(start, end):
+            block = self.blocks[self.req_blocks[rid][i]]
+            if block.block_hash is None and hashes[i] not in self.cached_blocks:
+                block.block_hash = hashes[i]
+                self.cached_blocks[hashes[i]] = block.block_id
+            # else: already cached (a hit), or the same content computed twice at
+            # once; the duplicate stays unhashed and is freed like any other block.
+        self.req_num_hashed_blocks[rid] = end
+
+    # ----- checks --------------------------------------------------------------------
+
+    def check_integrity(self) -> None:
+        """Raise AssertionError if the bookkeeping is inconsistent. Tests call this
+        after every operation."""
+        refs = [0] * self.num_blocks
+        for rid, block_ids in self.req_blocks.items():
+            assert len(set(block_ids)) == len(block_ids), f"{rid} holds a block twice: {block_ids}"
+            for block_id in block_ids:
+                refs[block_id] += 1
+        for block in self.blocks:
+            assert block.ref_count == refs[block.block_id], (
+                f"block {block.block_id}: ref_count {block.ref_count}, referenced {refs[block.block_id]} times"
+            )
+            in_free = block.block_id in self.free_queue
+            assert in_free == (block.ref_count == 0), f"block {block.block_id} free-queue membership wrong"
+            if block.block_hash is not None:
+                assert self.cached_blocks.get(block.block_hash) == block.block_id, (
+                    f"block {block.block_id} has a hash the cache does not map to it"
+                )
+        for block_hash, block_id in self.cached_blocks.items():
+            assert self.blocks[block_id].block_hash == block_hash, f"cache maps to block {block_id} wrongly"

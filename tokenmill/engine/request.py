@@ -1,0 +1,95 @@
+"""A request's state as the scheduler sees it: token ids and how many are computed."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from tokenmill.sampling.params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED_STOPPED = "stop"
+    FINISHED_LENGTH = "length"
+    FINISHED_ABORTED = "abort"
+
+    @property
+    def finished(self) -> bool:
+        return self.value in ("stop", "length", "abort")
+
+
+@dataclass
+class Request:
+    """One sequence to generate. `num_computed_tokens` catches up with `num_tokens`
+    step by step (prefill chunks, then one token per decode step)."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    eos_token_ids: tuple[int, ...] = ()
+    max_total_tokens: int = 0  # max_model_len: the sequence never grows past it
+    arrival_time: float = field(default_factory=time.monotonic)
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    all_token_ids: list[int] = field(init=False)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
+    num_preemptions: int = 0
+    cache_salt: str | None = None  # isolates this request's prefix cache entries
+    stop_reason: int | str | None = None
+    first_scheduled_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.all_token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def max_tokens(self) -> int:
+        """Output tokens allowed: max_tokens, capped by the room left in max_model_len."""
+        room = self.max_total_tokens - self.num_prompt_tokens
+        if self.params.max_tokens is None:
+            return room
+        return min(self.params.max_tokens, room)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.finished
+
+    def append_output_token(self, token_id: int) -> None:
+        self.output_token_ids.append(token_id)
+        self.all_token_ids.append(token_id)
+
+    def check_stop_token(self) -> RequestStatus | None:
+        """Stop conditions that need only token ids (stop strings are the detokenizer's)."""
+        last = self.output_token_ids[-1]
+        if self.num_output_tokens >= self.params.min_tokens:
+            if not self.params.ignore_eos and last in self.eos_token_ids:
+                self.stop_reason = None
+                return RequestStatus.FINISHED_STOPPED
+            if last in self.params.stop_token_ids:
+                self.stop_reason = last
+                return RequestStatus.FINISHED_STOPPED
+        if self.num_output_tokens >= self.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def banned_token_ids(self) -> list[int]:
+        """EOS and stop ids may not be sampled before min_tokens outputs."""
+        if self.num_output_tokens >= self.params.min_tokens:
+            return []
+        eos = [] if self.params.ignore_eos else list(self.eos_token_ids)
+        return eos + list(self.params.stop_token_ids)

@@ -1,0 +1,214 @@
+"""Iteration-level scheduling under a token budget, as vLLM v1 does it.
+
+Every request has `num_computed_tokens` that catches up with its token count.
+Each step: running requests first (in admission order, so decodes go before the
+newest request's remaining prefill), then waiting ones, all within
+`max_num_batched_tokens` and `max_num_seqs`. A prompt that does not fit the
+remaining budget is chunked. When the KV memory runs out, the most recently
+admitted running request is preempted (its blocks freed, recomputed later), and
+no new request is admitted in that step. Knows no tensors.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from tokenmill.engine.batch import RunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenmill.engine.block_manager import KVBlockManager
+from tokenmill.engine.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+
+
+@dataclass
+class SchedulerStats:
+    num_running: int
+    num_waiting: int
+    kv_usage: float
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    num_preemptions: int
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv: KVBlockManager) -> None:
+        self.config = config
+        self.kv = kv
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+        self._finished_since_last_step: list[str] = []
+
+    # ----- admission -----------------------------------------------------------------
+
+    def check_can_admit(self, request: Request) -> None:
+        """Reject, before any work, a request that could never run to completion."""
+        limit = self.config.max_model_len
+        if request.num_prompt_tokens == 0:
+            raise ValueError("the prompt is empty: it must contain at least one token")
+        if request.num_prompt_tokens >= limit:
+            raise ValueError(
+                f"the prompt has {request.num_prompt_tokens} tokens, but max_model_len is {limit}: "
+                "it must be shorter to leave room for at least one generated token"
+            )
+        worst_case = request.num_prompt_tokens + request.max_tokens
+        capacity = self.kv.num_blocks * self.kv.block_size
+        if self.kv.blocks_needed(worst_case) > self.kv.num_blocks:
+            raise ValueError(
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) = "
+                f"{worst_case} tokens can never fit in the KV cache ({capacity} tokens); "
+                "lower max_tokens or raise kv_cache_memory"
+            )
+
+    def add_request(self, request: Request) -> None:
+        self.check_can_admit(request)
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    # ----- one step ------------------------------------------------------------------
+
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(request, num_new, preempted):
+                break  # the request preempted itself: it was the last running one
+            scheduled.append(self._schedule(request, num_new))
+            budget -= num_new
+            i += 1
+
+        # A step that had to preempt is short of memory: admitting would only thrash.
+        while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if not self.kv.allocate_slots(request, num_new, hits):
+                break
+            self.waiting.popleft()
+            self._admit(request, num_hit_tokens)
+            scheduled.append(self._schedule(request, num_new))
+            budget -= num_new
+
+        finished, self._finished_since_last_step = self._finished_since_last_step, []
+        return SchedulerOutput(scheduled=scheduled, preempted_ids=preempted, finished_ids=finished)
+
+    def update_from_output(self, output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:
+        """Append sampled tokens and apply token-level stop conditions. Returns the
+        requests that got a new token this step (finished ones included)."""
+        updated: list[Request] = []
+        for item in output.scheduled:
+            request = self.requests.get(item.request_id)
+            if request is None or not item.sample:
+                continue
+            request.append_output_token(runner_output.sampled_token_ids[item.request_id])
+            status = request.check_stop_token()
+            if status is not None:
+                self._finish(request, status)
+            updated.append(request)
+        return updated
+
+    def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
+        """Stop requests from outside the step (abort, stop string). Unknown or
+        already finished ids are ignored."""
+        for request_id in request_ids:
+            request = self.requests.get(request_id)
+            if request is not None:
+                self._finish(request, status)
+
+    # ----- queries -------------------------------------------------------------------
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.requests)
+
+    def stats(self) -> SchedulerStats:
+        return SchedulerStats(
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            kv_usage=self.kv.usage,
+            prefix_cache_queries=self.kv.stats.queries,
+            prefix_cache_hits=self.kv.stats.hits,
+            num_preemptions=self.num_preemptions,
+        )
+
+    # ----- internals -----------------------------------------------------------------
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> bool:
+        """Allocate for `request`, preempting the newest running requests as needed.
+        False when `request` itself had to be preempted."""
+        while not self.kv.allocate_slots(request, num_new):
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+            if victim is request:
+                return False
+        return True
+
+    def _admit(self, request: Request, num_hit_tokens: int) -> None:
+        request.status = RequestStatus.RUNNING
+        request.num_computed_tokens = num_hit_tokens
+        if request.num_preemptions == 0:
+            request.num_cached_tokens = num_hit_tokens
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+        self.running.append(request)
+
+    def _preempt(self, request: Request) -> None:
+        """Free everything and requeue at the head; the tokens generated so far are
+        kept and recomputed (from whatever prefix is still cached) on re-admission."""
+        self.kv.free(request)
+        request.status = RequestStatus.WAITING
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _schedule(self, request: Request, num_new: int) -> ScheduledRequest:
+        start = request.num_computed_tokens
+        end = start + num_new
+        request.num_computed_tokens = end
+        return ScheduledRequest(
+            request_id=request.request_id,
+            token_ids=request.all_token_ids[start:end],
+            start_pos=start,
+            block_ids=self.kv.get_block_ids(request.request_id),
+            sample=end == request.num_tokens,
+            params=request.params,
+            prompt_token_ids=request.prompt_token_ids,
+            output_token_ids=request.output_token_ids,
+            banned_token_ids=request.banned_token_ids(),
+            prompt_logprobs_targets=self._prompt_logprob_targets(request, start, end),
+        )
+
+    @staticmethod
+    def _prompt_logprob_targets(request: Request, start: int, end: int) -> list[int] | None:
+        """Position p predicts prompt token p + 1; only prompt positions count."""
+        if request.params.prompt_logprobs is None or start >= request.num_prompt_tokens - 1:
+            return None
+        return request.prompt_token_ids[start + 1 : min(end, request.num_prompt_tokens - 1) + 1]
+
+    def _finish(self, request: Request, status: RequestStatus) -> None:
+        if request.is_finished:
+            return
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv.free(request)
+        del self.requests[request.request_id]
+        self._finished_since_last_step.append(request.request_id)

@@ -1,0 +1,139 @@
+"""The offline API users of vLLM know: `LLM(...).generate(prompts, params)`."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from tqdm import tqdm
+
+from tokenmill.config import EngineConfig, parse_memory
+from tokenmill.engine.engine import LLMEngine
+from tokenmill.outputs import RequestOutput
+from tokenmill.sampling.params import SamplingParams
+
+Prompt = str | list[int]
+Message = dict[str, str]
+
+
+class LLM:
+    """Load a model and generate for batches of prompts with continuous batching.
+
+    `model=None` loads the default model (SmolLM2-135M-Instruct, Q4_1 GGUF).
+    `kv_cache_memory` is bytes or a string like "2GiB".
+    """
+
+    def __init__(
+        self,
+        model: str | None = None,
+        dtype: str = "bfloat16",
+        max_model_len: int | None = None,
+        max_num_seqs: int = 64,
+        max_num_batched_tokens: int = 2048,
+        kv_cache_memory: int | str | None = None,
+        block_size: int = 16,
+        enable_prefix_caching: bool = True,
+        device: str = "auto",
+        seed: int = 0,
+        num_threads: int | None = None,
+    ) -> None:
+        config = EngineConfig(
+            model=model,
+            dtype=dtype,
+            device=device,
+            max_model_len=max_model_len,
+            max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens,
+            kv_cache_memory=parse_memory(kv_cache_memory),
+            block_size=block_size,
+            enable_prefix_caching=enable_prefix_caching,
+            seed=seed,
+            num_threads=num_threads,
+        )
+        self.engine = LLMEngine.from_config(config)
+        self.tokenizer = self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """One RequestOutput per prompt, in order. Every prompt is validated before
+        any is queued, so a bad one leaves nothing behind."""
+        prompts = _as_prompt_list(prompts)
+        params = _as_params_list(sampling_params, len(prompts))
+        for prompt, p in zip(prompts, params):  # validate all first
+            self._check_prompt(prompt, p)
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params):
+                request_id = self.engine.new_request_id()
+                self.engine.add_request(request_id, prompt, p, final_only=True)
+                ids.append(request_id)
+            return self._run(ids, use_tqdm)
+        except BaseException:
+            for request_id in ids:  # e.g. KeyboardInterrupt: leave nothing allocated
+                self.engine.abort_request(request_id)
+            raise
+
+    def chat(
+        self,
+        messages: list[Message] | list[list[Message]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        add_generation_prompt: bool = True,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts = [self.encode_chat(c, add_generation_prompt) for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
+        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
+        # The template writes its own special tokens (BOS included).
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # ----- internals -----------------------------------------------------------------
+
+    def _check_prompt(self, prompt: Prompt, params: SamplingParams) -> None:
+        """Run the engine's checks without queueing anything."""
+        engine = self.engine
+        _, ids = engine._tokenize(prompt)
+        params.validate_token_ids(engine.vocab_size)
+        from tokenmill.engine.request import Request
+
+        probe = Request("probe", ids, params, max_total_tokens=engine.max_model_len)
+        engine.scheduler.check_can_admit(probe)
+
+    def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(request_ids)
+        results: dict[str, RequestOutput] = {}
+        bar = tqdm(total=len(request_ids), desc="Generating", unit="req", disable=not use_tqdm)
+        while pending:
+            for output in self.engine.step():
+                if output.finished and output.request_id in pending:
+                    results[output.request_id] = output
+                    pending.discard(output.request_id)
+                    bar.update(1)
+        bar.close()
+        return [results[i] for i in request_ids]
+
+
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    prompts = list(prompts)
+    if prompts and isinstance(prompts[0], int):  # one prompt given as token ids
+        return [prompts]
+    return prompts
+
+
+def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * count
+    if isinstance(params, SamplingParams):
+        return [params] * count
+    params = list(params)
+    if len(params) != count:
+        raise ValueError(f"got {len(params)} sampling params for {count} prompts")
+    return params

@@ -1,0 +1,61 @@
+"""The shape of a Llama-family model, read from GGUF metadata or config.json."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelArchConfig:
+    architecture: str  # "llama" or "qwen2"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = field(default=None, hash=False)
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2 has biases on q/k/v
+
+    def __post_init__(self) -> None:
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ValueError(
+                f"unsupported architecture {self.architecture!r}; tokenmill supports {SUPPORTED_ARCHITECTURES}"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> ModelArchConfig:
+        archs = cfg.get("architectures") or []
+        hf_to_ours = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+        arch = next((hf_to_ours[a] for a in archs if a in hf_to_ours), None)
+        if arch is None:
+            raise ValueError(
+                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
+                f"tokenmill supports {sorted(hf_to_ours)}"
+            )
+        heads = cfg["num_attention_heads"]
+        return cls(
+            architecture=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=cfg.get("num_key_value_heads") or heads,
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
+            rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
+            rope_scaling=cfg.get("rope_scaling"),
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=cfg.get("tie_word_embeddings", False),
+            attention_bias=cfg.get("attention_bias", arch == "qwen2"),
+        )

@@ -1,0 +1,161 @@
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral without sliding window, Qwen2).
+
+`model(input_ids, positions)` takes the step's tokens flattened across requests;
+attention reads its per-step metadata from the forward context, so the model
+knows nothing of requests. Without a context it runs dense causal attention over
+one sequence, which tests use as the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tokenmill.attention.backend import get_forward_context
+from tokenmill.model.config import ModelArchConfig
+from tokenmill.model.layers import RMSNorm, RotaryEmbedding, SwiGLU
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.rotary = rotary
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k)
+        ctx = get_forward_context()
+        if ctx is None:
+            out = self._dense_causal(q, k, v)
+        else:
+            out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale)
+        return self.o_proj(out.reshape(-1, self.q_size))
+
+    def _dense_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+        return out.squeeze(0).transpose(0, 1)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelArchConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_idx, rotary)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, positions: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        h = h + self.self_attn(positions, self.input_layernorm(h))
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class LlamaForCausalLM(nn.Module):
+    # Checkpoint projections that live fused in one of our matrices: name -> (fused name, shard index).
+    packed_modules = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelArchConfig, max_positions: int | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        rotary = RotaryEmbedding(
+            cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
+        )
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head (again after moving devices, which
+        may untie them)."""
+        if self.cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        h = self.embed_tokens(input_ids)
+        for layer in self.layers:
+            h = layer(positions, h)
+        return self.norm(h)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden).float()
+
+    # ----- weights -------------------------------------------------------------------
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Copy checkpoint tensors (Hugging Face names, any float dtype) into the
+        parameters, fusing q/k/v and gate/up. Raises if a parameter stays unset."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for name, tensor in weights:
+            name = name.removeprefix("model.")
+            if "rotary_emb" in name:
+                continue
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            target, shard = self._target(name)
+            if target not in params:
+                raise ValueError(f"checkpoint tensor {name!r} has no place in the {self.cfg.architecture} model")
+            param = params[target]
+            with torch.no_grad():
+                if shard is None:
+                    _copy(param.data, tensor, name)
+                else:
+                    offset, size = self._shard_range(target, shard)
+                    _copy(param.data.narrow(0, offset, size), tensor, name)
+            loaded.add(f"{target}#{shard}")
+        expected = {f"{n}#{s}" for n, s in self._expected_shards(params)}
+        missing = sorted(expected - loaded)
+        if missing:
+            raise ValueError(f"the checkpoint lacks weights for: {', '.join(m.split('#')[0] for m in missing[:8])}")
+
+    def _target(self, name: str) -> tuple[str, int | None]:
+        for part, (fused, shard) in self.packed_modules.items():
+            if f".{part}." in name:
+                return name.replace(part, fused), shard
+        return name, None
+
+    def _shard_range(self, fused_name: str, shard: int) -> tuple[int, int]:
+        cfg = self.cfg
+        if "qkv_proj" in fused_name:
+            sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+        else:
+            sizes = [cfg.intermediate_size, cfg.intermediate_size]
+        return sum(sizes[:shard]), sizes[shard]
+
+    def _expected_shards(self, params: dict) -> Iterable[tuple[str, int | None]]:
+        for name in params:
+            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                continue
+            if "qkv_proj" in name:
+                yield from ((name, s) for s in range(3))
+            elif "gate_up_proj" in name:
+                yield from ((name, s) for s in range(2))
+            else:
+                yield name, None
+
+
+def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    if tuple(dst.shape) != tuple(src.shape):
+        raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, the model expects {tuple(dst.shape)}")
+    dst.copy_(src)
