@@ -1,0 +1,162 @@
+"""`tokenmill` command line: generate, chat, serve, bench."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Flags shared by every command that builds an engine."""
+    parser.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32", "float16"])
+    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=64)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    parser.add_argument("--kv-cache-memory", default=None, help="bytes or e.g. 2GiB")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--num-threads", type=int, default=None)
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    return {
+        "model": args.model,
+        "dtype": args.dtype,
+        "device": args.device,
+        "max_model_len": args.max_model_len,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "kv_cache_memory": args.kv_cache_memory,
+        "block_size": args.block_size,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "seed": args.seed,
+        "num_threads": args.num_threads,
+    }
+
+
+def add_sampling_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--repetition-penalty", type=float, default=1.0)
+    parser.add_argument("--presence-penalty", type=float, default=0.0)
+    parser.add_argument("--frequency-penalty", type=float, default=0.0)
+    parser.add_argument("--sampling-seed", type=int, default=None, help="seed of the request's sampling")
+    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+
+
+def sampling_params(args: argparse.Namespace):
+    from tokenmill.sampling.params import SamplingParams
+
+    return SamplingParams(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty,
+        presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty,
+        seed=args.sampling_seed,
+        stop=args.stop,
+        ignore_eos=args.ignore_eos,
+    )
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from tokenmill.llm import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    params = sampling_params(args)
+    prompt = args.prompt
+    ids = llm.encode_chat([{"role": "user", "content": prompt}]) if args.chat_template else prompt
+    (output,) = llm.generate([ids], params)
+    print(output.outputs[0].text)
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    """Interactive chat that streams tokens as the engine produces them."""
+    from tokenmill.llm import LLM
+
+    llm = LLM(**engine_kwargs(args))
+    params = sampling_params(args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("Chat with the model. Empty line or Ctrl-D to quit.", file=sys.stderr)
+    while True:
+        try:
+            user = input("> ").strip()
+        except EOFError:
+            break
+        if not user:
+            break
+        messages.append({"role": "user", "content": user})
+        reply = _stream_reply(llm, llm.encode_chat(messages), params)
+        messages.append({"role": "assistant", "content": reply})
+    return 0
+
+
+def _stream_reply(llm, prompt_ids: list[int], params) -> str:
+    engine = llm.engine
+    request_id = engine.new_request_id()
+    engine.add_request(request_id, prompt_ids, params)
+    shown = ""
+    try:
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                text = output.outputs[0].text
+                print(text[len(shown):], end="", flush=True)
+                shown = text
+    except KeyboardInterrupt:
+        engine.abort_request(request_id)
+    print()
+    return shown
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    gen = sub.add_parser("generate", help="complete one prompt and print the text")
+    gen.add_argument("prompt")
+    gen.add_argument("--chat-template", action="store_true", help="wrap the prompt as a user chat message")
+    add_engine_args(gen)
+    add_sampling_args(gen)
+    gen.set_defaults(func=cmd_generate)
+
+    chat = sub.add_parser("chat", help="interactive chat, streaming tokens")
+    chat.add_argument("--system", default=None, help="system message")
+    add_engine_args(chat)
+    add_sampling_args(chat)
+    chat.set_defaults(func=cmd_chat)
+
+    _add_optional_commands(sub)
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _add_optional_commands(sub) -> None:
+    """`serve` and `bench` register their own flags."""
+    from tokenmill.bench import cli as bench_cli
+    from tokenmill.serve import cli as serve_cli
+
+    serve_cli.register(sub, add_engine_args)
+    bench_cli.register(sub, add_engine_args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
