@@ -1,0 +1,286 @@
+"""Model-free stand-ins for driving the scheduler and the KV block manager in tests.
+
+`FakeRunner` plays the model runner on a *fake paged KV memory*: every scheduled token
+is written into its slot through the request's block table, every position the step
+attends to is read back through the block table and checked against the request's own
+tokens, and the sampled token is a deterministic function of what was read. A prefix
+cache hit on the wrong block, a block freed while still in use, or a block table that
+is too short therefore fails loudly, and outputs stay identical whatever the batching,
+chunking, preemption or caching (`reference_outputs` computes them directly).
+
+`Harness` wires a scheduler, a block manager and a fake runner together, and checks the
+scheduler's contract after every `schedule()` and every `update_from_output()`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+from tokenmill.engine.batch import RunnerOutput, SchedulerOutput
+from tokenmill.engine.block_manager import KVBlockManager
+from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
+from tokenmill.sampling.params import SamplingParams
+
+VOCAB_SIZE = 1000
+EOS = 2
+NUM_SPECIAL = 3  # ids 0..2 are never produced by the default fake model
+
+
+def make_request(
+    request_id: str,
+    prompt: Sequence[int],
+    max_model_len: int = 64,
+    cache_salt: str | None = None,
+    **params: object,
+) -> Request:
+    """A request as the engine builds it (EOS id, max_model_len cap)."""
+    return Request(
+        request_id=request_id,
+        prompt_token_ids=list(prompt),
+        params=SamplingParams(**params),
+        eos_token_ids=(EOS,),
+        max_total_tokens=max_model_len,
+        cache_salt=cache_salt,
+    )
+
+
+def next_token(context: Sequence[int]) -> int:
+    """The fake model: a deterministic, position-sensitive function of the whole context,
+    never a special id."""
+    acc = 1469598103934665603
+    for position, token in enumerate(context):
+        acc = ((acc ^ (token * 31 + position)) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return NUM_SPECIAL + acc % (VOCAB_SIZE - NUM_SPECIAL)
+
+
+def reference_outputs(prompt: Sequence[int], num_outputs: int) -> list[int]:
+    """What the fake model generates for `prompt`, computed without any scheduler."""
+    context = list(prompt)
+    for _ in range(num_outputs):
+        context.append(next_token(context))
+    return context[len(prompt):]
+
+
+# A policy may replace the fake model's choice: (request_id, output index, context) -> token
+# id, or None to keep the model's choice. Banned ids are never sampled (as a real sampler).
+Policy = Callable[[str, int, list[int]], "int | None"]
+
+
+class FakeRunner:
+    def __init__(self, num_blocks: int, block_size: int, policy: Policy | None = None) -> None:
+        self.block_size = block_size
+        self.memory: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.policy = policy
+        self.num_executes = 0
+
+    def _slot(self, block_ids: list[int], position: int) -> tuple[int, int]:
+        return block_ids[position // self.block_size], position % self.block_size
+
+    def execute(self, batch: SchedulerOutput) -> RunnerOutput:
+        self.num_executes += 1
+        # Write the KV of every scheduled token first (as each layer does before attention).
+        for item in batch.scheduled:
+            assert item.num_tokens >= 1, f"{item.request_id}: empty chunk scheduled"
+            assert len(item.block_ids) * self.block_size >= item.context_len, (
+                f"{item.request_id}: block table {item.block_ids} too short for {item.context_len} tokens"
+            )
+            for offset, token in enumerate(item.token_ids):
+                block, slot = self._slot(item.block_ids, item.start_pos + offset)
+                self.memory[block][slot] = (item.start_pos + offset, token)
+        # Then read the whole context back through the block table, and sample from it.
+        sampled: dict[str, int] = {}
+        for item in batch.scheduled:
+            tokens = [*item.prompt_token_ids, *item.output_token_ids][: item.context_len]
+            read = [self.memory[b][s] for b, s in (self._slot(item.block_ids, p) for p in range(item.context_len))]
+            expected = list(enumerate(tokens))
+            assert read == expected, (
+                f"{item.request_id}: KV read through block table {item.block_ids} is wrong: "
+                f"first bad position {next(p for p in range(item.context_len) if read[p] != expected[p])}"
+            )
+            if not item.sample:
+                continue
+            token = next_token(tokens)
+            if self.policy is not None:
+                wanted = self.policy(item.request_id, len(item.output_token_ids), tokens)
+                if wanted is not None and wanted not in item.banned_token_ids:
+                    token = wanted
+            assert token not in item.banned_token_ids
+            sampled[item.request_id] = token
+        return RunnerOutput(sampled_token_ids=sampled)
+
+
+class Harness:
+    """A scheduler over a fresh block manager and a fake runner, with contract checks."""
+
+    def __init__(
+        self,
+        num_blocks: int = 10,
+        block_size: int = 4,
+        max_num_seqs: int = 8,
+        max_num_batched_tokens: int = 32,
+        max_model_len: int = 64,
+        enable_caching: bool = True,
+        policy: Policy | None = None,
+    ) -> None:
+        self.config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len)
+        self.kv = KVBlockManager(num_blocks, block_size, enable_caching)
+        self.sched = Scheduler(self.config, self.kv)
+        self.runner = FakeRunner(num_blocks, block_size, policy)
+        self.finished: dict[str, Request] = {}
+        self.num_steps = 0
+
+    def add(self, request_id: str, prompt: Sequence[int], cache_salt: str | None = None, **params: object) -> Request:
+        request = make_request(request_id, prompt, self.config.max_model_len, cache_salt, **params)
+        self.sched.add_request(request)
+        self.kv.check_integrity()
+        return request
+
+    def abort(self, *request_ids: str) -> None:
+        live = {rid: self.sched.requests[rid] for rid in request_ids if rid in self.sched.requests}
+        self.sched.finish_requests(list(request_ids), RequestStatus.FINISHED_ABORTED)
+        self.kv.check_integrity()
+        for rid, request in live.items():
+            assert request.status == RequestStatus.FINISHED_ABORTED
+            assert self.kv.get_block_ids(rid) == [], f"aborted {rid} still holds blocks"
+            self.finished[rid] = request
+        self.check_queues()
+
+    def schedule(self) -> SchedulerOutput:
+        """One `schedule()` with every contract check; no model run."""
+        running_before = [r.request_id for r in self.sched.running]
+        waiting_before = [r.request_id for r in self.sched.waiting]
+        computed_before = {rid: r.num_computed_tokens for rid, r in self.sched.requests.items()}
+        out = self.sched.schedule()
+        self.kv.check_integrity()
+        cfg, kv = self.config, self.kv
+
+        ids = [item.request_id for item in out.scheduled]
+        assert len(set(ids)) == len(ids), f"a request scheduled twice: {ids}"
+        assert out.num_batched_tokens <= cfg.max_num_batched_tokens, "token budget exceeded"
+        assert len(out.scheduled) <= cfg.max_num_seqs, "max_num_seqs exceeded (scheduled)"
+        assert len(self.sched.running) <= cfg.max_num_seqs, "max_num_seqs exceeded (running)"
+        assert [r.request_id for r in self.sched.running] == [
+            rid for rid in running_before + waiting_before if rid in {r.request_id for r in self.sched.running}
+        ], "running must keep admission order, newly admitted at the end"
+
+        # Running requests first (in order), then admissions from the head of waiting (in order).
+        old = [rid for rid in ids if rid in running_before]
+        new = [rid for rid in ids if rid not in running_before]
+        assert ids == old + new, f"decodes/continuations must come before admissions: {ids}"
+        assert old == [rid for rid in running_before if rid in old]
+        assert new == waiting_before[: len(new)], f"admissions must come from the head of waiting: {new}"
+        if out.preempted_ids:
+            assert not new, f"admitted {new} in a step that preempted {out.preempted_ids}"
+        assert set(out.preempted_ids) <= set(running_before)
+        assert not set(out.preempted_ids) & set(ids), "a preempted request was scheduled"
+        # Victims are the most recently admitted running requests, newest first.
+        assert out.preempted_ids == running_before[::-1][: len(out.preempted_ids)]
+        for rid in out.preempted_ids:
+            request = self.sched.requests[rid]
+            assert request.status == RequestStatus.WAITING and request.num_computed_tokens == 0
+            assert kv.get_block_ids(rid) == []
+        if out.preempted_ids:
+            head = [r.request_id for r in list(self.sched.waiting)[: len(out.preempted_ids)]]
+            assert head == out.preempted_ids[::-1], "preempted requests go back to the head of waiting"
+
+        for item in out.scheduled:
+            request = self.sched.requests[item.request_id]
+            assert request.status == RequestStatus.RUNNING
+            assert item.num_tokens >= 1
+            assert item.token_ids == request.all_token_ids[item.start_pos : item.context_len]
+            assert request.num_computed_tokens == item.context_len
+            assert item.context_len <= request.num_tokens
+            assert item.sample == (item.context_len == request.num_tokens)
+            if item.request_id in running_before:
+                assert item.start_pos == computed_before[item.request_id], "a running request skipped tokens"
+            else:  # admission: only whole cached blocks may be skipped
+                assert item.start_pos % kv.block_size == 0
+                assert item.start_pos < request.num_tokens, "a cache hit covered the last token"
+            assert item.block_ids == kv.get_block_ids(item.request_id)
+            assert len(item.block_ids) == kv.blocks_needed(item.context_len), (
+                f"{item.request_id}: {len(item.block_ids)} blocks for {item.context_len} tokens"
+            )
+        self.check_queues()
+        return out
+
+    def step(self) -> SchedulerOutput:
+        out = self.schedule()
+        runner_output = self.runner.execute(out)
+        before = {item.request_id: self.sched.requests[item.request_id].num_output_tokens
+                  for item in out.scheduled if item.request_id in self.sched.requests}
+        live = dict(self.sched.requests)
+        updated = self.sched.update_from_output(out, runner_output)
+        self.kv.check_integrity()
+        sampled = [item.request_id for item in out.scheduled if item.sample]
+        assert [r.request_id for r in updated] == [rid for rid in sampled if rid in before]
+        for request in updated:
+            assert request.num_output_tokens == before[request.request_id] + 1
+            if request.is_finished:
+                assert request.request_id not in self.sched.requests
+                assert self.kv.get_block_ids(request.request_id) == [], "finished request still holds blocks"
+                self.finished[request.request_id] = request
+        for rid, request in live.items():
+            if rid not in sampled:
+                assert rid in self.sched.requests, f"{rid} finished without sampling"
+        self.check_queues()
+        self.num_steps += 1
+        return out
+
+    def check_queues(self) -> None:
+        sched, kv = self.sched, self.kv
+        assert set(sched.requests) == {r.request_id for r in [*sched.running, *sched.waiting]}
+        assert len(sched.requests) == len(sched.running) + len(sched.waiting)
+        for request in sched.running:
+            assert request.status == RequestStatus.RUNNING
+            assert len(kv.get_block_ids(request.request_id)) == kv.blocks_needed(request.num_computed_tokens)
+        for request in sched.waiting:
+            assert request.status == RequestStatus.WAITING
+            assert request.num_computed_tokens == 0
+            assert kv.get_block_ids(request.request_id) == []
+        assert set(kv.req_blocks) <= {r.request_id for r in sched.running}
+
+    def run(self, max_steps: int = 10_000) -> int:
+        """Step until no request is left; returns the number of steps."""
+        steps = 0
+        while self.sched.has_unfinished_requests():
+            self.step()
+            steps += 1
+            assert steps <= max_steps, "the scheduler made no progress"
+        return steps
+
+    def assert_idle(self) -> None:
+        """Nothing left anywhere, no leak: every block free, no per-request state."""
+        kv = self.kv
+        kv.check_integrity()
+        assert not self.sched.has_unfinished_requests()
+        assert not self.sched.running and not self.sched.waiting
+        assert kv.num_free_blocks == kv.num_blocks
+        assert all(block.ref_count == 0 for block in kv.blocks)
+        assert not kv.req_blocks and not kv.req_hashes and not kv.req_num_hashed_blocks
+
+
+class FakeTokenizer:
+    """Just what the engine and the detokenizer use: one letter per token id, special
+    ids (below NUM_SPECIAL) skipped."""
+
+    eos_token_ids = [EOS]
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [NUM_SPECIAL + ord(c) % 26 for c in text]
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return "".join("" if t < NUM_SPECIAL and skip_special_tokens else chr(97 + t % 26) for t in ids)
+
+    def token_to_text(self, token_id: int) -> str:
+        return chr(97 + token_id % 26)
+
+
+def make_engine(num_blocks: int = 12, block_size: int = 4, max_model_len: int = 64, policy: Policy | None = None, **config: object):
+    """An LLMEngine over a FakeRunner and a FakeTokenizer (imports stay torch-free)."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.engine.engine import LLMEngine
+
+    runner = FakeRunner(num_blocks, block_size, policy)
+    runner.vocab_size = VOCAB_SIZE  # type: ignore[attr-defined]
+    return LLMEngine(EngineConfig(block_size=block_size, **config), runner, FakeTokenizer(), num_blocks, max_model_len)

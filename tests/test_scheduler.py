@@ -1,0 +1,713 @@
+"""Tests of tokenmill.engine.scheduler with a fake model runner (no model, no torch).
+
+The harness (tests/fakes.py) checks the scheduler's contract after every schedule() and
+update_from_output(): token budget, max_num_seqs, running-before-waiting order, exact block
+table sizes, preemption rules, and, through a fake paged KV memory, that every token a
+request attends to is read back from the right block. `check_integrity()` runs after
+every operation.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from fakes import EOS, Harness, reference_outputs
+
+from tokenmill.engine.request import RequestStatus
+
+
+def tokens(start: int, n: int) -> list[int]:
+    return list(range(start, start + n))
+
+
+def trace(out) -> list[tuple[str, int, int, bool]]:
+    return [(item.request_id, item.start_pos, item.num_tokens, item.sample) for item in out.scheduled]
+
+
+# ----- basic flow --------------------------------------------------------------------
+
+
+def test_single_request_prefill_then_decode_to_max_tokens() -> None:
+    h = Harness()
+    prompt = tokens(100, 6)
+    a = h.add("a", prompt, max_tokens=5)
+    out = h.step()
+    assert trace(out) == [("a", 0, 6, True)]
+    assert out.scheduled[0].block_ids == [0, 1]
+    assert out.scheduled[0].token_ids == prompt
+    for i in range(4):
+        out = h.step()
+        assert trace(out) == [("a", 6 + i, 1, True)]
+        assert out.scheduled[0].token_ids == [a.output_token_ids[i]]
+    assert a.status == RequestStatus.FINISHED_LENGTH
+    assert a.output_token_ids == reference_outputs(prompt, 5)
+    assert a.num_tokens == 11
+    # Freed at once (the harness checked), and reported once by the next schedule.
+    assert h.kv.num_free_blocks == h.kv.num_blocks
+    out = h.schedule()
+    assert out.is_empty and out.finished_ids == ["a"]
+    assert h.schedule().finished_ids == []
+    h.assert_idle()
+
+
+def test_scheduler_output_block_table_is_a_snapshot() -> None:
+    h = Harness()
+    h.add("a", tokens(0, 4), max_tokens=3)
+    first = h.step()
+    assert first.scheduled[0].block_ids == [0]
+    second = h.step()
+    assert second.scheduled[0].block_ids == [0, 1]
+    assert first.scheduled[0].block_ids == [0]
+
+
+def test_budget_and_sequence_cap_hold_every_step() -> None:
+    h = Harness(num_blocks=64, max_num_seqs=3, max_num_batched_tokens=16)
+    rng = random.Random(1)
+    prompts = {f"r{i}": tokens(50 * i, rng.randint(3, 30)) for i in range(10)}
+    for rid, prompt in prompts.items():
+        h.add(rid, prompt, max_tokens=rng.randint(1, 8))
+    max_batched, max_seqs = 0, 0
+    while h.sched.has_unfinished_requests():
+        out = h.step()  # asserts budget <= 16 and <= 3 sequences
+        max_batched = max(max_batched, out.num_batched_tokens)
+        max_seqs = max(max_seqs, len(out.scheduled))
+    assert max_batched == 16 and max_seqs == 3
+    for rid, prompt in prompts.items():
+        request = h.finished[rid]
+        assert request.output_token_ids == reference_outputs(prompt, request.params.max_tokens)
+    h.assert_idle()
+
+
+def test_max_num_seqs_holds_back_admissions_until_a_request_finishes() -> None:
+    h = Harness(num_blocks=32, max_num_seqs=2)
+    h.add("a", tokens(0, 4), max_tokens=2)
+    h.add("b", tokens(10, 4), max_tokens=4)
+    h.add("c", tokens(20, 4), max_tokens=1)
+    assert [i[0] for i in trace(h.step())] == ["a", "b"]
+    assert [r.request_id for r in h.sched.waiting] == ["c"]
+    assert [i[0] for i in trace(h.step())] == ["a", "b"]  # a finishes here
+    assert trace(h.step()) == [("b", 5, 1, True), ("c", 0, 4, True)]
+    h.run()
+    h.assert_idle()
+
+
+# ----- ordering and chunked prefill --------------------------------------------------
+
+
+def test_decodes_go_before_new_prefills_and_share_the_step_with_a_chunk() -> None:
+    h = Harness(num_blocks=20, max_num_batched_tokens=16)
+    a = h.add("a", tokens(0, 5), max_tokens=10)
+    assert trace(h.step()) == [("a", 0, 5, True)]
+    b_prompt = tokens(200, 30)
+    b = h.add("b", b_prompt, max_tokens=2)
+    out = h.step()
+    assert trace(out) == [("a", 5, 1, True), ("b", 0, 15, False)]
+    assert out.scheduled[1].token_ids == b_prompt[:15]
+    assert b.num_output_tokens == 0
+    out = h.step()
+    assert trace(out) == [("a", 6, 1, True), ("b", 15, 15, True)]
+    assert out.scheduled[1].token_ids == b_prompt[15:]
+    assert b.num_output_tokens == 1
+    assert trace(h.step()) == [("a", 7, 1, True), ("b", 30, 1, True)]
+    assert b.status == RequestStatus.FINISHED_LENGTH
+    h.run()
+    assert a.output_token_ids == reference_outputs(tokens(0, 5), 10)
+    assert b.output_token_ids == reference_outputs(b_prompt, 2)
+    h.assert_idle()
+
+
+def test_long_prompt_is_chunked_and_samples_only_on_the_last_chunk() -> None:
+    h = Harness(num_blocks=20, max_num_batched_tokens=16)
+    prompt = tokens(0, 40)
+    a = h.add("a", prompt, max_tokens=2)
+    out = h.step()
+    assert trace(out) == [("a", 0, 16, False)]
+    assert out.scheduled[0].block_ids == [0, 1, 2, 3]
+    assert a.num_output_tokens == 0 and a.num_computed_tokens == 16
+    out = h.step()
+    assert trace(out) == [("a", 16, 16, False)]
+    assert out.scheduled[0].block_ids == list(range(8))
+    out = h.step()
+    assert trace(out) == [("a", 32, 8, True)]
+    assert out.scheduled[0].block_ids == list(range(10))
+    assert a.num_output_tokens == 1
+    out = h.step()
+    assert trace(out) == [("a", 40, 1, True)]
+    assert out.scheduled[0].block_ids == list(range(11))
+    assert a.output_token_ids == reference_outputs(prompt, 2)
+    h.assert_idle()
+
+
+def test_admission_chunk_takes_the_rest_of_the_budget_and_later_requests_wait() -> None:
+    h = Harness(num_blocks=30, max_num_batched_tokens=10)
+    h.add("a", tokens(0, 7), max_tokens=3)
+    h.add("b", tokens(100, 20), max_tokens=1)
+    h.add("c", tokens(200, 2), max_tokens=1)
+    assert trace(h.step()) == [("a", 0, 7, True), ("b", 0, 3, False)]
+    assert trace(h.step()) == [("a", 7, 1, True), ("b", 3, 9, False)]
+    # b's prefill is not done: c still waits behind it (the budget is spent).
+    assert trace(h.step()) == [("a", 8, 1, True), ("b", 12, 8, True), ("c", 0, 1, False)]
+    assert trace(h.step()) == [("c", 1, 1, True)]
+    h.run()
+    h.assert_idle()
+
+
+def test_running_decodes_can_use_the_whole_budget() -> None:
+    h = Harness(num_blocks=30, max_num_batched_tokens=2)
+    h.add("a", tokens(0, 2), max_tokens=4)
+    h.add("b", tokens(10, 2), max_tokens=4)
+    assert trace(h.step()) == [("a", 0, 2, True)]
+    assert trace(h.step()) == [("a", 2, 1, True), ("b", 0, 1, False)]
+    assert trace(h.step()) == [("a", 3, 1, True), ("b", 1, 1, True)]
+    h.add("c", tokens(20, 2), max_tokens=1)
+    assert trace(h.step()) == [("a", 4, 1, True), ("b", 2, 1, True)]  # nothing left for c
+    h.run()
+    assert h.finished["c"].output_token_ids == reference_outputs(tokens(20, 2), 1)
+    h.assert_idle()
+
+
+def test_prompt_logprob_targets_follow_the_chunks() -> None:
+    h = Harness(num_blocks=20, max_num_batched_tokens=6)
+    prompt = tokens(300, 14)
+    h.add("a", prompt, max_tokens=2, prompt_logprobs=1)
+    targets: list[int] = []
+    while h.sched.has_unfinished_requests():
+        out = h.step()
+        for item in out.scheduled:
+            if item.prompt_logprobs_targets is not None:
+                assert item.start_pos + len(item.prompt_logprobs_targets) <= len(prompt) - 1
+                targets += item.prompt_logprobs_targets
+    assert targets == prompt[1:]
+
+
+# ----- stop conditions ---------------------------------------------------------------
+
+
+def policy_eos_at(index: int):
+    return lambda rid, i, ctx: EOS if i == index else None
+
+
+def test_eos_stops_and_frees_at_once() -> None:
+    h = Harness(policy=policy_eos_at(2))
+    a = h.add("a", tokens(0, 6), max_tokens=10)
+    other = h.add("b", tokens(50, 3), max_tokens=1, ignore_eos=True)  # decodes EOS too, ignored
+    h.step()
+    h.step()
+    assert a.num_output_tokens == 2 and h.kv.get_block_ids("a") == [0, 1]
+    out = h.step()
+    assert a.status == RequestStatus.FINISHED_STOPPED
+    assert a.output_token_ids[-1] == EOS and a.num_output_tokens == 3
+    assert a.stop_reason is None
+    assert h.kv.num_free_blocks == h.kv.num_blocks
+    assert other.status == RequestStatus.FINISHED_LENGTH
+    assert "a" not in h.sched.requests
+    assert out.finished_ids == []
+    assert h.schedule().finished_ids == ["a"]
+    h.assert_idle()
+
+
+def test_ignore_eos_keeps_going_to_max_tokens() -> None:
+    h = Harness(policy=lambda rid, i, ctx: EOS)
+    a = h.add("a", tokens(0, 3), max_tokens=4, ignore_eos=True)
+    h.run()
+    assert a.output_token_ids == [EOS] * 4
+    assert a.status == RequestStatus.FINISHED_LENGTH
+    h.assert_idle()
+
+
+@pytest.mark.parametrize("ignore_eos", [False, True])
+def test_stop_token_ids_stop_with_a_stop_reason(ignore_eos: bool) -> None:
+    h = Harness(policy=lambda rid, i, ctx: 777 if i == 1 else None)
+    a = h.add("a", tokens(0, 3), max_tokens=10, stop_token_ids=[777, 778], ignore_eos=ignore_eos)
+    h.run()
+    assert a.status == RequestStatus.FINISHED_STOPPED
+    assert a.stop_reason == 777
+    assert a.num_output_tokens == 2 and a.output_token_ids[-1] == 777
+    h.assert_idle()
+
+
+def test_max_model_len_caps_the_output() -> None:
+    h = Harness(max_model_len=16)
+    prompt = tokens(0, 10)
+    a = h.add("a", prompt, max_tokens=100)
+    assert a.max_tokens == 6
+    while h.sched.has_unfinished_requests():
+        out = h.step()
+        assert all(item.context_len <= 15 for item in out.scheduled)
+    assert a.status == RequestStatus.FINISHED_LENGTH
+    assert a.num_tokens == 16
+    assert a.output_token_ids == reference_outputs(prompt, 6)
+    h.assert_idle()
+
+
+def test_max_tokens_none_runs_to_max_model_len() -> None:
+    h = Harness(max_model_len=12)
+    a = h.add("a", tokens(0, 5), max_tokens=None)
+    h.run()
+    assert a.num_tokens == 12 and a.status == RequestStatus.FINISHED_LENGTH
+    h.assert_idle()
+
+
+def test_min_tokens_suppresses_eos_and_stop_ids_through_banned_ids() -> None:
+    h = Harness(policy=lambda rid, i, ctx: EOS)
+    a = h.add("a", tokens(0, 3), max_tokens=10, min_tokens=3, stop_token_ids=[9])
+    banned = []
+    while h.sched.has_unfinished_requests():
+        out = h.step()
+        banned += [item.banned_token_ids for item in out.scheduled if item.sample]
+    assert banned == [[EOS, 9], [EOS, 9], [EOS, 9], []]
+    assert a.num_output_tokens == 4
+    assert EOS not in a.output_token_ids[:3] and a.output_token_ids[3] == EOS
+    assert a.status == RequestStatus.FINISHED_STOPPED
+    h.assert_idle()
+
+
+def test_min_tokens_with_ignore_eos_bans_only_stop_ids() -> None:
+    h = Harness(policy=lambda rid, i, ctx: 9)
+    a = h.add("a", tokens(0, 3), max_tokens=10, min_tokens=2, stop_token_ids=[9], ignore_eos=True)
+    banned = []
+    while h.sched.has_unfinished_requests():
+        out = h.step()
+        banned += [item.banned_token_ids for item in out.scheduled if item.sample]
+    assert banned == [[9], [9], []]
+    assert a.output_token_ids[2] == 9 and a.stop_reason == 9
+    h.assert_idle()
+
+
+def test_min_tokens_beyond_max_model_len_still_stops_at_the_cap() -> None:
+    h = Harness(num_blocks=20, max_model_len=64, policy=lambda rid, i, ctx: EOS)
+    a = h.add("a", tokens(0, 60), max_tokens=10, min_tokens=10)
+    h.run()
+    assert a.num_tokens == 64 and a.status == RequestStatus.FINISHED_LENGTH
+    assert EOS not in a.output_token_ids
+    h.assert_idle()
+
+
+# ----- aborts ------------------------------------------------------------------------
+
+
+def test_abort_running_and_waiting_requests_frees_at_once() -> None:
+    h = Harness(num_blocks=10, max_num_seqs=2)
+    a = h.add("a", tokens(0, 9), max_tokens=10)  # 3 blocks
+    b = h.add("b", tokens(50, 5), max_tokens=10)  # 2 blocks
+    c = h.add("c", tokens(90, 5), max_tokens=3)
+    h.step()
+    assert h.kv.num_free_blocks == 5
+    h.abort("a")  # running
+    assert a.status == RequestStatus.FINISHED_ABORTED
+    assert h.kv.num_free_blocks == 8
+    assert [r.request_id for r in h.sched.running] == ["b"]
+    h.abort("c")  # waiting
+    assert c.status == RequestStatus.FINISHED_ABORTED and not h.sched.waiting
+    h.abort("a", "c", "nope")  # finished or unknown ids are ignored
+    out = h.step()
+    assert out.finished_ids == ["a", "c"]
+    assert trace(out) == [("b", 5, 1, True)]
+    h.run()
+    assert b.output_token_ids == reference_outputs(tokens(50, 5), 10)
+    h.assert_idle()
+
+
+def test_abort_between_schedule_and_update_is_ignored_by_update() -> None:
+    h = Harness()
+    a = h.add("a", tokens(0, 5), max_tokens=5)
+    b = h.add("b", tokens(40, 5), max_tokens=2)
+    out = h.schedule()
+    runner_output = h.runner.execute(out)
+    h.abort("a")
+    updated = h.sched.update_from_output(out, runner_output)
+    h.kv.check_integrity()
+    assert [r.request_id for r in updated] == ["b"]
+    assert a.num_output_tokens == 0 and a.status == RequestStatus.FINISHED_ABORTED
+    h.run()
+    assert b.status == RequestStatus.FINISHED_LENGTH
+    h.assert_idle()
+
+
+# ----- admission checks --------------------------------------------------------------
+
+
+def test_request_that_can_never_fit_is_rejected_leaving_nothing_allocated() -> None:
+    h = Harness(num_blocks=4, block_size=4)  # 16 token slots
+    running = h.add("ok", tokens(0, 5), max_tokens=2)
+    h.step()
+    before = (h.kv.num_free_blocks, dict(h.kv.req_blocks), len(h.sched.waiting), set(h.sched.requests))
+    with pytest.raises(ValueError, match=r"max_tokens \(10\).*can never fit in the KV cache \(16 tokens\)"):
+        h.add("big", tokens(100, 10), max_tokens=10)
+    with pytest.raises(ValueError, match="16 tokens"):
+        h.add("unbounded", tokens(100, 10), max_tokens=None)  # room left in max_model_len: 54
+    assert (h.kv.num_free_blocks, dict(h.kv.req_blocks), len(h.sched.waiting), set(h.sched.requests)) == before
+    assert "big" not in h.kv.req_hashes
+    h.kv.check_integrity()
+    h.add("fits", tokens(100, 8), max_tokens=8)  # 16 tokens at most
+    h.run()
+    assert running.status == RequestStatus.FINISHED_LENGTH
+    assert h.finished["fits"].output_token_ids == reference_outputs(tokens(100, 8), 8)
+    h.assert_idle()
+
+
+@pytest.mark.parametrize("max_tokens", [9, None])
+def test_request_needing_exactly_the_whole_kv_cache_is_admitted(max_tokens: int | None) -> None:
+    """prompt 8 + max_tokens 9 = 17 tokens, but the last sampled token is never fed to
+    the model, so only 16 KV slots are ever needed: it fits a 16-slot cache exactly and
+    must not be rejected as one that "can never fit". (max_tokens None: capped by
+    max_model_len 17 to the same 9.)"""
+    h = Harness(num_blocks=4, block_size=4, max_model_len=17)
+    prompt = tokens(0, 8)
+    a = h.add("a", prompt, max_tokens=max_tokens, ignore_eos=True)
+    assert a.max_tokens == 9
+    while h.sched.has_unfinished_requests():
+        out = h.step()
+        assert not out.preempted_ids
+    assert a.status == RequestStatus.FINISHED_LENGTH
+    assert a.output_token_ids == reference_outputs(prompt, 9)
+    h.assert_idle()
+    # One more output token needs a 17th slot: that can never fit.
+    wider = Harness(num_blocks=4, block_size=4, max_model_len=64)
+    with pytest.raises(ValueError, match=r"can never fit in the KV cache \(16 tokens\)"):
+        wider.add("b", prompt, max_tokens=10)
+    wider.assert_idle()
+
+
+def test_empty_prompt_and_prompt_at_max_model_len_are_rejected() -> None:
+    h = Harness(num_blocks=40, max_model_len=32)
+    with pytest.raises(ValueError, match="empty"):
+        h.add("empty", [], max_tokens=1)
+    with pytest.raises(ValueError, match="max_model_len is 32"):
+        h.add("at", tokens(0, 32), max_tokens=1)
+    with pytest.raises(ValueError, match="max_model_len is 32"):
+        h.add("over", tokens(0, 40), max_tokens=1)
+    assert not h.sched.requests and not h.sched.waiting
+    a = h.add("longest", tokens(0, 31), max_tokens=5)
+    with pytest.raises(ValueError, match="already in use"):
+        h.add("longest", tokens(0, 3))
+    h.run()
+    assert a.output_token_ids == reference_outputs(tokens(0, 31), 1)
+    h.assert_idle()
+
+
+# ----- preemption --------------------------------------------------------------------
+
+
+def test_preemption_of_the_newest_request_when_kv_runs_out() -> None:
+    h = Harness(num_blocks=6, block_size=4, enable_caching=False)
+    prompts = {rid: tokens(100 * i, 7) for i, rid in enumerate("ABC")}
+    reqs = {rid: h.add(rid, p, max_tokens=8, ignore_eos=True) for rid, p in prompts.items()}
+    assert trace(h.step()) == [("A", 0, 7, True), ("B", 0, 7, True), ("C", 0, 7, True)]
+    assert [h.kv.get_block_ids(r) for r in "ABC"] == [[0, 1], [2, 3], [4, 5]]
+    assert trace(h.step()) == [("A", 7, 1, True), ("B", 7, 1, True), ("C", 7, 1, True)]
+    # Each needs a third block now; none is free: C (the newest) is preempted.
+    out = h.step()
+    assert out.preempted_ids == ["C"]
+    assert trace(out) == [("A", 8, 1, True), ("B", 8, 1, True)]
+    assert h.kv.get_block_ids("A") == [0, 1, 4] and h.kv.get_block_ids("B") == [2, 3, 5]
+    c = reqs["C"]
+    assert c.status == RequestStatus.WAITING and c.num_computed_tokens == 0
+    assert c.num_preemptions == 1 and c.num_output_tokens == 2  # generated tokens are kept
+    assert [r.request_id for r in h.sched.waiting] == ["C"]
+    assert h.sched.num_preemptions == 1
+    stats = h.sched.stats()
+    assert (stats.num_running, stats.num_waiting, stats.num_preemptions) == (2, 1, 1)
+    assert stats.kv_usage == 1.0
+    preempted = ["C"]
+    while h.sched.has_unfinished_requests():
+        preempted += h.step().preempted_ids
+    assert h.sched.num_preemptions == len(preempted)
+    for rid, request in reqs.items():
+        assert request.status == RequestStatus.FINISHED_LENGTH
+        assert request.output_token_ids == reference_outputs(prompts[rid], 8), rid
+    h.assert_idle()
+
+
+def test_no_admission_in_a_step_that_preempted() -> None:
+    """Step 6 preempts V to give A a block; V's first chunk (4 tokens, one block) would
+    fit in what is left, but nothing is admitted in a step that had to preempt."""
+    h = Harness(num_blocks=6, block_size=4, max_num_batched_tokens=5, enable_caching=False)
+    a = h.add("A", tokens(0, 4), max_tokens=8)
+    v = h.add("V", tokens(500, 16), max_tokens=3)
+    assert trace(h.step()) == [("A", 0, 4, True), ("V", 0, 1, False)]
+    assert trace(h.step()) == [("A", 4, 1, True), ("V", 1, 4, False)]
+    assert trace(h.step()) == [("A", 5, 1, True), ("V", 5, 4, False)]
+    assert trace(h.step()) == [("A", 6, 1, True), ("V", 9, 4, False)]
+    assert h.kv.num_free_blocks == 0
+    assert trace(h.step()) == [("A", 7, 1, True), ("V", 13, 3, True)]
+    assert h.kv.get_block_ids("V") == [1, 3, 4, 5]
+    out = h.step()
+    assert out.preempted_ids == ["V"]
+    assert trace(out) == [("A", 8, 1, True)]
+    assert h.kv.get_block_ids("A") == [0, 2, 1]
+    assert v.num_output_tokens == 1 and v.num_computed_tokens == 0
+    left = h.config.max_num_batched_tokens - out.num_batched_tokens
+    assert h.kv.num_free_blocks >= h.kv.blocks_needed(min(v.num_tokens, left))  # it would have fit
+    assert trace(h.step()) == [("A", 9, 1, True), ("V", 0, 4, False)]
+    assert h.kv.get_block_ids("V") == [3]
+    h.run()
+    assert a.output_token_ids == reference_outputs(tokens(0, 4), 8)
+    assert v.output_token_ids == reference_outputs(tokens(500, 16), 3)
+    assert h.sched.num_preemptions == 1
+    h.assert_idle()
+
+
+def test_the_newest_request_preempts_itself_when_it_cannot_grow() -> None:
+    h = Harness(num_blocks=5, block_size=4, enable_caching=False)
+    a = h.add("A", tokens(0, 8), max_tokens=4)
+    b = h.add("B", tokens(100, 7), max_tokens=6)
+    assert trace(h.step()) == [("A", 0, 8, True), ("B", 0, 7, True)]
+    assert trace(h.step()) == [("A", 8, 1, True), ("B", 7, 1, True)]
+    assert h.kv.get_block_ids("A") == [0, 1, 4] and h.kv.num_free_blocks == 0
+    out = h.step()  # B needs a third block; it is the newest running request itself
+    assert out.preempted_ids == ["B"]
+    assert trace(out) == [("A", 9, 1, True)]
+    assert b.num_output_tokens == 2 and b.num_preemptions == 1
+    assert list(h.kv.free_queue) == [2, 3]
+    assert trace(h.step()) == [("A", 10, 1, True)]  # B needs 3 blocks, 2 are free
+    assert a.status == RequestStatus.FINISHED_LENGTH
+    assert trace(h.step()) == [("B", 0, 9, True)]
+    h.run()
+    assert a.output_token_ids == reference_outputs(tokens(0, 8), 4)
+    assert b.output_token_ids == reference_outputs(tokens(100, 7), 6)
+    assert h.sched.num_preemptions == 1
+    h.assert_idle()
+
+
+def test_a_chunked_prefill_preempted_again_and_again_still_completes() -> None:
+    """B's first chunk is admitted whenever two blocks are free, and preempted as soon as
+    A needs another block; it completes once A is done."""
+    h = Harness(num_blocks=5, block_size=4, max_num_batched_tokens=8, enable_caching=False)
+    a = h.add("A", tokens(0, 8), max_tokens=9)
+    b = h.add("B", tokens(100, 12), max_tokens=2)
+    steps = []
+    while h.sched.has_unfinished_requests():
+        out = h.step()
+        steps.append((trace(out), out.preempted_ids))
+    assert steps[:6] == [
+        ([("A", 0, 8, True)], []),
+        ([("A", 8, 1, True), ("B", 0, 7, False)], []),
+        ([("A", 9, 1, True)], ["B"]),
+        ([("A", 10, 1, True), ("B", 0, 7, False)], []),
+        ([("A", 11, 1, True)], ["B"]),
+        ([("A", 12, 1, True)], []),
+    ]
+    assert steps[-3:] == [
+        ([("B", 0, 8, False)], []),
+        ([("B", 8, 4, True)], []),
+        ([("B", 12, 1, True)], []),
+    ]
+    assert b.num_preemptions == 2 and h.sched.num_preemptions == 2
+    assert a.output_token_ids == reference_outputs(tokens(0, 8), 9)
+    assert b.output_token_ids == reference_outputs(tokens(100, 12), 2)
+    h.assert_idle()
+
+
+def test_preempted_request_recomputes_from_its_own_cached_prefix() -> None:
+    h = Harness(num_blocks=6, block_size=4, enable_caching=True)
+    a = h.add("A", tokens(0, 7), max_tokens=6)
+    c = h.add("C", tokens(100, 12), max_tokens=4)
+    assert trace(h.step()) == [("A", 0, 7, True), ("C", 0, 12, True)]
+    assert h.kv.get_block_ids("C") == [2, 3, 4]
+    assert trace(h.step()) == [("A", 7, 1, True), ("C", 12, 1, True)]
+    assert h.kv.get_block_ids("C") == [2, 3, 4, 5]
+    out = h.step()
+    assert out.preempted_ids == ["C"] and trace(out) == [("A", 8, 1, True)]
+    # C's partial block went to the head and was taken by A; its three full blocks stay
+    # cached at the tail, newest first.
+    assert h.kv.get_block_ids("A") == [0, 1, 5]
+    assert list(h.kv.free_queue) == [4, 3, 2]
+    for _ in range(3):  # A decodes to its end; C (4 blocks, 3 of them hits) does not fit
+        assert [i[0] for i in trace(h.step())] == ["A"]
+    assert a.status == RequestStatus.FINISHED_LENGTH
+    out = h.step()
+    assert trace(out) == [("C", 12, 2, True)]
+    assert out.scheduled[0].block_ids == [2, 3, 4, 5]
+    assert h.kv.stats.hits == 12
+    assert c.num_cached_tokens == 0  # set at the first admission only
+    h.run()
+    assert a.output_token_ids == reference_outputs(tokens(0, 7), 6)
+    assert c.output_token_ids == reference_outputs(tokens(100, 12), 4)
+    h.assert_idle()
+
+
+# ----- prefix caching through the scheduler ------------------------------------------
+
+
+@pytest.mark.parametrize("same_step", [False, True])
+def test_second_request_schedules_only_its_uncached_tokens(same_step: bool) -> None:
+    h = Harness(num_blocks=20)
+    shared = tokens(1000, 16)
+    a = h.add("a", [*shared, 1, 2, 3, 4], max_tokens=3)
+    if not same_step:
+        h.run()
+    b_prompt = [*shared, 7, 8, 9, 10, 11]
+    b = h.add("b", b_prompt, max_tokens=3)
+    out = h.step()
+    item = next(i for i in out.scheduled if i.request_id == "b")
+    assert (item.start_pos, item.num_tokens, item.token_ids) == (16, 5, b_prompt[16:])
+    assert b.num_cached_tokens == 16
+    if same_step:  # a's blocks were hashed when allocated, earlier in this very step
+        assert [i.request_id for i in out.scheduled] == ["a", "b"]
+        assert item.block_ids[:4] == h.kv.get_block_ids("a")[:4]
+    assert (h.kv.stats.queries, h.kv.stats.hits) == (20 + 21, 16)
+    assert (h.sched.stats().prefix_cache_queries, h.sched.stats().prefix_cache_hits) == (41, 16)
+    h.run()
+    assert a.output_token_ids == reference_outputs([*shared, 1, 2, 3, 4], 3)
+    assert b.output_token_ids == reference_outputs(b_prompt, 3)
+    h.assert_idle()
+
+
+def test_identical_prompt_recomputes_at_least_the_last_token() -> None:
+    h = Harness(num_blocks=20)
+    prompt = tokens(0, 16)
+    h.add("a", prompt, max_tokens=1)
+    h.run()
+    h.add("b", prompt, max_tokens=1)
+    assert trace(h.step()) == [("b", 12, 4, True)]
+    h.assert_idle()
+
+
+def test_without_prefix_caching_every_token_is_computed() -> None:
+    h = Harness(num_blocks=20, enable_caching=False)
+    shared = tokens(1000, 16)
+    h.add("a", [*shared, 1], max_tokens=2)
+    h.run()
+    h.add("b", [*shared, 2], max_tokens=2)
+    assert trace(h.step()) == [("b", 0, 17, True)]
+    assert h.kv.stats.hits == 0
+    h.run()
+    h.assert_idle()
+
+
+def test_cache_salt_separates_requests_in_the_scheduler() -> None:
+    h = Harness(num_blocks=20)
+    prompt = tokens(0, 13)
+    h.add("a", prompt, cache_salt="x", max_tokens=1)
+    h.run()
+    h.add("b", prompt, cache_salt="y", max_tokens=1)
+    assert trace(h.step()) == [("b", 0, 13, True)]
+    h.add("c", prompt, cache_salt="x", max_tokens=1)
+    assert trace(h.step()) == [("c", 12, 1, True)]
+    h.assert_idle()
+
+
+# ----- randomized soak ---------------------------------------------------------------
+
+
+@pytest.mark.parametrize("enable_caching", [True, False])
+@pytest.mark.parametrize(
+    "num_blocks,max_num_seqs,budget,seed",
+    [(24, 8, 24, 0), (16, 4, 8, 1), (40, 16, 64, 2)],
+)
+def test_random_workload_runs_to_completion_without_leaks(
+    enable_caching: bool, num_blocks: int, max_num_seqs: int, budget: int, seed: int
+) -> None:
+    """200 requests arriving over time, random prompt and output lengths, shared
+    prefixes, random aborts, a KV cache small enough to force preemptions. Every
+    request gets exactly max_tokens outputs (ignore_eos), identical to what the fake
+    model produces unbatched, and in the end every block is free."""
+    rng = random.Random(seed)
+    h = Harness(
+        num_blocks=num_blocks,
+        block_size=4,
+        max_num_seqs=max_num_seqs,
+        max_num_batched_tokens=budget,
+        max_model_len=64,
+        enable_caching=enable_caching,
+    )
+    specs = random_specs(rng, 200, max_len=40, kv_tokens=num_blocks * 4)
+    aborted: set[str] = set()
+    preemptions = 0
+    pending = list(specs)
+    while pending or h.sched.has_unfinished_requests():
+        for _ in range(rng.randint(0, 3)):
+            if pending:
+                rid, prompt, max_tokens = pending.pop(0)
+                h.add(rid, prompt, max_tokens=max_tokens, ignore_eos=True)
+        if h.sched.requests and rng.random() < 0.04:
+            rid = rng.choice(sorted(h.sched.requests))
+            h.abort(rid)
+            aborted.add(rid)
+        preemptions += len(h.step().preempted_ids)
+        assert h.num_steps < 20_000
+    assert set(h.finished) == {rid for rid, _, _ in specs}
+    for rid, prompt, max_tokens in specs:
+        request = h.finished[rid]
+        expected = reference_outputs(prompt, max_tokens)
+        if rid in aborted:
+            assert request.status == RequestStatus.FINISHED_ABORTED
+            assert request.output_token_ids == expected[: request.num_output_tokens]
+        else:
+            assert request.status == RequestStatus.FINISHED_LENGTH, rid
+            assert request.output_token_ids == expected, rid
+    assert aborted
+    assert h.sched.num_preemptions == preemptions
+    if num_blocks <= 24:
+        assert preemptions > 0
+    if enable_caching:
+        assert h.kv.stats.hits > 0
+    else:
+        assert h.kv.stats.hits == 0
+    h.assert_idle()
+    assert h.kv.num_free_blocks == h.kv.num_blocks
+
+
+def random_specs(rng: random.Random, n: int, max_len: int, kv_tokens: int) -> list[tuple[str, list[int], int]]:
+    prefixes = [[rng.randrange(3, 1000) for _ in range(rng.randint(4, 24))] for _ in range(4)]
+    specs = []
+    for i in range(n):
+        length = rng.randint(1, max_len)
+        if rng.random() < 0.6:
+            prefix = rng.choice(prefixes)[:length]
+            prompt = prefix + [rng.randrange(3, 1000) for _ in range(length - len(prefix))]
+        else:
+            prompt = [rng.randrange(3, 1000) for _ in range(length)]
+        specs.append((f"r{i}", prompt, rng.randint(1, min(20, kv_tokens - length))))
+    return specs
+
+
+@pytest.mark.parametrize("enable_caching", [True, False])
+def test_random_workload_with_stops_salts_and_prompt_logprobs(enable_caching: bool) -> None:
+    """EOS at a random output index (held off by min_tokens), stop token ids, cache
+    salts and prompt-logprob requests (which never hit), under preemption."""
+    rng = random.Random(7)
+    eos_from: dict[str, int] = {}
+    h = Harness(
+        num_blocks=20,
+        max_num_seqs=6,
+        max_num_batched_tokens=16,
+        enable_caching=enable_caching,
+        policy=lambda rid, i, ctx: EOS if i >= eos_from[rid] else None,
+    )
+    specs = random_specs(rng, 150, max_len=36, kv_tokens=80)
+    expected: dict[str, tuple[list[int], RequestStatus]] = {}
+    for rid, prompt, max_tokens in specs:
+        eos_from[rid] = rng.randint(0, 25)
+        min_tokens = rng.choice([0, 0, rng.randint(0, max_tokens)])
+        kwargs: dict = {"max_tokens": max_tokens, "min_tokens": min_tokens}
+        if rng.random() < 0.3:
+            kwargs["cache_salt"] = rng.choice(["s1", "s2"])
+        if rng.random() < 0.15:
+            kwargs["prompt_logprobs"] = 0
+        h.add(rid, prompt, **kwargs)
+        stop_at = max(eos_from[rid], min_tokens)
+        if stop_at < max_tokens:
+            expected[rid] = (reference_outputs(prompt, stop_at) + [EOS], RequestStatus.FINISHED_STOPPED)
+        else:
+            expected[rid] = (reference_outputs(prompt, max_tokens), RequestStatus.FINISHED_LENGTH)
+    preempted = 0
+    logprob_admissions = 0
+    while h.sched.has_unfinished_requests():
+        running_before = {r.request_id for r in h.sched.running}
+        out = h.step()
+        preempted += len(out.preempted_ids)
+        for item in out.scheduled:
+            if item.params.prompt_logprobs is not None and item.request_id not in running_before:
+                assert item.start_pos == 0, "a prompt-logprobs request must compute its whole prompt"
+                logprob_admissions += 1
+        assert h.num_steps < 20_000
+    assert logprob_admissions > 0
+    for rid, (outputs, status) in expected.items():
+        request = h.finished[rid]
+        assert (request.output_token_ids, request.status) == (outputs, status), rid
+    assert preempted > 0
+    assert (h.kv.stats.hits > 0) == enable_caching
+    h.assert_idle()
