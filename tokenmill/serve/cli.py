@@ -1,5 +1,201 @@
-"""`tokenmill serve` flags (placeholder until the server lands)."""
+"""`tokenmill serve [MODEL]`: the OpenAI-compatible HTTP server.
+
+Every flag can also come from a YAML file (`--config server.yaml`, keys spelled
+as the flags, with dashes or underscores); a flag given on the command line
+wins over the file, and the file wins over the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+from typing import Any
+
+logger = logging.getLogger("tokenmill.serve")
+
+
+class _Unset:
+    """Default of every serve flag, so that explicit flags can be told apart."""
+
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+_UNSET: Any = _Unset()
+_DEFAULTS_KEY = "_serve_defaults"
+_SECRET_SETTINGS = {"api_key"}
 
 
 def register(sub, add_engine_args) -> None:
-    pass
+    parser = sub.add_parser(
+        "serve", help="OpenAI-compatible HTTP server",
+        description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions).",
+    )
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="GGUF file or Hugging Face directory (same as --model)")
+    add_engine_args(parser)
+    add_server_args(parser)
+    parser.set_defaults(func=cmd_serve)
+    # Remember the real defaults, then replace them with a marker: cmd_serve fills what
+    # the command line left unset from the YAML file first, the defaults second.
+    defaults = {k: v for k, v in vars(parser.parse_args([])).items() if k != "func"}
+    parser.set_defaults(**{key: _UNSET for key in defaults}, **{_DEFAULTS_KEY: defaults})
+
+
+def add_server_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("server")
+    group.add_argument("--config", default=None, help="YAML file of flag values (command-line flags win)")
+    group.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
+    group.add_argument("--port", type=int, default=8000, help="port to bind (default 8000)")
+    group.add_argument("--api-key", default=os.environ.get("TOKENMILL_API_KEY"),
+                       help="require 'Authorization: Bearer KEY' (default: $TOKENMILL_API_KEY, else none)")
+    group.add_argument("--served-model-name", nargs="+", default=None,
+                       help="model name(s) clients use (default: the model's name)")
+    group.add_argument("--max-queued-requests", type=int, default=None,
+                       help="answer 429 when this many requests already wait (default: no limit)")
+    group.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds to let running requests finish on SIGTERM (default 30)")
+    group.add_argument("--health-stall-timeout", type=float, default=60.0,
+                       help="/health fails when the engine has work but no step ended for this long (default 60)")
+    group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    group.add_argument("--disable-access-log", action="store_true", help="do not log every HTTP request")
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    settings = resolve_settings(args)
+    _log_settings(settings, getattr(args, _DEFAULTS_KEY))
+    return serve(settings)
+
+
+# ----- settings ----------------------------------------------------------------------------
+
+
+def resolve_settings(args: argparse.Namespace) -> argparse.Namespace:
+    """Command line over YAML file over defaults; raises ValueError for a bad file."""
+    defaults: dict[str, Any] = getattr(args, _DEFAULTS_KEY)
+    config_path = args.config if args.config is not _UNSET else None
+    from_file = load_config_file(config_path, defaults) if config_path else {}
+    resolved = {}
+    for key, default in defaults.items():
+        value = getattr(args, key)
+        resolved[key] = value if value is not _UNSET else from_file.get(key, default)
+    if resolved["model_tag"] is not None:  # the positional MODEL wins over --model
+        resolved["model"] = resolved["model_tag"]
+    return argparse.Namespace(**resolved)
+
+
+def load_config_file(path: str, defaults: dict[str, Any]) -> dict[str, Any]:
+    import yaml
+
+    with open(path, encoding="utf-8") as file:
+        data = yaml.safe_load(file) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: expected a mapping of flag names to values")
+    values = {}
+    for raw_key, value in data.items():
+        key = str(raw_key).replace("-", "_")
+        if key in ("no_prefix_caching",):  # the flag's own spelling of enable_prefix_caching
+            key, value = "enable_prefix_caching", not value
+        if key not in defaults or key in ("config", "model_tag"):
+            raise ValueError(f"{path}: unknown setting {raw_key!r}")
+        values[key] = _check_type(path, key, value, defaults[key])
+    return values
+
+
+def _check_type(path: str, key: str, value: Any, default: Any) -> Any:
+    """YAML gives typed values; refuse one whose type differs from the flag's."""
+    if key == "served_model_name" and isinstance(value, str):
+        return [value]
+    if value is None or default is None:
+        return value
+    expected = float if isinstance(default, float) else type(default)
+    ok = isinstance(value, expected) and not (expected is not bool and isinstance(value, bool))
+    if expected is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if not ok:
+        raise ValueError(f"{path}: {key} must be a {expected.__name__}, got {value!r}")
+    return value
+
+
+def _log_settings(settings: argparse.Namespace, defaults: dict[str, Any]) -> None:
+    changed = {
+        key: ("***" if key in _SECRET_SETTINGS else value)
+        for key, value in vars(settings).items()
+        if key != "model_tag" and value != defaults.get(key)
+    }
+    described = ", ".join(f"{key}={value!r}" for key, value in sorted(changed.items())) or "all defaults"
+    logger.info("tokenmill serve, non-default settings: %s", described)
+
+
+# ----- running -----------------------------------------------------------------------------
+
+
+def serve(settings: argparse.Namespace) -> int:
+    """Build the engine config, start uvicorn (the model loads in the engine thread
+    meanwhile), and return the exit status once it has shut down."""
+    import uvicorn
+
+    from tokenmill.config import EngineConfig, parse_memory
+    from tokenmill.engine.engine import LLMEngine
+    from tokenmill.serve.api_server import ServerSettings, create_server
+
+    logging.getLogger().setLevel(settings.log_level.upper())
+    engine_config = EngineConfig(
+        model=settings.model, dtype=settings.dtype, device=settings.device,
+        max_model_len=settings.max_model_len, max_num_seqs=settings.max_num_seqs,
+        max_num_batched_tokens=settings.max_num_batched_tokens,
+        kv_cache_memory=parse_memory(settings.kv_cache_memory), block_size=settings.block_size,
+        enable_prefix_caching=settings.enable_prefix_caching, seed=settings.seed,
+        num_threads=settings.num_threads,
+    )
+    if settings.max_queued_requests is not None and settings.max_queued_requests < 1:
+        raise ValueError(f"max_queued_requests must be at least 1, got {settings.max_queued_requests}")
+    fatal: list[BaseException] = []
+    uvicorn_server: uvicorn.Server | None = None
+
+    def on_fatal(error: BaseException) -> None:
+        fatal.append(error)
+        if uvicorn_server is not None:
+            uvicorn_server.should_exit = True  # read by uvicorn's main loop each tick
+
+    server = create_server(
+        lambda: LLMEngine.from_config(engine_config),
+        ServerSettings(
+            served_model_names=settings.served_model_name, api_key=settings.api_key,
+            max_queued_requests=settings.max_queued_requests, shutdown_timeout=settings.shutdown_timeout,
+            health_stall_timeout=settings.health_stall_timeout, on_fatal=on_fatal,
+        ),
+    )
+    config = uvicorn.Config(
+        server.app, host=settings.host, port=settings.port, log_level=settings.log_level,
+        access_log=not settings.disable_access_log, lifespan="on",
+        timeout_graceful_shutdown=settings.shutdown_timeout,
+    )
+    uvicorn_server = uvicorn.Server(config)
+    with _signals_handled_by_uvicorn():
+        uvicorn_server.run()
+    if fatal:
+        logger.error("the engine failed: %s", fatal[0])
+        return 1
+    return 0
+
+
+class _signals_handled_by_uvicorn:
+    """uvicorn stops gracefully on SIGTERM/SIGINT, then re-raises the signal to the
+    handler it found installed. Installing a no-op one first makes that re-raise
+    harmless, so a graceful stop exits 0 instead of dying by the signal."""
+
+    _SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __enter__(self) -> None:
+        self._previous = {sig: signal.signal(sig, _already_handled) for sig in self._SIGNALS}
+
+    def __exit__(self, *_: object) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+
+
+def _already_handled(signum: int, _frame: object) -> None:
+    logger.debug("signal %d: already handled by the server's graceful shutdown", signum)

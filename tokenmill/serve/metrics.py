@@ -1,0 +1,136 @@
+"""Prometheus metrics named as vLLM's, with a `tokenmill:` prefix.
+
+Gauges and engine counters are read from the engine's latest stats snapshot
+when /metrics is scraped (a collector), so they can never drift from what the
+engine counted. Per-request histograms and the success counter are observed by
+the engine thread as requests progress and finish. Each server owns a private
+CollectorRegistry, so two servers in one process (tests) do not collide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from tokenmill.engine.engine import EngineStats
+from tokenmill.outputs import RequestOutput
+from tokenmill.serve.async_engine import StepObserver
+
+PREFIX = "tokenmill:"
+
+# vLLM's buckets, so dashboards built for vLLM read these unchanged.
+_TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+_ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
+                2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+_REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
+                    50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
+
+
+class ServerMetrics(StepObserver):
+    def __init__(self, stats: Callable[[], EngineStats | None], model_name: Callable[[], str]) -> None:
+        # A callable: with no --served-model-name the name is known only once loaded.
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        self.registry.register(_EngineStatsCollector(stats, model_name))
+        labels = ["model_name"]
+        self.request_success = Counter(
+            PREFIX + "request_success", "Count of finished requests, by finish reason.",
+            labels + ["finished_reason"], registry=self.registry,
+        )
+        self.ttft = Histogram(
+            PREFIX + "time_to_first_token_seconds", "Time to first token in seconds.",
+            labels, buckets=_TTFT_BUCKETS, registry=self.registry,
+        )
+        self.itl = Histogram(
+            PREFIX + "inter_token_latency_seconds", "Time between successive output steps of a request in seconds.",
+            labels, buckets=_ITL_BUCKETS, registry=self.registry,
+        )
+        self.e2e = Histogram(
+            PREFIX + "e2e_request_latency_seconds", "End-to-end request latency in seconds.",
+            labels, buckets=_REQUEST_BUCKETS, registry=self.registry,
+        )
+        self.queue_time = Histogram(
+            PREFIX + "request_queue_time_seconds", "Time a request waited before it was first scheduled, in seconds.",
+            labels, buckets=_REQUEST_BUCKETS, registry=self.registry,
+        )
+        self._last_token_time: dict[str, float] = {}  # engine thread only
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+    # ----- StepObserver (engine thread) ---------------------------------------------------
+
+    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+        for output in outputs:
+            self._observe_step(output)
+            if output.finished:
+                self._observe_finished(output)
+
+    def on_aborted(self, output: RequestOutput) -> None:
+        self._observe_finished(output)
+
+    # ----- internals -----------------------------------------------------------------------
+
+    def _observe_step(self, output: RequestOutput) -> None:
+        metrics = output.metrics
+        if metrics is None or metrics.last_token_time is None:
+            return
+        previous = self._last_token_time.get(output.request_id)
+        if previous is not None and metrics.last_token_time > previous:
+            self.itl.labels(self.model_name()).observe(metrics.last_token_time - previous)
+        self._last_token_time[output.request_id] = metrics.last_token_time
+
+    def _observe_finished(self, output: RequestOutput) -> None:
+        self._last_token_time.pop(output.request_id, None)
+        reason = output.outputs[0].finish_reason if output.outputs else None
+        self.request_success.labels(self.model_name(), reason or "abort").inc()
+        metrics = output.metrics
+        if metrics is None:
+            return
+        name = self.model_name()
+        if metrics.first_token_time is not None:
+            self.ttft.labels(name).observe(metrics.first_token_time - metrics.arrival_time)
+        if metrics.first_scheduled_time is not None:
+            self.queue_time.labels(name).observe(metrics.first_scheduled_time - metrics.arrival_time)
+        if metrics.finished_time is not None:
+            self.e2e.labels(name).observe(metrics.finished_time - metrics.arrival_time)
+
+
+class _EngineStatsCollector(Collector):
+    """Gauges and counters that mirror EngineStats at scrape time."""
+
+    _GAUGES = [
+        ("num_requests_running", "num_running", "Number of requests running on the engine."),
+        ("num_requests_waiting", "num_waiting", "Number of requests waiting to be scheduled."),
+        ("kv_cache_usage_perc", "kv_usage", "Fraction of KV cache blocks in use (1 = full)."),
+    ]
+    _COUNTERS = [
+        ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+        ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens served from the prefix cache."),
+        ("num_preemptions", "num_preemptions", "Cumulative number of preemptions."),
+        ("prompt_tokens", "num_prompt_tokens", "Prompt tokens computed (prefill work)."),
+        ("generation_tokens", "num_generation_tokens", "Tokens generated."),
+    ]
+
+    def __init__(self, stats: Callable[[], EngineStats | None], model_name: Callable[[], str]) -> None:
+        self._stats = stats
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        stats = self._stats()
+        name = self._model_name()
+        for metric, field, doc in self._GAUGES:
+            family = GaugeMetricFamily(PREFIX + metric, doc, labels=["model_name"])
+            family.add_metric([name], float(getattr(stats, field)) if stats else 0.0)
+            yield family
+        for metric, field, doc in self._COUNTERS:
+            family = CounterMetricFamily(PREFIX + metric, doc, labels=["model_name"])
+            family.add_metric([name], float(getattr(stats, field)) if stats else 0.0)
+            yield family
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())

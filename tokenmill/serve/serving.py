@@ -1,0 +1,503 @@
+"""OpenAI requests -> engine requests -> OpenAI responses and SSE streams.
+
+A handler checks everything it can see itself (model name, parameters, the
+prompt's length against max_model_len) before queueing anything, then hands the
+engine one group of requests (one per prompt); the engine thread runs the
+checks that need the engine (token ids in the vocabulary, KV capacity, the
+waiting queue's limit) and answers through a future, so a bad request is
+refused before any step works on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from tokenmill.engine.engine import LLMEngine
+from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.sampling.params import SamplingParams
+from tokenmill.serve.async_engine import (
+    AsyncEngine,
+    EngineUnavailableError,
+    NewRequest,
+    OutputStream,
+    QueueFullError,
+)
+from tokenmill.serve.errors import APIError, bad_request, from_value_error
+from tokenmill.serve.logprobs import CompletionLogprobs, chat_logprobs
+from tokenmill.serve.protocol import (
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+    SamplingFields,
+    Usage,
+)
+
+# Seconds a client told "queue full" should wait before retrying.
+RETRY_AFTER_SECONDS = 1
+
+
+@dataclass
+class Prompt:
+    token_ids: list[int]
+    text: str | None = None  # as the client sent it, when it sent text
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its response was ready."""
+
+
+class OpenAIServing:
+    """Request handling shared by the endpoints; one per server."""
+
+    def __init__(self, engine: AsyncEngine, served_model_names: list[str] | None = None) -> None:
+        self.engine = engine
+        self._served_names = served_model_names
+
+    # ----- model and engine --------------------------------------------------------------
+
+    @property
+    def model_names(self) -> list[str]:
+        """--served-model-name, else the name the engine gave the model once loaded."""
+        if self._served_names:
+            return self._served_names
+        return [self.engine.engine.model_name] if self.engine.engine is not None else []
+
+    @property
+    def core(self) -> LLMEngine:
+        """The loaded engine (its tokenizer and limits); 503 while it loads."""
+        engine = self.engine.engine
+        if engine is None:
+            raise APIError(503, "the model is still loading; retry shortly")
+        return engine
+
+    def check_model(self, requested: str | None) -> str:
+        """The model name to answer with; 404 for a name this server does not serve."""
+        names = self.model_names
+        if not names:
+            raise APIError(503, "the model is still loading; retry shortly")
+        if requested is None or requested == "":
+            return names[0]
+        if requested not in names:
+            raise APIError(
+                404, f"the model {requested!r} does not exist; this server serves {names}",
+                param="model", code="model_not_found",
+            )
+        return requested
+
+    # ----- /v1/completions ---------------------------------------------------------------
+
+    async def create_completion(self, body: CompletionRequest, raw: Request) -> Response:
+        model = self.check_model(body.model)
+        _check_stream_options(body)
+        core = self.core
+        prompts = [Prompt(_encode_or_ids(core, p), p if isinstance(p, str) else None)
+                   for p in _prompt_list(body.prompt)]
+        echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+        params = _sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs=echo_logprobs)
+        for prompt in prompts:
+            self._check_fits(len(prompt.token_ids), body.max_tokens)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        stream = await self._submit(request_id, [p.token_ids for p in prompts], params)
+        renderer = _CompletionRenderer(request_id, model, prompts, body, core)
+        if body.stream:
+            return _sse(_stream_events(stream, renderer, _include_usage(body)))
+        finals = await _collect(stream, raw)
+        return JSONResponse(renderer.response(finals))
+
+    # ----- /v1/chat/completions ----------------------------------------------------------
+
+    async def create_chat_completion(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        model = self.check_model(body.model)
+        _check_stream_options(body)
+        if body.top_logprobs is not None and not body.logprobs:
+            raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        core = self.core
+        prompt_ids = self.encode_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        params = _sampling_params(body, max_tokens, num_logprobs)
+        self._check_fits(len(prompt_ids), max_tokens)
+        request_id = f"chatcmpl-{uuid.uuid4().hex}"
+        stream = await self._submit(request_id, [prompt_ids], params)
+        renderer = _ChatRenderer(request_id, model, len(prompt_ids), body, core)
+        if body.stream:
+            return _sse(_stream_events(stream, renderer, _include_usage(body)))
+        finals = await _collect(stream, raw)
+        return JSONResponse(renderer.response(finals))
+
+    def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        tokenizer = self.core.tokenizer
+        try:
+            text = tokenizer.apply_chat_template(
+                [m.to_template_dict() for m in messages],
+                add_generation_prompt=add_generation_prompt, **(template_kwargs or {}),
+            )
+        except ValueError as error:
+            raise bad_request(str(error), param="messages") from error
+        # The template writes its own special tokens (BOS included), as LLM.encode_chat does.
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    # ----- admission -----------------------------------------------------------------------
+
+    def _check_fits(self, prompt_len: int, max_tokens: int | None) -> None:
+        """Refuse a prompt that cannot fit max_model_len, alone or with max_tokens
+        (the engine alone would cap max_tokens silently)."""
+        limit = self.core.max_model_len
+        if prompt_len >= limit:
+            raise bad_request(
+                f"this model's maximum context length is {limit} tokens, but the prompt has {prompt_len} "
+                "tokens, which leaves no room for a completion; shorten the prompt",
+                param="prompt",
+            )
+        if max_tokens is not None and prompt_len + max_tokens > limit:
+            raise bad_request(
+                f"this model's maximum context length is {limit} tokens, but {prompt_len + max_tokens} "
+                f"were requested ({prompt_len} in the prompt, {max_tokens} for the completion); "
+                "shorten the prompt or lower max_tokens",
+                param="max_tokens",
+            )
+
+    async def _submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> OutputStream:
+        arrival = time.monotonic()
+        requests = [
+            NewRequest(request_id if len(prompts) == 1 else f"{request_id}-{i}", ids, params, arrival)
+            for i, ids in enumerate(prompts)
+        ]
+        try:
+            return await self.engine.add_requests(requests)
+        except ValueError as error:
+            raise from_value_error(error) from error
+        except QueueFullError as error:
+            raise APIError(429, str(error), code="queue_full",
+                           headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from error
+        except EngineUnavailableError as error:
+            raise APIError(503, str(error)) from error
+
+
+# ----- request -> engine ---------------------------------------------------------------------
+
+
+def _prompt_list(prompt: str | list[int] | list[str] | list[list[int]]) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt or isinstance(prompt[0], int):
+        return [prompt]  # one prompt as token ids (an empty one the engine refuses)
+    return list(prompt)
+
+
+def _encode_or_ids(core: LLMEngine, prompt: str | list[int]) -> list[int]:
+    # An empty string stays empty (no BOS-only prompt), so the engine refuses it by name.
+    if isinstance(prompt, str):
+        return core.tokenizer.encode(prompt) if prompt else []
+    return prompt
+
+
+def _check_stream_options(body: SamplingFields) -> None:
+    if body.stream_options is not None and not body.stream:
+        raise bad_request("stream_options is only allowed when stream is true", param="stream_options")
+
+
+def _include_usage(body: SamplingFields) -> bool:
+    return body.stream_options is not None and body.stream_options.include_usage
+
+
+def _sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
+                     prompt_logprobs: int | None = None) -> SamplingParams:
+    """OpenAI fields -> SamplingParams; its ValueErrors become 400s naming the field."""
+    try:
+        return SamplingParams(
+            n=body.n,
+            temperature=1.0 if body.temperature is None else body.temperature,
+            top_p=1.0 if body.top_p is None else body.top_p,
+            top_k=0 if body.top_k is None else body.top_k,
+            min_p=0.0 if body.min_p is None else body.min_p,
+            presence_penalty=body.presence_penalty or 0.0,
+            frequency_penalty=body.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+            seed=body.seed,
+            stop=body.stop,
+            stop_token_ids=body.stop_token_ids,
+            ignore_eos=body.ignore_eos,
+            max_tokens=max_tokens,
+            min_tokens=body.min_tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            logit_bias=_logit_bias(body.logit_bias),
+            skip_special_tokens=body.skip_special_tokens,
+            include_stop_str_in_output=body.include_stop_str_in_output,
+        )
+    except ValueError as error:
+        raise from_value_error(error) from error
+
+
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI sends token ids as JSON object keys, so as strings."""
+    if bias is None:
+        return None
+    parsed = {}
+    for key, value in bias.items():
+        if not key.strip().isdigit():
+            raise bad_request(f"logit_bias keys must be token ids (non-negative integers), got {key!r}",
+                              param="logit_bias")
+        parsed[int(key)] = value
+    return parsed
+
+
+# ----- engine -> responses -------------------------------------------------------------------
+
+
+async def _collect(stream: OutputStream, raw: Request) -> dict[int, RequestOutput]:
+    """Wait for every request of the group to finish; abort them all if the client
+    disconnects first."""
+    finals: dict[int, RequestOutput] = {}
+
+    async def drain() -> None:
+        async for batch in stream:
+            finals.update(batch)
+
+    work = asyncio.ensure_future(drain())
+    disconnect = asyncio.ensure_future(_wait_for_disconnect(raw))
+    try:
+        await asyncio.wait({work, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+    finally:  # also when this handler is cancelled (e.g. shutdown timeout)
+        disconnect.cancel()
+        if not work.done():
+            work.cancel()
+            stream.abort()
+    if not work.done() or work.cancelled():
+        raise ClientDisconnected()
+    try:
+        work.result()
+    except EngineUnavailableError as error:
+        raise APIError(503, str(error)) from error
+    return finals
+
+
+async def _wait_for_disconnect(raw: Request) -> None:
+    # The body has been read, so the next ASGI message is the disconnect.
+    while True:
+        message = await raw.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+def _sse(events: AsyncIterator[str]) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _event(payload: dict[str, Any]) -> str:
+    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+
+
+class _Renderer:
+    """Per-choice state of one response; subclasses give the object shapes."""
+
+    def __init__(self, request_id: str, model: str, n: int, num_choices: int, core: LLMEngine) -> None:
+        self.request_id = request_id
+        self.model = model
+        self.n = n
+        self.created = int(time.time())
+        self.tokenizer = core.tokenizer
+        self.sent_chars = [0] * num_choices
+        self.sent_tokens = [0] * num_choices
+        self.finish_sent = [False] * num_choices
+        self.completion_tokens = [0] * num_choices
+
+    # subclasses
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        return []
+
+    def choice_chunk(self, choice: int, output: RequestOutput, comp: CompletionOutput) -> dict[str, Any] | None: ...
+
+    def prompt_tokens(self) -> int: ...
+
+    def chunks(self, prompt_index: int, output: RequestOutput) -> list[dict[str, Any]]:
+        """The stream chunks for one new output: one per choice that has news."""
+        chunks = []
+        for comp in output.outputs:
+            choice = prompt_index * self.n + comp.index
+            self.completion_tokens[choice] = len(comp.token_ids)
+            chunk = self.choice_chunk(choice, output, comp)
+            if chunk is not None:
+                chunks.append(chunk)
+        return chunks
+
+    def _news(self, choice: int, comp: CompletionOutput) -> tuple[str, int, str | None]:
+        """(new text, index of the first new token, finish reason to send now), and
+        marks them sent. The engine's text never ends mid-character, so a slice of it
+        is always valid UTF-8."""
+        text = comp.text[self.sent_chars[choice]:]
+        first_new = self.sent_tokens[choice]
+        self.sent_chars[choice] = len(comp.text)
+        self.sent_tokens[choice] = len(comp.token_ids)
+        finish = None
+        if comp.finish_reason is not None and not self.finish_sent[choice]:
+            finish = comp.finish_reason
+            self.finish_sent[choice] = True
+        return text, first_new, finish
+
+    def usage(self) -> dict[str, Any]:
+        return Usage.of(self.prompt_tokens(), sum(self.completion_tokens)).model_dump()
+
+    def usage_chunk(self, object_name: str) -> dict[str, Any]:
+        return {"id": self.request_id, "object": object_name, "created": self.created,
+                "model": self.model, "choices": [], "usage": self.usage()}
+
+
+class _CompletionRenderer(_Renderer):
+    def __init__(self, request_id: str, model: str, prompts: list[Prompt], body: CompletionRequest,
+                 core: LLMEngine) -> None:
+        super().__init__(request_id, model, body.n, len(prompts) * body.n, core)
+        self.prompts = prompts
+        self.echo = body.echo
+        self.num_logprobs = body.logprobs
+        self.echoed = [False] * (len(prompts) * body.n)
+        self.logprobs = [CompletionLogprobs(body.logprobs or 0) for _ in self.echoed]
+
+    def prompt_tokens(self) -> int:
+        return sum(len(p.token_ids) for p in self.prompts)
+
+    def _prompt_text(self, prompt_index: int) -> str:
+        prompt = self.prompts[prompt_index]
+        return prompt.text if prompt.text is not None else self.tokenizer.decode(prompt.token_ids)
+
+    def choice_chunk(self, choice: int, output: RequestOutput, comp: CompletionOutput) -> dict[str, Any] | None:
+        text, first_new, finish = self._news(choice, comp)
+        prefix = self._echo(choice, output)
+        new_tokens = len(comp.token_ids) > first_new
+        if not (prefix or text or new_tokens or finish):
+            return None
+        logprobs = None
+        if self.num_logprobs is not None:
+            self._add_logprobs(choice, comp, first_new)
+            logprobs = self.logprobs[choice].take()
+        return self._body("text_completion", [self._choice(choice, prefix + text, logprobs, comp, finish)])
+
+    def _echo(self, choice: int, output: RequestOutput) -> str:
+        """The prompt (text, and logprobs when asked), once, before the choice's first text."""
+        if not self.echo or self.echoed[choice]:
+            return ""
+        self.echoed[choice] = True
+        prompt_index = choice // self.n
+        if self.num_logprobs is not None:
+            ids = self.prompts[prompt_index].token_ids
+            positions = output.prompt_logprobs or [None] * len(ids)
+            self.logprobs[choice].add(ids, positions, self.tokenizer.token_to_text)
+        return self._prompt_text(prompt_index)
+
+    def _add_logprobs(self, choice: int, comp: CompletionOutput, first_new: int) -> None:
+        if comp.logprobs is None:
+            return
+        self.logprobs[choice].add(comp.token_ids[first_new:], comp.logprobs[first_new:],
+                                  self.tokenizer.token_to_text)
+
+    def response(self, finals: dict[int, RequestOutput]) -> dict[str, Any]:
+        choices = []
+        for prompt_index in sorted(finals):
+            output = finals[prompt_index]
+            for comp in output.outputs:
+                choice = prompt_index * self.n + comp.index
+                self.completion_tokens[choice] = len(comp.token_ids)
+                prefix = self._echo(choice, output)
+                logprobs = None
+                if self.num_logprobs is not None:
+                    self._add_logprobs(choice, comp, 0)
+                    logprobs = self.logprobs[choice].take()
+                choices.append(self._choice(choice, prefix + comp.text, logprobs, comp, comp.finish_reason))
+        choices.sort(key=lambda c: c["index"])
+        return {**self._body("text_completion", choices), "usage": self.usage()}
+
+    @staticmethod
+    def _choice(index: int, text: str, logprobs: dict[str, Any] | None, comp: CompletionOutput,
+                finish: str | None) -> dict[str, Any]:
+        return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish,
+                "stop_reason": comp.stop_reason if finish else None}
+
+    def _body(self, object_name: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": self.request_id, "object": object_name, "created": self.created,
+                "model": self.model, "choices": choices}
+
+
+class _ChatRenderer(_Renderer):
+    def __init__(self, request_id: str, model: str, num_prompt_tokens: int, body: ChatCompletionRequest,
+                 core: LLMEngine) -> None:
+        super().__init__(request_id, model, body.n, body.n, core)
+        self.num_prompt_tokens = num_prompt_tokens
+        self.num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+
+    def prompt_tokens(self) -> int:
+        return self.num_prompt_tokens
+
+    def opening_chunks(self) -> list[dict[str, Any]]:
+        """The assistant role goes first, in a delta of its own for each choice."""
+        return [self._chunk(i, {"role": "assistant", "content": ""}, None, None) for i in range(self.n)]
+
+    def choice_chunk(self, choice: int, output: RequestOutput, comp: CompletionOutput) -> dict[str, Any] | None:
+        text, first_new, finish = self._news(choice, comp)
+        new_tokens = len(comp.token_ids) > first_new
+        if not (text or new_tokens or finish):
+            return None
+        delta = {"content": text} if text or not finish else {}
+        return self._chunk(choice, delta, self._logprobs(comp, first_new), finish)
+
+    def _logprobs(self, comp: CompletionOutput, first_new: int) -> dict[str, Any] | None:
+        if self.num_logprobs is None or comp.logprobs is None:
+            return None
+        return chat_logprobs(comp.token_ids[first_new:], comp.logprobs[first_new:], self.num_logprobs,
+                             self.tokenizer.token_to_text)
+
+    def _chunk(self, choice: int, delta: dict[str, Any], logprobs: dict[str, Any] | None,
+               finish: str | None) -> dict[str, Any]:
+        return {
+            "id": self.request_id, "object": "chat.completion.chunk", "created": self.created,
+            "model": self.model,
+            "choices": [{"index": choice, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+        }
+
+    def response(self, finals: dict[int, RequestOutput]) -> dict[str, Any]:
+        output = finals[0]
+        choices = []
+        for comp in output.outputs:
+            self.completion_tokens[comp.index] = len(comp.token_ids)
+            choices.append({
+                "index": comp.index,
+                "message": {"role": "assistant", "content": comp.text},
+                "logprobs": self._logprobs(comp, 0),
+                "finish_reason": comp.finish_reason,
+                "stop_reason": comp.stop_reason,
+            })
+        return {"id": self.request_id, "object": "chat.completion", "created": self.created,
+                "model": self.model, "choices": choices, "usage": self.usage()}
+
+
+async def _stream_events(stream: OutputStream, renderer: _Renderer, include_usage: bool) -> AsyncIterator[str]:
+    """SSE events: one per choice with news each engine step, then usage and [DONE].
+    Whatever ends this generator early (a disconnect cancels it) aborts the requests."""
+    object_name = "chat.completion.chunk" if isinstance(renderer, _ChatRenderer) else "text_completion"
+    try:
+        for chunk in renderer.opening_chunks():
+            yield _event(chunk)
+        async for batch in stream:
+            for prompt_index, output in batch:
+                for chunk in renderer.chunks(prompt_index, output):
+                    yield _event(chunk)
+        if include_usage:
+            yield _event(renderer.usage_chunk(object_name))
+    except EngineUnavailableError as error:
+        # Headers are sent; the error can only travel as an event.
+        yield _event({"error": {"message": str(error), "type": "service_unavailable", "param": None, "code": 503}})
+    finally:
+        stream.abort()
+    yield "data: [DONE]\n\n"
+
