@@ -91,6 +91,20 @@ class _Abort:
     request_ids: list[str]
 
 
+class _Channel:
+    """Where the event loop puts a group's outputs. The engine's table holds this, not
+    the OutputStream, so a stream its handler dropped can be garbage-collected."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException] = asyncio.Queue()
+
+    def put(self, index: int, output: RequestOutput) -> None:  # event loop thread
+        self.queue.put_nowait((index, output))
+
+    def fail(self, error: BaseException) -> None:  # event loop thread
+        self.queue.put_nowait(error)
+
+
 class OutputStream:
     """The outputs of a group of engine requests (one per prompt of an HTTP request).
 
@@ -101,7 +115,8 @@ class OutputStream:
 
     def __init__(self, engine: AsyncEngine, request_ids: list[str]) -> None:
         self.request_ids = request_ids
-        self._queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException] = asyncio.Queue()
+        self.channel = _Channel()
+        self._queue = self.channel.queue
         self._unfinished = set(range(len(request_ids)))
         # Not a method of self: the finalizer must not keep the stream alive.
         self._finalizer = weakref.finalize(self, engine.abort, list(request_ids))
@@ -110,12 +125,6 @@ class OutputStream:
     @property
     def finished(self) -> bool:
         return not self._unfinished
-
-    def put(self, index: int, output: RequestOutput) -> None:  # event loop thread
-        self._queue.put_nowait((index, output))
-
-    def fail(self, error: BaseException) -> None:  # event loop thread
-        self._queue.put_nowait(error)
 
     async def get(self) -> list[tuple[int, RequestOutput]]:
         """Wait for news; return the newest output of each request that progressed."""
@@ -179,8 +188,7 @@ class AsyncEngine:
         self._heartbeat = time.monotonic()  # last time the thread showed progress
         self._thread: threading.Thread | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._streams: dict[str, tuple[OutputStream, int]] = {}  # event loop thread only
-        self._pending: set[concurrent.futures.Future[None]] = set()
+        self._streams: dict[str, tuple[_Channel, int]] = {}  # event loop thread only
 
     # ----- lifecycle -------------------------------------------------------------------
 
@@ -229,7 +237,7 @@ class AsyncEngine:
         self._check_available()
         stream = OutputStream(self, [r.request_id for r in requests])
         for index, request in enumerate(requests):
-            self._streams[request.request_id] = (stream, index)
+            self._streams[request.request_id] = (stream.channel, index)
         done: concurrent.futures.Future[None] = concurrent.futures.Future()
         self._submit(_Add(requests, done))
         try:
@@ -372,15 +380,15 @@ class AsyncEngine:
             entry = self._streams.get(output.request_id)
             if entry is None:
                 continue  # aborted by its handler meanwhile
-            stream, index = entry
-            stream.put(index, output)
+            channel, index = entry
+            channel.put(index, output)
             if output.finished:
                 del self._streams[output.request_id]
 
     def _fail_all(self, error: BaseException) -> None:
         failure = EngineUnavailableError(f"the engine failed: {type(error).__name__}: {error}")
-        for stream in {stream for stream, _ in self._streams.values()}:
-            stream.fail(failure)
+        for channel in {channel for channel, _ in self._streams.values()}:
+            channel.fail(failure)
         self._streams.clear()
         with self._cond:
             commands, self._commands = self._commands, []

@@ -1,0 +1,176 @@
+"""A real `tokenmill serve` subprocess for the server tests, and helpers to talk to it.
+
+Loading the model takes ~20-30 s, so each test module shares one server
+(module-scoped fixture) and keeps generations short.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+# Small limits keep the KV cache and every request cheap on a 2-core CPU. One torch
+# thread: the test client needs the other core, and two OpenMP threads on a busy
+# 2-core machine made steps 5-10x slower (spinning threads time-sliced against
+# each other), where one thread keeps a 32-sequence decode step near 0.5 s.
+BASE_ARGS = ["--dtype", "float32", "--max-model-len", "1024", "--kv-cache-memory", "256MiB",
+             "--num-threads", "1", "--disable-access-log"]
+STARTUP_TIMEOUT = 240.0
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class ServerProcess:
+    """`python -m tokenmill.cli serve ...` on a free loopback port."""
+
+    def __init__(self, *args: str, api_key: str | None = None) -> None:
+        self.args = list(args)
+        self.api_key = api_key
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="tokenmill-serve-", suffix=".log", delete=False)
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.saw_loading_503 = False  # /health answered 503 "loading" while the model loaded
+        self.model = ""
+
+    # ----- lifecycle ---------------------------------------------------------------------
+
+    def start(self) -> ServerProcess:
+        command = [sys.executable, "-m", "tokenmill.cli", "serve", *BASE_ARGS, "--port", str(self.port), *self.args]
+        if self.api_key:
+            command += ["--api-key", self.api_key]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env.pop("TOKENMILL_API_KEY", None)
+        self.proc = subprocess.Popen(command, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self._wait_healthy()
+        self.model = self.get("/v1/models").json()["data"][0]["id"]
+        return self
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + STARTUP_TIMEOUT
+        while time.monotonic() < deadline:
+            if not self.alive:
+                raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            try:
+                response = httpx.get(self.url + "/health", timeout=5)
+            except httpx.TransportError:
+                time.sleep(0.2)
+                continue
+            if response.status_code == 200:
+                return
+            if response.status_code == 503 and "loading" in response.text:
+                self.saw_loading_503 = True
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"the server was not healthy after {STARTUP_TIMEOUT} s:\n{self.log_tail()}")
+
+    @property
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 30.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.alive:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+    def log_tail(self, chars: int = 4000) -> str:
+        return Path(self.log.name).read_text(errors="replace")[-chars:]
+
+    # ----- requests ----------------------------------------------------------------------
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
+
+    def get(self, path: str, **kwargs) -> httpx.Response:
+        return httpx.get(self.url + path, headers={**self.headers, **kwargs.pop("headers", {})},
+                         timeout=kwargs.pop("timeout", 120), **kwargs)
+
+    def post(self, path: str, **kwargs) -> httpx.Response:
+        return httpx.post(self.url + path, headers={**self.headers, **kwargs.pop("headers", {})},
+                          timeout=kwargs.pop("timeout", 300), **kwargs)
+
+    def metrics(self) -> dict[str, float]:
+        return parse_metrics(httpx.get(self.url + "/metrics", timeout=30).text)
+
+    def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
+        """Wait until nothing runs or waits and the KV cache is empty; the last metrics."""
+        deadline = time.monotonic() + timeout
+        while True:
+            metrics = self.metrics()
+            idle = (metrics["tokenmill:num_requests_running"], metrics["tokenmill:num_requests_waiting"],
+                    metrics["tokenmill:kv_cache_usage_perc"]) == (0, 0, 0)
+            if idle or time.monotonic() > deadline:
+                return metrics
+            time.sleep(0.1)
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """Prometheus text -> {name{labels but model_name}: value}, summing nothing:
+    `tokenmill:request_success_total{finished_reason="length"}`, `tokenmill:num_requests_running`."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith("tokenmill:"):
+            continue
+        match = re.match(r"^([^{\s]+)(?:\{(.*)\})? (\S+)$", line)
+        if not match:
+            continue
+        name, labels, value = match.groups()
+        kept = [label for label in re.findall(r'(\w+="[^"]*")', labels or "") if not label.startswith("model_name=")]
+        key = f"{name}{{{','.join(kept)}}}" if kept else name
+        values[key] = float(value)
+    return values
+
+
+def sse_events(raw: str) -> list[str]:
+    """The data payloads of an SSE body, checking the framing on the way."""
+    assert raw.endswith("data: [DONE]\n\n"), raw[-200:]
+    blocks = raw.split("\n\n")
+    assert blocks[-1] == ""
+    payloads = []
+    for block in blocks[:-1]:
+        assert block.startswith("data: "), block
+        assert "\n" not in block, block  # one line per event
+        payloads.append(block[len("data: "):])
+    return payloads
+
+
+def sse_json(raw: str) -> list[dict]:
+    payloads = sse_events(raw)
+    assert payloads[-1] == "[DONE]"
+    return [json.loads(p) for p in payloads[:-1]]
+
+
+def assert_error(response: httpx.Response, status: int, param: str | None = None) -> dict:
+    """An OpenAI-shaped error body with the given status."""
+    assert response.status_code == status, (response.status_code, response.text)
+    body = response.json()
+    assert set(body) == {"error"}, body
+    error = body["error"]
+    assert set(error) == {"message", "type", "param", "code"}, error
+    assert isinstance(error["message"], str) and error["message"]
+    if param is not None:
+        assert error["param"] == param, error
+    return error
