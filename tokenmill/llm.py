@@ -52,6 +52,14 @@ class LLM:
         self.engine = LLMEngine.from_config(config)
         self.tokenizer = self.engine.tokenizer
 
+    @classmethod
+    def from_engine(cls, engine: LLMEngine) -> LLM:
+        """Wrap an existing engine (e.g. one sharing another engine's runner)."""
+        llm = cls.__new__(cls)
+        llm.engine = engine
+        llm.tokenizer = engine.tokenizer
+        return llm
+
     def generate(
         self,
         prompts: Prompt | Sequence[Prompt],

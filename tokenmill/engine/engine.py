@@ -101,8 +101,9 @@ class LLMEngine:
             )
             for i in range(params.n)
         ]
-        if request_id in self.output_processor.user_requests:
-            raise ValueError(f"request id {request_id!r} is already in use")
+        for rid in [request_id, *(s.request_id for s in samples)]:
+            if rid in self.output_processor.user_requests or rid in self.scheduler.requests:
+                raise ValueError(f"request id {rid!r} is already in use")
         for sample in samples:
             self.scheduler.check_can_admit(sample)
         for sample in samples:

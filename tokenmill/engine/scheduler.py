@@ -59,12 +59,13 @@ class Scheduler:
                 f"the prompt has {request.num_prompt_tokens} tokens, but max_model_len is {limit}: "
                 "it must be shorter to leave room for at least one generated token"
             )
-        worst_case = request.num_prompt_tokens + request.max_tokens
+        # The last sampled token is never fed back, so it needs no KV slot.
+        worst_case = request.num_prompt_tokens + request.max_tokens - 1
         capacity = self.kv.num_blocks * self.kv.block_size
         if self.kv.blocks_needed(worst_case) > self.kv.num_blocks:
             raise ValueError(
-                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) = "
-                f"{worst_case} tokens can never fit in the KV cache ({capacity} tokens); "
+                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) needs "
+                f"{worst_case} KV slots, which can never fit in the KV cache ({capacity} tokens); "
                 "lower max_tokens or raise kv_cache_memory"
             )
 

@@ -34,15 +34,11 @@ class ModelArchConfig:
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> ModelArchConfig:
-        archs = cfg.get("architectures") or []
-        hf_to_ours = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
-        arch = next((hf_to_ours[a] for a in archs if a in hf_to_ours), None)
-        if arch is None:
-            raise ValueError(
-                f"unsupported architecture {archs or cfg.get('model_type')!r}; "
-                f"tokenmill supports {sorted(hf_to_ours)}"
-            )
+        arch = _hf_architecture(cfg)
         heads = cfg["num_attention_heads"]
+        # transformers >= 5 folds rope_theta and rope_scaling into rope_parameters.
+        rope = dict(cfg.get("rope_parameters") or cfg.get("rope_scaling") or {})
+        theta = rope.pop("rope_theta", None) or cfg.get("rope_theta", 10000.0)
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -53,9 +49,26 @@ class ModelArchConfig:
             num_kv_heads=cfg.get("num_key_value_heads") or heads,
             head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-5),
-            rope_theta=cfg.get("rope_theta", (cfg.get("rope_parameters") or {}).get("rope_theta", 10000.0)),
-            rope_scaling=cfg.get("rope_scaling"),
+            rope_theta=theta,
+            rope_scaling=rope if rope.get("rope_type", rope.get("type", "default")) != "default" else None,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", arch == "qwen2"),
         )
+
+
+_HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2"}
+_HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+
+
+def _hf_architecture(cfg: dict) -> str:
+    names = cfg.get("architectures") or []
+    for name in names:
+        if name in _HF_ARCHITECTURES:
+            return _HF_ARCHITECTURES[name]
+    if not names and cfg.get("model_type") in _HF_MODEL_TYPES:
+        return _HF_MODEL_TYPES[cfg["model_type"]]
+    raise ValueError(
+        f"unsupported architecture {names or cfg.get('model_type')!r}; "
+        f"tokenmill supports {sorted(_HF_ARCHITECTURES)}"
+    )

