@@ -168,6 +168,15 @@ def test_tokenize_and_detokenize_round_trip(server):
     assert text == "Hello world"
 
 
+def test_chat_content_parts_and_generation_prompt(server):
+    as_text = [{"role": "user", "content": "first\nsecond"}]
+    as_parts = [{"role": "user", "content": [{"type": "text", "text": "first"}, {"type": "text", "text": "second"}]}]
+    tokens = server.post("/tokenize", json={"messages": as_text}).json()["tokens"]
+    assert server.post("/tokenize", json={"messages": as_parts}).json()["tokens"] == tokens
+    without = server.post("/tokenize", json={"messages": as_text, "add_generation_prompt": False}).json()["tokens"]
+    assert tokens[: len(without)] == without and len(tokens) > len(without)  # the assistant header follows
+
+
 def test_32_concurrent_streams_complete_and_metrics_agree(server):
     before = server.wait_idle()
     max_tokens = 5

@@ -65,7 +65,7 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = resolve_settings(args)
-    _log_settings(settings, getattr(args, _DEFAULTS_KEY))
+    log_settings(settings, getattr(args, _DEFAULTS_KEY))
     return serve(settings)
 
 
@@ -115,11 +115,11 @@ def _check_type(path: str, key: str, value: Any, default: Any) -> Any:
     if expected is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if not ok:
-        raise ValueError(f"{path}: {key} must be a {expected.__name__}, got {value!r}")
+        raise ValueError(f"{path}: {key} must be of type {expected.__name__}, got {value!r}")
     return value
 
 
-def _log_settings(settings: argparse.Namespace, defaults: dict[str, Any]) -> None:
+def log_settings(settings: argparse.Namespace, defaults: dict[str, Any]) -> None:
     changed = {
         key: ("***" if key in _SECRET_SETTINGS else value)
         for key, value in vars(settings).items()

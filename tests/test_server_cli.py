@@ -1,0 +1,70 @@
+"""`tokenmill serve` flags: command line over YAML file over defaults (no model loaded)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+import pytest
+
+from tokenmill.cli import add_engine_args
+from tokenmill.serve import cli as serve_cli
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="tokenmill")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve_cli.register(sub, add_engine_args)
+    return parser.parse_args(["serve", *argv])
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    return serve_cli.resolve_settings(parse_args(argv))
+
+
+def test_defaults_without_flags():
+    settings = parse([])
+    assert (settings.host, settings.port, settings.model, settings.api_key) == ("127.0.0.1", 8000, None, None)
+    assert settings.shutdown_timeout == 30.0 and settings.max_queued_requests is None
+    assert settings.max_num_seqs == 64 and settings.enable_prefix_caching is True
+
+
+def test_positional_model_and_flags():
+    settings = parse(["/models/x.gguf", "--port", "9001", "--served-model-name", "a", "b", "--api-key", "k"])
+    assert settings.model == "/models/x.gguf"
+    assert settings.port == 9001 and settings.served_model_name == ["a", "b"] and settings.api_key == "k"
+
+
+def test_command_line_wins_over_the_yaml_file_which_wins_over_defaults(tmp_path):
+    config = tmp_path / "serve.yaml"
+    config.write_text(
+        "port: 9100\nmax-model-len: 512\nkv_cache_memory: 64MiB\nserved-model-name: friendly\n"
+        "no-prefix-caching: true\nshutdown-timeout: 5\n"
+    )
+    settings = parse(["--config", str(config), "--port", "9200"])
+    assert settings.port == 9200  # command line
+    assert settings.max_model_len == 512 and settings.kv_cache_memory == "64MiB"  # file
+    assert settings.served_model_name == ["friendly"] and settings.enable_prefix_caching is False
+    assert settings.shutdown_timeout == 5.0
+    assert settings.max_num_seqs == 64  # default
+    # A flag given explicitly at its default value still wins over the file.
+    assert parse(["--port", "8000", "--config", str(config)]).port == 8000
+
+
+@pytest.mark.parametrize(("text", "message"), [
+    ("no_such_flag: 1\n", "unknown setting"),
+    ("port: eighty\n", "port must be of type int"),
+    ("- a list\n", "mapping"),
+])
+def test_bad_yaml_files_are_refused_by_name(tmp_path, text, message):
+    config = tmp_path / "bad.yaml"
+    config.write_text(text)
+    with pytest.raises(ValueError, match=message):
+        parse(["--config", str(config)])
+
+
+def test_non_default_settings_are_logged_with_secrets_masked(caplog):
+    args = parse_args(["--port", "9300", "--api-key", "s3cret"])
+    with caplog.at_level(logging.INFO, logger="tokenmill.serve"):
+        serve_cli.log_settings(serve_cli.resolve_settings(args), args._serve_defaults)
+    assert "port=9300" in caplog.text and "s3cret" not in caplog.text and "api_key='***'" in caplog.text
