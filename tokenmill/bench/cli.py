@@ -1,5 +1,46 @@
-"""`tokenmill bench` subcommands (placeholder until they land)."""
+"""`tokenmill bench <kind>`: benchmarks.
+
+Each kind registers itself in `BENCHMARKS` with a function that adds its flags to
+its own sub-parser and sets `func`. Heavy imports (torch, transformers) stay inside
+the commands, so `tokenmill --help` remains fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+
+AddEngineArgs = Callable[[argparse.ArgumentParser], None]
 
 
-def register(sub, add_engine_args) -> None:
-    pass
+def _register_offline(parser: argparse.ArgumentParser, add_engine_args: AddEngineArgs) -> None:
+    from tokenmill.bench import offline
+
+    offline.add_offline_args(parser)
+    add_engine_args(parser)
+    parser.set_defaults(func=_run_offline)
+
+
+def _run_offline(args: argparse.Namespace) -> int:
+    from tokenmill.bench.offline import cmd_offline
+
+    return cmd_offline(args)
+
+
+# name -> (help, registration). Add `serve`, `sweep`, ... here.
+BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser, AddEngineArgs], None]]] = {
+    "offline": (
+        "throughput and latency of fixed workloads (W1-W4) through the offline API, "
+        "optionally against Hugging Face transformers",
+        _register_offline,
+    ),
+}
+
+
+def register(sub, add_engine_args: AddEngineArgs) -> None:
+    """Add `bench` to the top-level sub-parsers, with one sub-command per benchmark."""
+    bench = sub.add_parser("bench", help="benchmarks", description=__doc__.splitlines()[0])
+    kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="{" + ",".join(BENCHMARKS) + "}")
+    for name, (help_text, add) in BENCHMARKS.items():
+        parser = kinds.add_parser(name, help=help_text, description=help_text)
+        add(parser, add_engine_args)
