@@ -446,6 +446,7 @@ def machine_info(dtype: str) -> dict[str, Any]:
         "cuda": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
         "dtype": dtype,
         "tokenmill_commit": _git_commit(),
+        "tokenmill_dirty": _git_dirty(),
     }
     try:
         import transformers
@@ -492,6 +493,17 @@ def _cpu_flags() -> list[str]:
     except OSError:
         pass
     return []
+
+
+def _git_dirty() -> bool | None:
+    """Whether tracked files differ from the commit (others' work in progress was measured too)."""
+    try:
+        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+        result = subprocess.run(["git", "-C", root, "status", "--porcelain", "--untracked-files=no"],
+                                capture_output=True, text=True, timeout=5)
+        return bool(result.stdout.strip()) if result.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def _git_commit() -> str | None:
@@ -554,21 +566,22 @@ def cmd_offline(args: argparse.Namespace) -> int:
     if "W4" in workloads:
         tokenmill.llm(prefix_caching=not kwargs["enable_prefix_caching"])  # build the sibling now
 
+    import torch
+
+    threads = torch.get_num_threads()
+    dtype = _engine_dtype(llm, args.dtype)
+    vocab = min(llm.engine.vocab_size, llm.tokenizer.vocab_size)
+    pool = ordinary_token_ids(llm.tokenizer, vocab)
     hf = None
     if args.baseline == "hf":
         from tokenmill.bench.hf_baseline import HFBaseline
 
-        progress("loading transformers baseline (dequantizing the weights)")
+        progress(f"loading transformers baseline ({dtype}, dequantizing the weights)")
         t0 = time.perf_counter()
-        hf = HFBaseline(model_path, args.dtype, device=_engine_device(llm))
+        hf = HFBaseline(model_path, dtype, device=_engine_device(llm))
         load_s["hf"] = time.perf_counter() - t0
 
-    import torch
-
-    threads = torch.get_num_threads()
-    vocab = min(llm.engine.vocab_size, llm.tokenizer.vocab_size)
-    pool = ordinary_token_ids(llm.tokenizer, vocab)
-    machine = machine_info(args.dtype)
+    machine = machine_info(dtype)
     machine["loadavg_start"] = list(os.getloadavg())
 
     results: dict[str, Any] = {}
@@ -605,6 +618,12 @@ def cmd_offline(args: argparse.Namespace) -> int:
             f.write("\n")
         progress(f"wrote {args.output}")
     return 0
+
+
+def _engine_dtype(llm: Any, requested: str) -> str:
+    """The dtype the engine really computes in (`--dtype auto` resolves per machine)."""
+    dtype = getattr(llm.engine.executor, "dtype", None)
+    return str(dtype).removeprefix("torch.") if dtype is not None else requested
 
 
 def _engine_device(llm: Any) -> str:
