@@ -121,6 +121,12 @@ def test_the_server_stays_healthy_and_idle_after_bad_requests(live):
     assert response.status_code == 200 and response.json()["usage"]["completion_tokens"] <= 2
 
 
+def test_a_body_not_sent_as_json_says_which_content_type_to_use(live):
+    response = httpx.post(live.url + COMPLETIONS, content=b'{"prompt": "a"}',
+                          headers={**live.headers, "content-type": "application/x-www-form-urlencoded"})
+    assert "Content-Type: application/json" in assert_error(response, 400)["message"]
+
+
 def test_unknown_routes_and_methods_answer_in_openai_shape(live):
     assert_error(live.get("/v1/nothing-here"), 404)
     assert_error(live.get(COMPLETIONS), 405)

@@ -90,9 +90,13 @@ async def _api_error(_: Request, exc: Exception) -> JSONResponse:
     return error_response(exc.status, exc.message, exc.param, exc.code, exc.headers)
 
 
-async def _validation_error(_: Request, exc: Exception) -> JSONResponse:
+async def _validation_error(request: Request, exc: Exception) -> JSONResponse:
     assert isinstance(exc, RequestValidationError)
     message, param = describe_validation_errors(exc.errors())
+    content_type = request.headers.get("content-type", "")
+    if param is None and "json" not in content_type:
+        # FastAPI parses JSON only when told it is JSON (curl -d says form data).
+        message = f"{message}; send it with 'Content-Type: application/json' (got {content_type or 'none'!r})"
     return error_response(400, message, param)
 
 

@@ -98,11 +98,11 @@ class OpenAIServing:
     async def create_completion(self, body: CompletionRequest, raw: Request) -> Response:
         model = self.check_model(body.model)
         _check_stream_options(body)
+        echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+        params = _sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs=echo_logprobs)
         core = self.core
         prompts = [Prompt(_encode_or_ids(core, p), p if isinstance(p, str) else None)
                    for p in _prompt_list(body.prompt)]
-        echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-        params = _sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs=echo_logprobs)
         for prompt in prompts:
             self._check_fits(len(prompt.token_ids), body.max_tokens)
         request_id = f"cmpl-{uuid.uuid4().hex}"
