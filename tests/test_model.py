@@ -137,3 +137,14 @@ def test_paged_chunked_batched_attention_equals_dense() -> None:
         n = got.shape[0]
         dense = model.compute_logits(model(torch.tensor(seq[:n]), torch.arange(n)))
         torch.testing.assert_close(got, dense, atol=1e-5, rtol=1e-5)
+
+
+def test_explicit_rope_factors_equal_llama3_scaling() -> None:
+    """GGUF stores Llama 3.1 scaling as divisors; they must reproduce the llama3 formula."""
+    from tokenmill.model.layers import rope_inv_freq
+
+    scaling = CASES["llama3-rope-scaling"]["rope_scaling"]
+    plain = rope_inv_freq(64, 500000.0, None).double()
+    scaled = rope_inv_freq(64, 500000.0, scaling).double()
+    factors = (plain / scaled).tolist()
+    torch.testing.assert_close(rope_inv_freq(64, 500000.0, {"rope_type": "factors", "factors": factors}), scaled.float())

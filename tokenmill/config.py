@@ -8,13 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-SUPPORTED_DTYPES = ("float32", "bfloat16", "float16")
+SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str | None = None  # None: the default model (SmolLM2-135M-Instruct GGUF)
-    dtype: str = "bfloat16"
+    dtype: str = "auto"  # see runner.factory.resolve_dtype
     device: str = "auto"  # "auto" picks cuda when available, else cpu
     max_model_len: int | None = None  # None: the model's context length
     max_num_seqs: int = 64

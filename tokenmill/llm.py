@@ -25,7 +25,7 @@ class LLM:
     def __init__(
         self,
         model: str | None = None,
-        dtype: str = "bfloat16",
+        dtype: str = "auto",
         max_model_len: int | None = None,
         max_num_seqs: int = 64,
         max_num_batched_tokens: int = 2048,

@@ -12,9 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
 import os
-import struct
 from collections.abc import Sequence
 from datetime import datetime
 from functools import lru_cache
@@ -27,6 +25,8 @@ import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
+
+from tokenmill.model.gguf_file import read_gguf_metadata
 
 if TYPE_CHECKING:
     import gguf
@@ -118,16 +118,19 @@ class Tokenizer:
     # ----- construction ------------------------------------------------------------------
 
     @classmethod
-    def from_gguf(cls, reader: gguf.GGUFReader | str | os.PathLike[str]) -> Tokenizer:
+    def from_gguf(cls, source: gguf.GGUFReader | dict[str, Any] | str | os.PathLike[str]) -> Tokenizer:
         """Build from a GGUF's `tokenizer.*` metadata.
 
-        Takes an open `gguf.GGUFReader`, or a path: then only the metadata is parsed, which is
-        ~10x faster than opening a GGUFReader (it builds a numpy view per vocabulary string).
+        Takes the parsed metadata (a dict), an open `gguf.GGUFReader`, or a path: then only
+        the metadata is parsed, ~10x faster than opening a GGUFReader (which builds a numpy
+        view per vocabulary string).
         """
-        if hasattr(reader, "fields"):
-            meta = {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
+        if isinstance(source, dict):
+            meta = source
+        elif hasattr(source, "fields"):
+            meta = {key: field.contents() for key, field in source.fields.items() if key.startswith("tokenizer.")}
         else:
-            meta = _read_gguf_metadata(reader, prefix="tokenizer.")
+            meta = read_gguf_metadata(source, prefix="tokenizer.")
         kind = meta.get("tokenizer.ggml.model")
         if kind == "gpt2":
             backend = _byte_level_bpe_from_gguf(meta)
@@ -278,58 +281,6 @@ class Tokenizer:
 
 
 # ----- GGUF ------------------------------------------------------------------------------
-
-
-# struct formats of GGUF's scalar value types (gguf.GGUFValueType); 8 is STRING, 9 is ARRAY.
-_GGUF_SCALAR_FORMATS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-
-
-def _read_gguf_metadata(path: str | os.PathLike[str], prefix: str = "") -> dict[str, Any]:
-    """The metadata key/values of a little-endian GGUF (v2/v3) whose key starts with `prefix`."""
-    with open(path, "rb") as file, mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) as data:
-        parser = _GGUFMetadataParser(data)
-        magic, version, _tensor_count, kv_count = parser.unpack("4sIQQ")
-        if magic != b"GGUF" or version not in (2, 3):
-            raise ValueError(f"{os.fspath(path)!r} is not a little-endian GGUF v2/v3 file")
-        metadata = {}
-        for _ in range(kv_count):
-            key = parser.string()
-            value = parser.value(parser.unpack("I")[0])
-            if key.startswith(prefix):
-                metadata[key] = value
-        return metadata
-
-
-class _GGUFMetadataParser:
-    """Reads GGUF values one after another from a buffer."""
-
-    def __init__(self, data: mmap.mmap) -> None:
-        self._data = data
-        self._offset = 0
-
-    def unpack(self, fmt: str) -> tuple[Any, ...]:
-        layout = struct.Struct("<" + fmt)
-        values = layout.unpack_from(self._data, self._offset)
-        self._offset += layout.size
-        return values
-
-    def string(self) -> str:
-        (length,) = self.unpack("Q")
-        start, self._offset = self._offset, self._offset + length
-        return self._data[start:self._offset].decode("utf-8", errors="replace")
-
-    def value(self, value_type: int) -> Any:
-        if value_type == _GGUF_STRING:
-            return self.string()
-        if value_type == _GGUF_ARRAY:
-            item_type, count = self.unpack("IQ")
-            if item_type in _GGUF_SCALAR_FORMATS:
-                return list(self.unpack(f"{count}{_GGUF_SCALAR_FORMATS[item_type]}"))
-            return [self.value(item_type) for _ in range(count)]
-        if value_type not in _GGUF_SCALAR_FORMATS:
-            raise ValueError(f"unknown GGUF metadata value type {value_type}")
-        return self.unpack(_GGUF_SCALAR_FORMATS[value_type])[0]
 
 
 @lru_cache(maxsize=1)

@@ -127,7 +127,10 @@ class OutputProcessor:
         if sample.logprobs is not None and token_logprobs is not None:
             sample.logprobs.append(self._position_logprobs(token_logprobs))
             sample.cumulative_logprob += token_logprobs.logprob
-        stop_string = sample.detokenizer.append([new_token])
+        # An EOS that ends the request is not part of the text (as in vLLM), even
+        # with skip_special_tokens=False.
+        ended_by_eos = request.status.value == "stop" and request.stop_reason is None
+        stop_string = None if ended_by_eos else sample.detokenizer.append([new_token])
         if stop_string is not None:
             sample.finish_reason, sample.stop_reason = "stop", stop_string
         elif request.is_finished:

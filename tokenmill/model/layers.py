@@ -30,6 +30,8 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Te
         inv_freq = _llama3_scaled(inv_freq, scaling)
     elif kind == "linear":
         inv_freq = inv_freq / scaling["factor"]
+    elif kind == "factors":  # explicit per-frequency divisors (GGUF rope_freqs)
+        inv_freq = inv_freq / torch.tensor(scaling["factors"], dtype=torch.float64)
     elif kind not in (None, "default"):
         raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: llama3, linear")
     return inv_freq.float()

@@ -18,6 +18,7 @@ import torch
 from tqdm import tqdm
 
 from tokenmill.model.config import ModelArchConfig
+from tokenmill.model.gguf_file import GGUFFile
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.tokenizer import Tokenizer
 
@@ -100,35 +101,30 @@ def load_model(model: str | None, dtype: str, device: torch.device, max_position
 
 
 def _open_gguf(path: str) -> tuple[ModelArchConfig, Tokenizer, Iterator[tuple[str, torch.Tensor]], int]:
-    import gguf
-
-    reader = gguf.GGUFReader(path)
-    meta = {name: _field_value(f) for name, f in reader.fields.items() if not name.startswith("tokenizer.ggml.")}
+    gguf_file = GGUFFile(path)
+    meta = gguf_file.metadata
     arch_name = meta.get("general.architecture")
     if arch_name not in ("llama", "qwen2"):
         raise ValueError(f"unsupported architecture {arch_name!r} in {path}; tokenmill supports llama and qwen2")
-    arch = _arch_from_gguf(meta, arch_name, reader)
-    tokenizer = Tokenizer.from_gguf(reader)
-    return arch, tokenizer, _gguf_weights(reader, arch), len(reader.tensors)
+    arch = _arch_from_gguf(meta, arch_name, gguf_file)
+    tokenizer = Tokenizer.from_gguf({k: v for k, v in meta.items() if k.startswith("tokenizer.")})
+    return arch, tokenizer, _gguf_weights(gguf_file, arch), len(gguf_file.tensors)
 
 
-def _field_value(field):
-    try:
-        return field.contents()
-    except Exception:  # noqa: BLE001 - an unreadable field we do not need
-        return None
-
-
-def _arch_from_gguf(meta: dict, arch: str, reader) -> ModelArchConfig:
+def _arch_from_gguf(meta: dict, arch: str, gguf_file: GGUFFile) -> ModelArchConfig:
     def get(key, default=None):
         return meta.get(f"{arch}.{key}", default)
 
     heads = get("attention.head_count")
     hidden = get("embedding_length")
-    names = {t.name for t in reader.tensors}
-    vocab = get("vocab_size") or len(reader.fields["tokenizer.ggml.tokens"].data)
+    vocab = get("vocab_size") or len(meta["tokenizer.ggml.tokens"])
+    tensors = {t.name: t for t in gguf_file.tensors}
     scaling = None
-    if get("rope.scaling.type") == "linear":
+    if "rope_freqs.weight" in tensors:
+        # llama.cpp stores Llama 3.1's rope scaling as per-frequency divisors.
+        factors = gguf_file.dequantize(tensors["rope_freqs.weight"]).tolist()
+        scaling = {"rope_type": "factors", "factors": factors}
+    elif get("rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
     return ModelArchConfig(
         architecture=arch,
@@ -143,30 +139,28 @@ def _arch_from_gguf(meta: dict, arch: str, reader) -> ModelArchConfig:
         rope_theta=get("rope.freq_base", 10000.0),
         rope_scaling=scaling,
         max_position_embeddings=get("context_length", 4096),
-        tie_word_embeddings="output.weight" not in names,
-        attention_bias="blk.0.attn_q.bias" in names,
+        tie_word_embeddings="output.weight" not in tensors,
+        attention_bias="blk.0.attn_q.bias" in tensors,
     )
 
 
-def _gguf_weights(reader, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _gguf_weights(gguf_file: GGUFFile, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
     import gguf
 
     gguf_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}[arch.architecture]
     name_map = gguf.get_tensor_name_map(gguf_arch, arch.num_layers)
     hf_names = _hf_names_by_gguf_name(name_map, arch)
-    for tensor in reader.tensors:
-        hf_name = hf_names.get(tensor.name)
+    for info in gguf_file.tensors:
+        hf_name = hf_names.get(info.name)
         if hf_name is None:
-            if tensor.name.startswith("rope_freqs"):
-                continue  # llama3 rope factors: we compute them from the scaling parameters
-            raise ValueError(f"GGUF tensor {tensor.name!r} has no place in the {arch.architecture} model")
-        weight = gguf.quants.dequantize(tensor.data, tensor.tensor_type)
-        weight = weight.reshape([int(d) for d in reversed(tensor.shape)])
+            if info.name.startswith("rope_freqs"):
+                continue  # read into arch.rope_scaling already
+            raise ValueError(f"GGUF tensor {info.name!r} has no place in the {arch.architecture} model")
+        weight = gguf_file.dequantize(info)
         if arch.architecture == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
             heads = arch.num_heads if "q_proj" in hf_name else arch.num_kv_heads
             weight = unpermute_rope_rows(weight, heads)
-        # F32 tensors come as read-only views of the memory map: copy them.
-        yield hf_name, torch.from_numpy(np.array(weight, dtype=np.float32, copy=not weight.flags.writeable))
+        yield hf_name, torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
 
 
 def _hf_names_by_gguf_name(name_map, arch: ModelArchConfig) -> dict[str, str]:
