@@ -199,3 +199,8 @@ def test_unknown_model_path_is_named(tmp_path) -> None:
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"}')
     with pytest.raises(ValueError, match="unsupported architecture"):
         LLM(model=str(tmp_path))
+
+
+def test_seed_out_of_generator_range_is_rejected() -> None:
+    with pytest.raises(ValueError, match="seed must be an integer"):
+        SamplingParams(seed=2**64)

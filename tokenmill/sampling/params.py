@@ -96,7 +96,10 @@ class SamplingParams:
             _check(isinstance(token_id, int) and token_id >= 0,
                    f"logit_bias keys must be token ids (non-negative integers), got {token_id!r}")
             _check(-100.0 <= bias <= 100.0, f"logit_bias values must be in [-100, 100], got {bias}")
-        _check(self.seed is None or isinstance(self.seed, int), f"seed must be an integer, got {self.seed!r}")
+        _check(
+            self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64),
+            f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}",
+        )
 
     def validate_token_ids(self, vocab_size: int) -> None:
         """Checks that need the model's vocabulary size."""
