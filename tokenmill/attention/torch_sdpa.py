@@ -90,17 +90,24 @@ class TorchSDPABackend(AttentionBackend):
     def _decode_batch(layout: BatchLayout, decodes: list[int], starts: list[int], device: torch.device) -> dict:
         if not decodes:
             return {"decode_rows": None, "decode_gather": None, "decode_mask": None}
-        max_ctx = max(layout.context_lens[i] for i in decodes)
-        gathers = []
-        for i in decodes:
-            slots = _context_slots(layout.block_tables[i], layout.context_lens[i], layout.block_size, device)
-            # Padding points at slot 0: real (finite) cache memory, masked out below.
-            gathers.append(F.pad(slots, (0, max_ctx - slots.numel())))
-        lens = torch.tensor([layout.context_lens[i] for i in decodes], device=device)
-        mask = torch.arange(max_ctx, device=device).unsqueeze(0) < lens.unsqueeze(1)
+        size = layout.block_size
+        lens = [layout.context_lens[i] for i in decodes]
+        max_ctx = max(lens)
+        num_blocks = -(-max_ctx // size)
+        # One padded block table for all decodes; padding points at block 0, real
+        # (finite) cache memory that the mask hides.
+        table = torch.tensor(
+            [layout.block_tables[i][:num_blocks] + [0] * (num_blocks - len(layout.block_tables[i][:num_blocks]))
+             for i in decodes],
+            dtype=torch.long,
+            device=device,
+        )
+        gather = (table.unsqueeze(2) * size + torch.arange(size, device=device)).flatten(1)[:, :max_ctx]
+        lens_t = torch.tensor(lens, device=device)
+        mask = torch.arange(max_ctx, device=device).unsqueeze(0) < lens_t.unsqueeze(1)
         return {
             "decode_rows": torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=device),
-            "decode_gather": torch.stack(gathers),
+            "decode_gather": gather,
             "decode_mask": mask[:, None, None, :],
         }
 
