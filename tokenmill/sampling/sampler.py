@@ -7,12 +7,13 @@ Semantics follow vLLM v1:
 2. the returned logprobs are the log_softmax of the *raw* model logits (vLLM's
    default `raw_logprobs`), so they do not depend on the processing above;
 3. greedy rows take the argmax of the processed logits; random rows divide by the
-   temperature, drop tokens by min-p, top-k and top-p (one sort for all three), and
-   draw by an exponential race.
+   temperature, drop tokens by min-p, top-k and top-p (one sort for all three, only
+   for the rows that use them), and draw by inverse CDF: one uniform number per row
+   located in the cumulative distribution (far cheaper than one random number per
+   vocabulary entry, as an exponential race or Gumbel-max would need).
 
-A seeded request draws only from its own generator, and a fixed amount (one
-exponential per vocabulary entry) per step, so its tokens do not depend on which
-other requests share the batch.
+A seeded request draws only from its own generator, exactly one number per step, so
+its tokens do not depend on which other requests share the batch.
 """
 
 from __future__ import annotations
@@ -95,27 +96,35 @@ class Sampler:
         return token_ids
 
     def _sample_random(self, logits: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Temperature, then min-p / top-k / top-p, then an exponential race. In place."""
+        """Temperature, then min-p / top-k / top-p, then an inverse-CDF draw. In place."""
         temperatures = _row_tensor([row.params.temperature for row in rows], logits)
         logits.div_(temperatures.unsqueeze(1))
-        apply_top_k_top_p_min_p(logits, rows)
-        probs = torch.softmax(logits, dim=-1)
-        return probs.div_(self._exponential_noise(probs, rows)).argmax(dim=-1)
+        filtered = [i for i, row in enumerate(rows) if _has_filter(row.params)]
+        if len(filtered) == len(rows):
+            apply_top_k_top_p_min_p(logits, rows)
+        elif filtered:  # sort only the rows that need it
+            index = _index_tensor(filtered, logits)
+            sub = apply_top_k_top_p_min_p(logits.index_select(0, index), [rows[i] for i in filtered])
+            logits.index_copy_(0, index, sub)
+        cdf = torch.softmax(logits, dim=-1).cumsum_(dim=-1)
+        # One uniform per row, scaled by the row's total mass (rounding keeps it near 1).
+        # A token with zero probability adds nothing to the CDF, so it is never picked.
+        points = self._uniforms(rows, logits.device).mul_(cdf[:, -1])
+        token_ids = torch.searchsorted(cdf, points.unsqueeze(1), right=True).squeeze(1)
+        return token_ids.clamp_(max=logits.shape[1] - 1)
 
-    def _exponential_noise(self, probs: torch.Tensor, rows: list[SamplingRow]) -> torch.Tensor:
-        """Exp(1) noise shaped like `probs`: argmax(probs / noise) is a draw from probs.
+    def _uniforms(self, rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
+        """One U[0, 1) draw per row.
 
         Unseeded rows share the sampler's generator (one call for the batch); each
-        seeded row fills its own row from its own generator, so its draws depend
-        only on its seed and step count.
+        seeded row draws from its own generator, exactly one number per step, so its
+        samples depend only on its seed and step count, never on the batch.
         """
-        noise = torch.empty_like(probs)
-        if any(row.generator is None for row in rows):
-            noise.exponential_(generator=self._shared_generator(probs.device))
+        draws = torch.rand(len(rows), generator=self._shared_generator(device), device=device)
         for i, row in enumerate(rows):
             if row.generator is not None:
-                noise[i].exponential_(generator=row.generator)
-        return noise
+                draws[i] = torch.rand(1, generator=row.generator, device=device)[0]
+        return draws
 
     def _shared_generator(self, device: torch.device) -> torch.Generator:
         generator = self._generators.get(device)
@@ -298,6 +307,10 @@ def _has_penalty(params: SamplingParams) -> bool:
         or params.frequency_penalty != 0.0
         or params.presence_penalty != 0.0
     )
+
+
+def _has_filter(params: SamplingParams) -> bool:
+    return params.top_k > 0 or params.top_p < 1.0 or params.min_p > 0.0
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
