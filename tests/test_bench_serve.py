@@ -8,7 +8,6 @@ import asyncio
 import json
 import math
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -40,8 +39,9 @@ VLLM_KEYS = [
 
 def ok(ttft: float, itl: list[float], output_tokens: int | None = None, start: float = 0.0,
        prompt_len: int = 10) -> RequestRecord:
+    tokens = len(itl) + 1 if output_tokens is None else output_tokens
     return RequestRecord(prompt_len=prompt_len, success=True, start_time=start, ttft=ttft, itl=itl,
-                         latency=ttft + sum(itl), output_tokens=len(itl) + 1 if output_tokens is None else output_tokens)
+                         latency=ttft + sum(itl), output_tokens=tokens)
 
 
 # ----- metric arithmetic -------------------------------------------------------------------
@@ -319,7 +319,8 @@ def test_chat_ttft_counts_from_the_first_content_not_the_role_chunk(tmp_path):
     assert all(ttft >= 0.29 for ttft in result["ttfts"])  # the role chunk came at once
     assert all(len(itl) == n - 1 for itl, n in zip(result["itls"], result["output_lens"]))
     # TPOT = (E2EL - TTFT) / (n - 1) = mean ITL of a request.
-    tpots = [(lat - ttft) / (n - 1) for lat, ttft, n in zip(result["latencies"], result["ttfts"], result["output_lens"])]
+    tpots = [(lat - ttft) / (n - 1)
+             for lat, ttft, n in zip(result["latencies"], result["ttfts"], result["output_lens"])]
     assert result["mean_tpot_ms"] == pytest.approx(np.mean(tpots) * 1000)
 
 

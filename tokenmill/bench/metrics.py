@@ -206,7 +206,8 @@ def token_times(record: RequestRecord) -> list[float]:
     return times
 
 
-def output_timeline(records: Sequence[RequestRecord], bucket: float = 1.0) -> tuple[list[float], list[float], list[float]]:
+def output_timeline(records: Sequence[RequestRecord],
+                    bucket: float = 1.0) -> tuple[list[float], list[float], list[float]]:
     """(bin start times, output tokens/s, mean requests in flight) in `bucket`-second bins.
 
     A request's output tokens are spread over its content chunks (a server may send

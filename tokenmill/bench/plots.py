@@ -43,7 +43,8 @@ def _cdf(ax, values_ms: Sequence[float], label: str) -> None:
 
 def run_title(result: dict[str, Any]) -> str:
     cap = result["max_concurrency"]
-    return (f"{result['model_id']} {result['endpoint']}: {result['num_prompts']} prompts, "
+    label = f"{result['label']}: " if result.get("label") else ""
+    return (f"{label}{result['model_id']} {result['endpoint']}: {result['num_prompts']} prompts, "
             f"rate {result['request_rate']}, concurrency {cap if cap is not None else 'unlimited'}; "
             f"{result['completed']} ok, {result['failed']} failed")
 
@@ -103,6 +104,8 @@ def plot_sweep(results: Sequence[dict[str, Any]], path: str, axis: str) -> None:
     """Throughput, goodput and p99 latencies against offered load (`axis`: "request_rate"
     or "max_concurrency"). The knee of the throughput / goodput curve is the capacity."""
     plt = _pyplot()
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
     values = [math.inf if r[axis] in ("inf", None) else float(r[axis]) for r in results]
     xs, labels = _x_positions(values)
     fig, (ax_req, ax_tok, ax_lat) = plt.subplots(1, 3, figsize=(16, 4.8))
@@ -130,6 +133,9 @@ def plot_sweep(results: Sequence[dict[str, Any]], path: str, axis: str) -> None:
     for name, style in (("ttft", "o-"), ("tpot", "s-"), ("itl", "^-"), ("e2el", "d-")):
         ax_lat.plot(xs, [max(r[f"{tail}_{name}_ms"], 1e-3) for r in results], style, label=f"{tail} {name.upper()}")
     ax_lat.set_yscale("log")
+    ax_lat.yaxis.set_major_locator(LogLocator(subs=(1.0, 2.0, 5.0)))
+    ax_lat.yaxis.set_major_formatter(FuncFormatter(lambda value, _: f"{value:g}"))
+    ax_lat.yaxis.set_minor_formatter(NullFormatter())
     ax_lat.set_ylabel("milliseconds (log)")
     ax_lat.set_title(f"{tail} latencies")
     ax_lat.legend(fontsize=8)
@@ -142,7 +148,8 @@ def plot_sweep(results: Sequence[dict[str, Any]], path: str, axis: str) -> None:
         ax.set_xlabel(x_label)
         ax.grid(alpha=0.3)
     first = results[0]
-    fig.suptitle(f"{first['model_id']} {first['endpoint']}: {first['num_prompts']} prompts per point, "
+    label = f"{first['label']}: " if first.get("label") else ""
+    fig.suptitle(f"{label}{first['model_id']} {first['endpoint']}: {first['num_prompts']} prompts per point, "
                  f"input {first['input_len']}, output {first['output_len']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
