@@ -53,7 +53,7 @@ def test_batch_equals_solo_greedy(llm_f32) -> None:
     """Also exercises prefix caching: the solo runs hit blocks cached by the batch."""
     llm = sibling(llm_f32, enable_prefix_caching=True)
     prompts = _prompts(llm, 16)
-    params = [SamplingParams(temperature=0.0, max_tokens=8 + 3 * i, ignore_eos=True) for i in range(16)]
+    params = [SamplingParams(temperature=0.0, max_tokens=6 + 2 * i, ignore_eos=True) for i in range(16)]
     together = llm.generate(prompts, params)
     for prompt, p, out in zip(prompts, params, together):
         alone = llm.generate([prompt], p)[0]

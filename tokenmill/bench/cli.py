@@ -27,7 +27,7 @@ def _run_offline(args: argparse.Namespace) -> int:
     return cmd_offline(args)
 
 
-# name -> (help, registration). Add `serve`, `sweep`, ... here.
+# name -> (help, registration) of the benchmarks that build an engine in-process.
 BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser, AddEngineArgs], None]]] = {
     "offline": (
         "throughput and latency of fixed workloads (W1-W4) through the offline API, "
@@ -40,7 +40,12 @@ BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser, AddEngineArg
 def register(sub, add_engine_args: AddEngineArgs) -> None:
     """Add `bench` to the top-level sub-parsers, with one sub-command per benchmark."""
     bench = sub.add_parser("bench", help="benchmarks", description=__doc__.splitlines()[0])
-    kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="{" + ",".join(BENCHMARKS) + "}")
+    names = [*BENCHMARKS, "serve", "sweep"]
+    kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="{" + ",".join(names) + "}")
     for name, (help_text, add) in BENCHMARKS.items():
         parser = kinds.add_parser(name, help=help_text, description=help_text)
         add(parser, add_engine_args)
+    # The serving load client (`serve`, `sweep`) talks HTTP to any server: no engine flags.
+    from tokenmill.bench import serve_cli
+
+    serve_cli.register(kinds)
