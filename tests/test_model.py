@@ -148,3 +148,10 @@ def test_explicit_rope_factors_equal_llama3_scaling() -> None:
     scaled = rope_inv_freq(64, 500000.0, scaling).double()
     factors = (plain / scaled).tolist()
     torch.testing.assert_close(rope_inv_freq(64, 500000.0, {"rope_type": "factors", "factors": factors}), scaled.float())
+
+
+def test_sliding_window_is_recorded_unless_disabled() -> None:
+    base = {"architectures": ["MistralForCausalLM"], **TINY}
+    assert ModelArchConfig.from_hf_config({**base, "sliding_window": 4096}).sliding_window == 4096
+    qwen = {**base, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 4096, "use_sliding_window": False}
+    assert ModelArchConfig.from_hf_config(qwen).sliding_window is None

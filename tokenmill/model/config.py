@@ -23,6 +23,7 @@ class ModelArchConfig:
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # Qwen2 has biases on q/k/v
+    sliding_window: int | None = None  # not implemented: max_model_len must stay within it
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -54,6 +55,7 @@ class ModelArchConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=cfg.get("tie_word_embeddings", False),
             attention_bias=cfg.get("attention_bias", arch == "qwen2"),
+            sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
         )
 
 

@@ -71,6 +71,14 @@ def build_runner(config: EngineConfig) -> BuiltRunner:
     dtype = resolve_dtype(config.dtype, device)
     loaded = load_model(config.model, dtype, device, max_positions=config.max_model_len)
     max_model_len = config.max_model_len or loaded.context_len
+    window = loaded.arch.sliding_window
+    if window is not None and max_model_len > window:
+        if config.max_model_len is not None:
+            raise ValueError(
+                f"this model uses sliding-window attention ({window} tokens), which tokenmill does not "
+                f"implement; max_model_len {max_model_len} must be at most {window}"
+            )
+        max_model_len = window  # within the window, full attention is exact
     if config.max_model_len and config.max_model_len > loaded.context_len:
         logger.warning("max_model_len %d exceeds the model's context length %d", max_model_len, loaded.context_len)
     memory = config.kv_cache_memory or default_kv_cache_memory(device)
