@@ -121,7 +121,9 @@ def test_quick_cli_writes_every_key(tmp_path, capsys, restore_torch_threads) -> 
     # The shared prefix is served from the cache only when caching is on.
     assert w4["systems"]["tokenmill_prefix_on"]["median"]["cached_prompt_tokens"] > 0
     assert w4["systems"]["tokenmill_prefix_off"]["median"]["cached_prompt_tokens"] == 0
-    assert set(w4["speedup"]["prefix_on_vs_off"]) == set(WORKLOAD_METRICS["W4"]) - {"cached_prompt_tokens"}
+    for key in ("speedup", "paired_speedup"):
+        assert set(w4[key]["prefix_on_vs_off"]) == set(WORKLOAD_METRICS["W4"]) - {"cached_prompt_tokens"}
+        assert all(v > 0 for v in w4[key]["prefix_on_vs_off"].values())
     w1 = report["workloads"]["W1"]["systems"]["tokenmill"]["runs"][0]
     assert w1["output_tokens"] == QUICK.w1_new and w1["prompt_tokens"] == QUICK.w1_prompt
 
@@ -140,4 +142,5 @@ def test_quick_cli_with_hf_baseline(tmp_path, restore_torch_threads) -> None:
     w1 = json.loads(out.read_text())["workloads"]["W1"]
     assert set(w1["systems"]) == {"tokenmill", "hf"}
     assert set(w1["speedup"]["tokenmill_vs_hf"]) == set(WORKLOAD_METRICS["W1"])
+    assert set(w1["paired_speedup"]["tokenmill_vs_hf"]) == set(WORKLOAD_METRICS["W1"])
     assert w1["greedy_agreement"]["num_requests"] == 1

@@ -385,16 +385,30 @@ def run_workload(
         "systems": results,
         "speedup": {},
     }
-    for key, a, b in COMPARISONS.get(workload, DEFAULT_COMPARISONS):
-        if a in results and b in results:
-            out["speedup"][key] = {
-                m: speedup(m, results[a]["median"][m], results[b]["median"][m])
-                for m in WORKLOAD_METRICS[workload] if m != "cached_prompt_tokens"
-            }
+    add_speedups(workload, out)
     if "hf" in first_outputs:
         ours = first_outputs.get("tokenmill") or first_outputs.get("tokenmill_prefix_on")
         out["greedy_agreement"] = _agreement(ours, first_outputs["hf"])
     return out
+
+
+def add_speedups(workload: str, result: dict[str, Any]) -> None:
+    """`speedup`: ratio of the two systems' medians. `paired_speedup`: the median of the
+    per-run ratios; both systems ran the same requests back to back in each run, so a
+    background load that drifts between runs hits both alike and cancels out."""
+    systems = result["systems"]
+    result["speedup"], result["paired_speedup"] = {}, {}
+    for key, a, b in COMPARISONS.get(workload, DEFAULT_COMPARISONS):
+        if a not in systems or b not in systems:
+            continue
+        metrics = [m for m in WORKLOAD_METRICS[workload] if m != "cached_prompt_tokens"]
+        result["speedup"][key] = {m: speedup(m, systems[a]["median"][m], systems[b]["median"][m]) for m in metrics}
+        paired = {}
+        for m in metrics:
+            ratios = [speedup(m, x[m], y[m]) for x, y in zip(systems[a]["runs"], systems[b]["runs"])]
+            ratios = [r for r in ratios if r is not None]
+            paired[m] = statistics.median(ratios) if ratios else None
+        result["paired_speedup"][key] = paired
 
 
 def _headline(workload: str, entry: dict[str, Any]) -> str:
@@ -648,7 +662,7 @@ def format_table(report: dict[str, Any]) -> str:
         for metric in result["metrics"]:
             row = [METRICS[metric][0]]
             row += [_fmt(result["systems"][s]["median"][metric]) for s in systems]
-            row += [_fmt_ratio(result["speedup"][c].get(metric)) for c in comparisons]
+            row += [_fmt_ratio(result["speedup"][c].get(metric), _paired(result, c, metric)) for c in comparisons]
             rows.append(row)
         widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
         lines.append("")
@@ -665,8 +679,42 @@ def format_table(report: dict[str, Any]) -> str:
             )
     if any(result["speedup"] for result in report["workloads"].values()):
         lines.append("")
-        lines.append("x columns: speedup, > 1 means the first system is faster (higher rate or lower time).")
+        lines.append("x columns: speedup, > 1 means the first system is faster (higher rate or lower time): "
+                     "ratio of the medians (median of the per-run ratios).")
     return "\n".join(lines)
+
+
+def format_markdown(report: dict[str, Any]) -> str:
+    """The same tables as `format_table`, as Markdown (for docs/benchmarks.md)."""
+    lines = []
+    for workload, result in report["workloads"].items():
+        systems = list(result["systems"])
+        comparisons = list(result["speedup"])
+        header = ["metric", *(LABELS.get(s, s) for s in systems),
+                  *(f"{_comparison_label(c)} (paired)" for c in comparisons)]
+        lines += [f"**{workload}**: {result['description']}", "", "| " + " | ".join(header) + " |",
+                  "|" + "|".join(["---"] + ["---:"] * (len(header) - 1)) + "|"]
+        for metric in result["metrics"]:
+            row = [METRICS[metric][0]]
+            row += [_fmt(result["systems"][s]["median"][metric]) for s in systems]
+            row += [_fmt_ratio(result["speedup"][c].get(metric), _paired(result, c, metric)) for c in comparisons]
+            lines.append("| " + " | ".join(row) + " |")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the tables of a saved report: `python -m tokenmill.bench.offline results.json [--markdown]`."""
+    parser = argparse.ArgumentParser(prog="python -m tokenmill.bench.offline", description=main.__doc__)
+    parser.add_argument("report")
+    parser.add_argument("--markdown", action="store_true")
+    args = parser.parse_args(argv)
+    with open(args.report) as f:
+        report = json.load(f)
+    for workload, result in report["workloads"].items():
+        add_speedups(workload, result)  # reports written before paired speedups existed
+    print(format_markdown(report) if args.markdown else format_table(report))
+    return 0
 
 
 def _fmt(value: float | None) -> str:
@@ -681,5 +729,19 @@ def _fmt(value: float | None) -> str:
     return f"{value:.2f}"
 
 
-def _fmt_ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}x"
+def _paired(result: dict[str, Any], comparison: str, metric: str) -> float | None:
+    return result.get("paired_speedup", {}).get(comparison, {}).get(metric)
+
+
+def _comparison_label(key: str) -> str:
+    return {"tokenmill_vs_hf": "speedup vs transformers", "prefix_on_vs_off": "speedup prefix on vs off"}.get(key, key)
+
+
+def _fmt_ratio(value: float | None, paired: float | None = None) -> str:
+    if value is None:
+        return "-"
+    return f"{value:.2f}x" if paired is None else f"{value:.2f}x ({paired:.2f}x)"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
