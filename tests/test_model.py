@@ -86,7 +86,21 @@ def test_unsupported_architecture_is_named() -> None:
 # ----- paged attention against dense ---------------------------------------------------
 
 
-def _paged_logits(model: LlamaForCausalLM, seqs: list[list[int]], chunks: list[list[int]], block_size: int = 4):
+def _backend(name: str):
+    if name == "torch_sdpa":
+        return TorchSDPABackend()
+    from tokenmill.kernels import cpu_kernels_available
+
+    if not cpu_kernels_available():
+        pytest.fail("the native CPU kernels did not build (python -m tokenmill.kernels -v shows why)")
+    from tokenmill.attention.cpu_native import CPUNativeBackend
+
+    return CPUNativeBackend()
+
+
+def _paged_logits(
+    model: LlamaForCausalLM, seqs: list[list[int]], chunks: list[list[int]], backend_name: str, block_size: int = 4
+):
     """Run `seqs` through the paged backend in several steps, the i-th step computing
     chunks[i][r] tokens of sequence r, with shuffled block ids; returns per-sequence
     logits of every position."""
@@ -98,7 +112,7 @@ def _paged_logits(model: LlamaForCausalLM, seqs: list[list[int]], chunks: list[l
     tables = [[free.pop() for _ in range(-(-len(s) // block_size))] for s in seqs]
     done = [0] * len(seqs)
     logits: list[list[torch.Tensor]] = [[] for _ in seqs]
-    backend = TorchSDPABackend()
+    backend = _backend(backend_name)
     for step in chunks:
         active = [r for r, n in enumerate(step) if n]
         ids, pos, slots = [], [], []
@@ -125,14 +139,23 @@ def _paged_logits(model: LlamaForCausalLM, seqs: list[list[int]], chunks: list[l
     return [torch.cat(parts) for parts in logits]
 
 
+@pytest.mark.parametrize("backend_name", ["torch_sdpa", "cpu_native"])
+@pytest.mark.parametrize(
+    "chunks",
+    [
+        [[5, 7, 8], [6, 0, 8], [1, 0, 3], [1, 0, 1]],
+        # decode, prefill chunk, decode in one step: decode rows not contiguous
+        [[5, 3, 8], [1, 3, 1], [1, 1, 8], [1, 0, 3]],
+    ],
+    ids=["decodes-contiguous", "decodes-split"],
+)
 @torch.inference_mode()
-def test_paged_chunked_batched_attention_equals_dense() -> None:
+def test_paged_chunked_batched_attention_equals_dense(backend_name: str, chunks: list[list[int]]) -> None:
     model = _ours_from(_hf_llama(num_key_value_heads=2))
     gen = torch.Generator().manual_seed(4)
     seqs = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (13, 7, 20)]
     # Step 1: prefill chunks; then mixed chunks and single-token decodes.
-    chunks = [[5, 7, 8], [6, 0, 8], [1, 0, 3], [1, 0, 1]]
-    paged = _paged_logits(model, seqs, chunks)
+    paged = _paged_logits(model, seqs, chunks, backend_name)
     for seq, got in zip(seqs, paged):
         n = got.shape[0]
         dense = model.compute_logits(model(torch.tensor(seq[:n]), torch.arange(n)))

@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from tokenmill.config import ATTENTION_BACKENDS
+
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """Flags shared by every command that builds an engine."""
@@ -21,6 +23,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-threads", type=int, default=None)
+    parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
+                        help="auto: the native CPU kernel on CPU when it builds, else torch_sdpa")
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
@@ -36,6 +40,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
         "enable_prefix_caching": args.enable_prefix_caching,
         "seed": args.seed,
         "num_threads": args.num_threads,
+        "attention_backend": args.attention_backend,
     }
 
 

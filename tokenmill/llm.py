@@ -35,6 +35,7 @@ class LLM:
         device: str = "auto",
         seed: int = 0,
         num_threads: int | None = None,
+        attention_backend: str = "auto",
     ) -> None:
         config = EngineConfig(
             model=model,
@@ -48,6 +49,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching,
             seed=seed,
             num_threads=num_threads,
+            attention_backend=attention_backend,
         )
         self.engine = LLMEngine.from_config(config)
         self.tokenizer = self.engine.tokenizer

@@ -25,11 +25,16 @@ class PrefillSpan:
 
 
 @dataclass
+class PaddedDecode:
+    rows: torch.Tensor  # query rows of the decode requests
+    gather: torch.Tensor  # [decodes, max_context] cache slots, padded
+    mask: torch.Tensor  # [decodes, 1, 1, max_context] True = attend
+
+
+@dataclass
 class SDPAMetadata:
     slot_mapping: torch.Tensor  # [tokens]
-    decode_rows: torch.Tensor | None  # query rows of the decode requests
-    decode_gather: torch.Tensor | None  # [decodes, max_context] cache slots, padded
-    decode_mask: torch.Tensor | None  # [decodes, 1, 1, max_context] True = attend
+    decode: object | None  # the decode requests, in the form the backend's _decode reads
     prefills: list[PrefillSpan]
 
 
@@ -42,8 +47,8 @@ class TorchSDPABackend(AttentionBackend):
         prefills = [i for i, n in enumerate(layout.query_lens) if n > 1]
         return SDPAMetadata(
             slot_mapping=torch.tensor(layout.slot_mapping, dtype=torch.long, device=device),
+            decode=self._decode_batch(layout, decodes, starts, device) if decodes else None,
             prefills=[self._prefill_span(layout, i, starts[i], device) for i in prefills],
-            **self._decode_batch(layout, decodes, starts, device),
         )
 
     def forward(self, q, k, v, kv_cache, metadata: SDPAMetadata, scale: float) -> torch.Tensor:
@@ -55,12 +60,8 @@ class TorchSDPABackend(AttentionBackend):
         v_flat.index_copy_(0, metadata.slot_mapping, v)
 
         out = torch.empty_like(q)
-        if metadata.decode_rows is not None:
-            qd = q[metadata.decode_rows].unsqueeze(2)  # [D, H, 1, d]
-            kd = k_flat[metadata.decode_gather].transpose(1, 2)  # [D, KVH, L, d]
-            vd = v_flat[metadata.decode_gather].transpose(1, 2)
-            o = _sdpa(qd, kd, vd, metadata.decode_mask, scale, causal=False)
-            out[metadata.decode_rows] = o.squeeze(2)
+        if metadata.decode is not None:
+            self._decode(q, k_cache, v_cache, metadata, scale, out)
         for span in metadata.prefills:
             qp = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
             if span.context_gather is None:  # the whole context is this chunk
@@ -72,6 +73,18 @@ class TorchSDPABackend(AttentionBackend):
             o = _sdpa(qp, kp, vp, span.mask, scale, causal=span.mask is None)
             out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
         return out
+
+    def _decode(self, q, k_cache, v_cache, metadata: SDPAMetadata, scale: float, out: torch.Tensor) -> None:
+        """Attention of the one-token queries: their padded histories gathered, then SDPA."""
+        num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+        k_flat = k_cache.view(-1, num_kv_heads, head_dim)
+        v_flat = v_cache.view(-1, num_kv_heads, head_dim)
+        decode: PaddedDecode = metadata.decode
+        qd = q[decode.rows].unsqueeze(2)  # [D, H, 1, d]
+        kd = k_flat[decode.gather].transpose(1, 2)  # [D, KVH, L, d]
+        vd = v_flat[decode.gather].transpose(1, 2)
+        o = _sdpa(qd, kd, vd, decode.mask, scale, causal=False)
+        out[decode.rows] = o.squeeze(2)
 
     # ----- metadata ------------------------------------------------------------------
 
@@ -87,9 +100,7 @@ class TorchSDPABackend(AttentionBackend):
         return PrefillSpan(start, start + q_len, gather, mask)
 
     @staticmethod
-    def _decode_batch(layout: BatchLayout, decodes: list[int], starts: list[int], device: torch.device) -> dict:
-        if not decodes:
-            return {"decode_rows": None, "decode_gather": None, "decode_mask": None}
+    def _decode_batch(layout: BatchLayout, decodes: list[int], starts: list[int], device: torch.device) -> PaddedDecode:
         size = layout.block_size
         lens = [layout.context_lens[i] for i in decodes]
         max_ctx = max(lens)
@@ -105,11 +116,11 @@ class TorchSDPABackend(AttentionBackend):
         gather = (table.unsqueeze(2) * size + torch.arange(size, device=device)).flatten(1)[:, :max_ctx]
         lens_t = torch.tensor(lens, device=device)
         mask = torch.arange(max_ctx, device=device).unsqueeze(0) < lens_t.unsqueeze(1)
-        return {
-            "decode_rows": torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=device),
-            "decode_gather": gather,
-            "decode_mask": mask[:, None, None, :],
-        }
+        return PaddedDecode(
+            rows=torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=device),
+            gather=gather,
+            mask=mask[:, None, None, :],
+        )
 
 
 def _context_slots(block_table: list[int], ctx_len: int, block_size: int, device: torch.device) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Building blocks of Llama-family models: RMSNorm, rotary embeddings, SwiGLU."""
+"""Building blocks of Llama-family models: linear layers, RMSNorm, rotary embeddings, SwiGLU."""
 
 from __future__ import annotations
 
@@ -8,6 +8,33 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill.kernels import SKINNY_MAX_ROWS, cpu_kernels_available, skinny_linear
+
+
+class Linear(nn.Linear):
+    """nn.Linear that sends decode-shaped inputs (a few rows) on the CPU to tokenmill's
+    skinny-matmul kernel, which streams the weight at close to memory bandwidth where
+    BLAS reaches about half of it. Everything else goes to F.linear."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if _use_skinny(x, self.weight):
+            y = skinny_linear(x, self.weight)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
+
+
+def _use_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (
+        x.dim() == 2
+        and x.shape[0] <= SKINNY_MAX_ROWS
+        and x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and weight.dtype in (torch.float32, torch.bfloat16)
+        and x.is_contiguous()
+        and weight.is_contiguous()
+        and cpu_kernels_available()
+    )
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
@@ -16,6 +43,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:  # one fused op, bit-identical to the steps below
+            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Normalise in float32 (as the reference does), scale in the model dtype.
         dtype = x.dtype
         x = x.float()
@@ -60,13 +89,18 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("cos", angles.cos(), persistent=False)  # [positions, head_dim / 2]
         self.register_buffer("sin", angles.sin(), persistent=False)
 
+    def table(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin of the step's positions, [tokens, 1, head_dim / 2]: looked up once
+        per step and shared by every layer."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos = self.cos[positions].unsqueeze(1)  # [tokens, 1, head_dim / 2]
-        sin = self.sin[positions].unsqueeze(1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        cos, sin = self.table(positions)
+        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate [tokens, heads, head_dim] (rotate-half pairing), in float32."""
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
@@ -76,8 +110,8 @@ class SwiGLU(nn.Module):
 
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
-        self.gate_up_proj = nn.Linear(hidden, 2 * intermediate, bias=False)
-        self.down_proj = nn.Linear(intermediate, hidden, bias=False)
+        self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
+        self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)

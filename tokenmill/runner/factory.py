@@ -9,6 +9,8 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.attention.backend import AttentionBackend
+from tokenmill.attention.torch_sdpa import TorchSDPABackend
 from tokenmill.config import EngineConfig
 from tokenmill.model.loader import load_model
 from tokenmill.runner.model_runner import ModelRunner, kv_bytes_per_block
@@ -54,6 +56,23 @@ def resolve_dtype(dtype: str, device: torch.device) -> str:
     return "float32"
 
 
+def select_attention_backend(name: str, device: torch.device) -> AttentionBackend:
+    if name == "torch_sdpa" or (name == "auto" and device.type != "cpu"):
+        return TorchSDPABackend()
+    if device.type != "cpu":
+        raise ValueError(f"attention_backend {name!r} runs on the CPU only; use torch_sdpa on {device.type}")
+    from tokenmill.kernels import cpu_kernels_available
+
+    if cpu_kernels_available():
+        from tokenmill.attention.cpu_native import CPUNativeBackend
+
+        return CPUNativeBackend()
+    if name == "cpu_native":
+        raise ValueError("attention_backend 'cpu_native' needs the native CPU kernels, which failed to build "
+                         "(see the warning above; `python -m tokenmill.kernels -v` shows the compiler output)")
+    return TorchSDPABackend()
+
+
 def default_kv_cache_memory(device: torch.device) -> int:
     """2 GiB on CPU, capped at a fifth of RAM; on a GPU half of its free memory."""
     if device.type == "cuda":
@@ -86,10 +105,11 @@ def build_runner(config: EngineConfig) -> BuiltRunner:
     num_blocks = memory // per_block
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory {memory} bytes is less than one KV block ({per_block} bytes)")
-    runner = ModelRunner(loaded.model, num_blocks, config.block_size, device, seed=config.seed)
+    backend = select_attention_backend(config.attention_backend, device)
+    runner = ModelRunner(loaded.model, num_blocks, config.block_size, device, seed=config.seed, backend=backend)
     logger.info(
-        "loaded %s (%s) on %s in %.1f s: %d KV blocks of %d tokens (%.2f GiB), max_model_len %d",
+        "loaded %s (%s) on %s in %.1f s: %d KV blocks of %d tokens (%.2f GiB), max_model_len %d, attention %s",
         loaded.name, dtype, device, time.perf_counter() - start, num_blocks, config.block_size,
-        num_blocks * per_block / 2**30, max_model_len,
+        num_blocks * per_block / 2**30, max_model_len, backend.name,
     )
     return BuiltRunner(runner, loaded.tokenizer, loaded.name, max_model_len, num_blocks)

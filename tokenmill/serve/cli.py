@@ -148,7 +148,7 @@ def serve(settings: argparse.Namespace) -> int:
         max_num_batched_tokens=settings.max_num_batched_tokens,
         kv_cache_memory=parse_memory(settings.kv_cache_memory), block_size=settings.block_size,
         enable_prefix_caching=settings.enable_prefix_caching, seed=settings.seed,
-        num_threads=settings.num_threads,
+        num_threads=settings.num_threads, attention_backend=settings.attention_backend,
     )
     if settings.max_queued_requests is not None and settings.max_queued_requests < 1:
         raise ValueError(f"max_queued_requests must be at least 1, got {settings.max_queued_requests}")

@@ -1,0 +1,95 @@
+"""The native CPU kernels against their pure-PyTorch fallbacks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.kernels import cpu_kernels_available, paged_decode_attention
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _kernels() -> None:
+    if not cpu_kernels_available():
+        pytest.fail("the native CPU kernels did not build (python -m tokenmill.kernels -v shows why)")
+
+
+def _reference(q, k_cache, v_cache, tables, lens, scale):
+    """The pure-PyTorch decode path: gather each sequence's history, then SDPA."""
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    out = []
+    for s in range(q.shape[0]):
+        n = int(lens[s])
+        slots = (tables[s].long().unsqueeze(1) * block_size + torch.arange(block_size)).flatten()[:n]
+        k = k_cache.reshape(-1, num_kv_heads, head_dim)[slots].float().transpose(0, 1).unsqueeze(0)
+        v = v_cache.reshape(-1, num_kv_heads, head_dim)[slots].float().transpose(0, 1).unsqueeze(0)
+        o = F.scaled_dot_product_attention(
+            q[s].float()[None, :, None, :], k, v, scale=scale, enable_gqa=q.shape[1] != num_kv_heads
+        )
+        out.append(o[0, :, 0, :])
+    return torch.stack(out)
+
+
+def _case(num_seqs, heads, kv_heads, head_dim, block_size, lens, dtype=torch.float32, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    max_blocks = max(-(-n // block_size) for n in lens)
+    num_blocks = num_seqs * max_blocks + 5
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, generator=gen).to(dtype)
+    # Each sequence gets its own shuffled blocks; unused table entries point anywhere.
+    tables = torch.randperm(num_blocks, generator=gen)[: num_seqs * max_blocks].view(num_seqs, max_blocks).int()
+    q = torch.randn(num_seqs, heads, head_dim, generator=gen).to(dtype)
+    return q, k_cache, v_cache, tables, torch.tensor(lens, dtype=torch.int32)
+
+
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim",
+    [(9, 3, 64), (4, 4, 32), (8, 2, 64), (6, 2, 20), (2, 1, 128)],
+    ids=["gqa3-d64", "mha-d32", "gqa4-d64", "gqa3-d20", "mqa-d128"],
+)
+def test_paged_decode_attention_matches_sdpa(heads, kv_heads, head_dim) -> None:
+    lens = [1, 17, 64, 5, 200]
+    q, k_cache, v_cache, tables, lens_t = _case(len(lens), heads, kv_heads, head_dim, 16, lens)
+    out = torch.full_like(q, float("nan"))
+    scale = head_dim**-0.5
+    paged_decode_attention(out, q, k_cache, v_cache, tables, lens_t, scale)
+    torch.testing.assert_close(out, _reference(q, k_cache, v_cache, tables, lens_t, scale), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_paged_decode_attention_reduced_precision(dtype) -> None:
+    """A bf16/fp16 cache and queries, float32 arithmetic inside."""
+    lens = [3, 40, 129]
+    q, k_cache, v_cache, tables, lens_t = _case(len(lens), 9, 3, 64, 16, lens, dtype=dtype, seed=1)
+    out = torch.empty_like(q)
+    paged_decode_attention(out, q, k_cache, v_cache, tables, lens_t, 0.125)
+    expected = _reference(q, k_cache, v_cache, tables, lens_t, 0.125)
+    torch.testing.assert_close(out.float(), expected, atol=1e-2, rtol=1e-2)
+
+
+def test_paged_decode_attention_writes_into_a_view_and_reads_only_its_blocks() -> None:
+    """Output rows may be a slice of a larger tensor; blocks outside the tables
+    (here NaN) are never read."""
+    lens = [20, 33]
+    q, k_cache, v_cache, tables, lens_t = _case(len(lens), 6, 2, 32, 8, lens, seed=2)
+    used = set(tables[0, :3].tolist()) | set(tables[1, :5].tolist())
+    for b in range(k_cache.shape[0]):
+        if b not in used:
+            k_cache[b] = float("nan")
+            v_cache[b] = float("nan")
+    big = torch.zeros(5, 6, 32)
+    paged_decode_attention(big[1:3], q, k_cache, v_cache, tables, lens_t, 0.2)
+    torch.testing.assert_close(big[1:3], _reference(q, k_cache, v_cache, tables, lens_t, 0.2), atol=1e-5, rtol=1e-5)
+    assert big[0].abs().sum() == 0 and big[3:].abs().sum() == 0
+
+
+def test_paged_decode_attention_rejects_bad_shapes() -> None:
+    q, k_cache, v_cache, tables, lens_t = _case(2, 6, 4, 32, 8, [4, 4])  # 6 heads, 4 KV heads
+    with pytest.raises(RuntimeError, match="multiple of num_kv_heads"):
+        paged_decode_attention(torch.empty_like(q), q, k_cache, v_cache, tables, lens_t, 1.0)
+    q, k_cache, v_cache, tables, lens_t = _case(2, 4, 2, 32, 8, [4, 4])
+    with pytest.raises(RuntimeError, match="int32"):
+        paged_decode_attention(torch.empty_like(q), q, k_cache, v_cache, tables.long(), lens_t, 1.0)
+    with pytest.raises(RuntimeError, match="longer than its block table"):
+        paged_decode_attention(torch.empty_like(q), q, k_cache, v_cache, tables, torch.tensor([4, 99], dtype=torch.int32), 1.0)
