@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tokenmill.kernels import cpu_kernels_available, paged_decode_attention
+from tokenmill.kernels import SKINNY_MAX_ROWS, cpu_kernels_available, paged_decode_attention, skinny_linear
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -93,3 +93,35 @@ def test_paged_decode_attention_rejects_bad_shapes() -> None:
         paged_decode_attention(torch.empty_like(q), q, k_cache, v_cache, tables.long(), lens_t, 1.0)
     with pytest.raises(RuntimeError, match="longer than its block table"):
         paged_decode_attention(torch.empty_like(q), q, k_cache, v_cache, tables, torch.tensor([4, 99], dtype=torch.int32), 1.0)
+
+
+# ----- skinny_linear ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 16])
+@pytest.mark.parametrize("n,k", [(96, 64), (33, 20), (7, 129)], ids=["even", "odd-rows-short-k", "odd-k"])
+def test_skinny_linear_matches_f_linear(rows, n, k) -> None:
+    gen = torch.Generator().manual_seed(rows * 1000 + n)
+    x = torch.randn(rows, k, generator=gen)
+    weight = torch.randn(n, k, generator=gen)
+    torch.testing.assert_close(skinny_linear(x, weight), F.linear(x, weight), atol=1e-4, rtol=1e-4)
+
+
+def test_skinny_linear_bf16_weights_compute_in_float32() -> None:
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 576, generator=gen)
+    weight = torch.randn(1000, 576, generator=gen).bfloat16()
+    torch.testing.assert_close(skinny_linear(x, weight), F.linear(x, weight.float()), atol=1e-3, rtol=1e-4)
+
+
+def test_skinny_linear_is_what_decode_shaped_linears_use() -> None:
+    from tokenmill.model.layers import Linear
+
+    layer = Linear(64, 40, bias=True)
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+        big = torch.randn(SKINNY_MAX_ROWS + 1, 64)  # past the kernel's limit: BLAS
+        torch.testing.assert_close(layer(big), F.linear(big, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
+    with pytest.raises(RuntimeError, match="at most 16 rows"):
+        skinny_linear(big, layer.weight.detach())
