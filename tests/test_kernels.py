@@ -125,3 +125,40 @@ def test_skinny_linear_is_what_decode_shaped_linears_use() -> None:
         torch.testing.assert_close(layer(big), F.linear(big, layer.weight, layer.bias), atol=1e-5, rtol=1e-5)
     with pytest.raises(RuntimeError, match="at most 16 rows"):
         skinny_linear(big, layer.weight.detach())
+
+
+# ----- oneDNN-packed weights -------------------------------------------------------------
+
+
+def test_packed_linear_matches_f_linear_for_every_row_count() -> None:
+    from tokenmill.model.layers import PACKED_MIN_ROWS, Linear
+
+    layer = Linear(48, 70, bias=True)
+    layer.pack_for_cpu()
+    assert layer.packed is not None
+    with torch.no_grad():
+        for rows in (1, PACKED_MIN_ROWS - 1, PACKED_MIN_ROWS, 33, 300):
+            x = torch.randn(rows, 48)
+            torch.testing.assert_close(layer(x), F.linear(x, layer.weight, layer.bias), atol=1e-4, rtol=1e-4)
+
+
+def test_packing_a_model_keeps_its_logits() -> None:
+    from tokenmill.model.config import ModelArchConfig
+    from tokenmill.model.layers import pack_linears_for_cpu
+    from tokenmill.model.llama import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = ModelArchConfig(
+        architecture="llama", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2,
+        num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+        max_position_embeddings=128, tie_word_embeddings=True,
+    )
+    model = LlamaForCausalLM(cfg).eval()
+    ids = torch.randint(0, 300, (40,))
+    with torch.inference_mode():
+        before = model.compute_logits(model(ids, torch.arange(40)))
+        assert pack_linears_for_cpu(model) == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the head
+        after = model.compute_logits(model(ids, torch.arange(40)))
+        one = model.compute_logits(model(ids[:1], torch.arange(1)))  # 1 row: the skinny path
+    torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(one, before[:1], atol=1e-4, rtol=1e-4)

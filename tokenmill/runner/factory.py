@@ -105,6 +105,10 @@ def build_runner(config: EngineConfig) -> BuiltRunner:
     num_blocks = memory // per_block
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory {memory} bytes is less than one KV block ({per_block} bytes)")
+    if device.type == "cpu" and os.environ.get("TOKENMILL_PACK_WEIGHTS", "1") != "0":
+        from tokenmill.model.layers import pack_linears_for_cpu
+
+        logger.info("packed %d linear weights for oneDNN", pack_linears_for_cpu(loaded.model))
     backend = select_attention_backend(config.attention_backend, device)
     runner = ModelRunner(loaded.model, num_blocks, config.block_size, device, seed=config.seed, backend=backend)
     logger.info(
