@@ -162,3 +162,22 @@ def test_packing_a_model_keeps_its_logits() -> None:
         one = model.compute_logits(model(ids[:1], torch.arange(1)))  # 1 row: the skinny path
     torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(one, before[:1], atol=1e-4, rtol=1e-4)
+
+
+# ----- choosing the backend ----------------------------------------------------------------
+
+
+def test_attention_backend_choice_and_its_errors() -> None:
+    from tokenmill.attention.cpu_native import CPUNativeBackend
+    from tokenmill.attention.torch_sdpa import TorchSDPABackend
+    from tokenmill.config import EngineConfig
+    from tokenmill.runner.factory import select_attention_backend
+
+    cpu = torch.device("cpu")
+    assert isinstance(select_attention_backend("auto", cpu), CPUNativeBackend)
+    assert type(select_attention_backend("torch_sdpa", cpu)) is TorchSDPABackend
+    assert type(select_attention_backend("auto", torch.device("cuda"))) is TorchSDPABackend  # no CUDA touched
+    with pytest.raises(ValueError, match="runs on the CPU only"):
+        select_attention_backend("cpu_native", torch.device("cuda"))
+    with pytest.raises(ValueError, match="attention_backend must be one of"):
+        EngineConfig(attention_backend="flash")

@@ -22,7 +22,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [Path(__file__).parent / "csrc" / name for name in ("cpu_attention.cpp", "cpu_linear.cpp")]
+_CSRC = Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / name for name in ("cpu_attention.cpp", "cpu_linear.cpp")]
 SKINNY_MAX_ROWS = 16  # skinny_linear's limit; beyond it BLAS does better
 _NAME = "tokenmill_cpu_kernels"
 
@@ -54,6 +55,7 @@ def build_cpu_kernels(verbose: bool = False) -> None:
         # -fopenmp: at::parallel_for is OpenMP in the header, so without it the kernels run
         # on one thread. The libgomp.so.1 they need is the one torch already loaded.
         extra_cflags=["-O3", "-march=native", "-fopenmp", "-ffast-math"],
+        extra_include_paths=[str(_CSRC)],
         extra_ldflags=["-fopenmp"],
         is_python_module=False,
         verbose=verbose,

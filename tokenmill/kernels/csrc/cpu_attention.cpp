@@ -21,36 +21,17 @@
 
 #include <algorithm>
 #include <cmath>
-#include <limits>
 #include <vector>
 
-#if defined(__SSE__)
-#include <immintrin.h>
-#endif
+#include "cpu_vec.h"
 
 namespace {
 
-template <typename T>
-inline float to_float(T x) {
-  return static_cast<float>(x);
-}
+using tokenmill::to_float;
 
 #if defined(__AVX2__) && defined(__FMA__)
-// Eight cache elements as eight floats.
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {  // bf16 is the top half of a float32
-  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-inline __m256 load8(const c10::Half* p) {
-  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-}
-inline float hsum(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_movehdup_ps(x));
-  return _mm_cvtss_f32(x);
-}
+using tokenmill::hsum;
+using tokenmill::load8;
 
 // scores[g] = q_g . k for the group's query rows (q_g float, contiguous per head).
 template <typename T>
@@ -118,6 +99,21 @@ inline void prefetch_block(const T* block, int64_t rows, int64_t row_stride, int
 #endif
 }
 
+// Calls visit(t, row) for the first ctx cached rows of one head, block by block through
+// the block table, prefetching each next block. `head` points at the head's row in block 0.
+template <typename T, typename Visit>
+inline void for_each_cached_row(const T* head, const int32_t* table, int64_t ctx, int64_t block_size,
+                                int64_t block_stride, int64_t token_stride, int64_t row_bytes, Visit visit) {
+  for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+    const T* block = head + table[t0 / block_size] * block_stride;
+    if (t0 + block_size < ctx)
+      prefetch_block(head + table[t0 / block_size + 1] * block_stride, std::min(block_size, ctx - t0 - block_size),
+                     token_stride, row_bytes);
+    const int64_t n = std::min(block_size, ctx - t0);
+    for (int64_t j = 0; j < n; ++j) visit(t0 + j, block + j * token_stride);
+  }
+}
+
 template <typename scalar_t, typename cache_t>
 void decode_kernel(
     at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -139,6 +135,7 @@ void decode_kernel(
   const int32_t* tables = block_tables.data_ptr<int32_t>();
   const int32_t* lens = context_lens.data_ptr<int32_t>();
   const float fscale = static_cast<float>(scale);
+  const int64_t row_bytes = head_dim * static_cast<int64_t>(sizeof(cache_t));
 
   at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
@@ -154,17 +151,10 @@ void decode_kernel(
       }
       scores.resize(group * ctx);
       // Pass 1: scores, each K row read once for the whole group.
-      for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-        const cache_t* k_block = k_ptr + table[t0 / block_size] * kv_block_stride + h * kv_head_stride;
-        const int64_t n = std::min(block_size, ctx - t0);
-        if (t0 + block_size < ctx)
-          prefetch_block(k_ptr + table[t0 / block_size + 1] * kv_block_stride + h * kv_head_stride,
-                         std::min(block_size, ctx - t0 - block_size), kv_token_stride, head_dim * sizeof(cache_t));
-        for (int64_t j = 0; j < n; ++j) {
-          const cache_t* k_row = k_block + j * kv_token_stride;
-          group_dots(qf.data(), k_row, group, head_dim, &scores[t0 + j], ctx);
-        }
-      }
+      for_each_cached_row(k_ptr + h * kv_head_stride, table, ctx, block_size, kv_block_stride, kv_token_stride,
+                          row_bytes, [&](int64_t t, const cache_t* k_row) {
+                            group_dots(qf.data(), k_row, group, head_dim, &scores[t], ctx);
+                          });
       // Softmax per query head.
       for (int64_t g = 0; g < group; ++g) {
         float* row = &scores[g * ctx];
@@ -179,17 +169,10 @@ void decode_kernel(
       }
       // Pass 2: weighted sum of V, each V row read once for the whole group.
       std::fill(acc.begin(), acc.end(), 0.f);
-      for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-        const cache_t* v_block = v_ptr + table[t0 / block_size] * kv_block_stride + h * kv_head_stride;
-        const int64_t n = std::min(block_size, ctx - t0);
-        if (t0 + block_size < ctx)
-          prefetch_block(v_ptr + table[t0 / block_size + 1] * kv_block_stride + h * kv_head_stride,
-                         std::min(block_size, ctx - t0 - block_size), kv_token_stride, head_dim * sizeof(cache_t));
-        for (int64_t j = 0; j < n; ++j) {
-          const cache_t* v_row = v_block + j * kv_token_stride;
-          group_axpy(acc.data(), &scores[t0 + j], ctx, v_row, group, head_dim);
-        }
-      }
+      for_each_cached_row(v_ptr + h * kv_head_stride, table, ctx, block_size, kv_block_stride, kv_token_stride,
+                          row_bytes, [&](int64_t t, const cache_t* v_row) {
+                            group_axpy(acc.data(), &scores[t], ctx, v_row, group, head_dim);
+                          });
       for (int64_t g = 0; g < group; ++g) {
         scalar_t* dst = o_ptr + s * o_seq_stride + (h * group + g) * o_head_stride;
         for (int64_t i = 0; i < head_dim; ++i) dst[i] = static_cast<scalar_t>(acc[g * head_dim + i]);

@@ -13,26 +13,17 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
-#if defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
-#endif
+#include <algorithm>
+
+#include "cpu_vec.h"
 
 namespace {
 
 constexpr int64_t kMaxRows = 16;  // larger M is matrix-shaped work for BLAS
 
 #if defined(__AVX2__) && defined(__FMA__)
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const c10::BFloat16* p) {
-  __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
-}
-inline float hsum(__m256 v) {
-  __m128 x = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
-  x = _mm_add_ss(x, _mm_movehdup_ps(x));
-  return _mm_cvtss_f32(x);
-}
+using tokenmill::hsum;
+using tokenmill::load8;
 
 // Rows n0, n0+1 of W against R rows of x (R <= 4): 2R independent FMA chains.
 template <int R, typename W>
