@@ -23,8 +23,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("cpu_attention.cpp", "cpu_linear.cpp")]
-SKINNY_MAX_ROWS = 16  # skinny_linear's limit; beyond it BLAS does better
+_SOURCES = [_CSRC / name for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_ops.cpp")]
+_OPS = ("paged_decode_attention", "skinny_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary_")
 _NAME = "tokenmill_cpu_kernels"
 
 
@@ -60,7 +60,9 @@ def build_cpu_kernels(verbose: bool = False) -> None:
         is_python_module=False,
         verbose=verbose,
     )
-    assert hasattr(torch.ops.tokenmill, "paged_decode_attention") and hasattr(torch.ops.tokenmill, "skinny_linear")
+    missing = [op for op in _OPS if not hasattr(torch.ops.tokenmill, op)]
+    if missing:  # a stale build in the extension cache
+        raise RuntimeError(f"the built kernels lack {missing}; delete {_NAME} under TORCH_EXTENSIONS_DIR and rebuild")
     logger.info("native CPU kernels ready in %.1f s", time.perf_counter() - start)
 
 
@@ -78,6 +80,54 @@ def paged_decode_attention(
     torch.ops.tokenmill.paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, scale)
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M <= 16, K] float32 (contiguous) @ weight[N, K]^T, weight float32 or bfloat16."""
-    return torch.ops.tokenmill.skinny_linear(x, weight)
+SKINNY_TILE_ROWS, SKINNY_K_BLOCK = 4, 16  # the tiled weight layout of skinny_linear
+
+
+def can_tile_for_skinny(weight: torch.Tensor) -> bool:
+    return weight.dim() == 2 and weight.shape[1] % SKINNY_K_BLOCK == 0 and weight.dtype in (torch.float32, torch.bfloat16)
+
+
+def tile_for_skinny(weight: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """weight [N, K] -> [ceil(N / 4), K / 16, 4, 16] in `dtype`: tiles of four rows whose
+    elements the kernel reads strictly in memory order (see cpu_linear.cpp)."""
+    n, k = weight.shape
+    if k % SKINNY_K_BLOCK:
+        raise ValueError(f"skinny_linear needs in_features divisible by {SKINNY_K_BLOCK}, got {k}")
+    w = weight.detach().to(dtype or weight.dtype)
+    pad = -n % SKINNY_TILE_ROWS
+    if pad:
+        w = torch.cat((w, w.new_zeros(pad, k)))
+    return w.view(-1, SKINNY_TILE_ROWS, k // SKINNY_K_BLOCK, SKINNY_K_BLOCK).transpose(1, 2).contiguous()
+
+
+def untile_skinny(tiled: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of tile_for_skinny: [N, K] (same dtype), a new tensor."""
+    tiles, blocks = tiled.shape[:2]
+    return tiled.transpose(1, 2).reshape(tiles * SKINNY_TILE_ROWS, blocks * SKINNY_K_BLOCK)[:n]
+
+
+def skinny_linear(x: torch.Tensor, tiled: torch.Tensor, n: int) -> torch.Tensor:
+    """x [M, K] float32 (contiguous) @ W[n, K]^T with W given by tile_for_skinny (float32
+    or bfloat16). Built for few rows; any M works."""
+    return torch.ops.tokenmill.skinny_linear(x, tiled, n)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight, row by row; x [tokens, hidden] float32."""
+    return torch.ops.tokenmill.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """residual += x (in place), then returns rms_norm(residual, weight, eps)."""
+    return torch.ops.tokenmill.add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[tokens, 2I] holding gate | up -> silu(gate) * up, [tokens, I]."""
+    return torch.ops.tokenmill.silu_and_mul(x)
+
+
+def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """Rotate-half rotary embedding in place on x [tokens, heads, head_dim] (rows contiguous,
+    any other strides); cos/sin [tokens, head_dim / 2]."""
+    torch.ops.tokenmill.rotary_(x, cos, sin)

@@ -59,9 +59,18 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
 
-    def forward(self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor) -> torch.Tensor:
-        h = h + self.self_attn(rope, self.input_layernorm(h))
-        return h + self.mlp(self.post_attention_layernorm(h))
+    def forward(
+        self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """h: the previous layer's MLP output, not yet added into the residual stream
+        (the first layer gets the embeddings and no residual). Each add is fused into the
+        norm after it."""
+        if residual is None:
+            x, residual = self.input_layernorm(h), h
+        else:
+            x, residual = self.input_layernorm(h, residual)
+        x, residual = self.post_attention_layernorm(self.self_attn(rope, x), residual)
+        return self.mlp(x), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -92,12 +101,19 @@ class LlamaForCausalLM(nn.Module):
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """What activations (and the KV cache) are computed in. Linear and embedding
+        weights may be stored narrower (layers.prepare_for_cpu)."""
+        return self.norm.weight.dtype
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids)
+        h = self.embed_tokens(input_ids).to(self.dtype)
         rope = self.layers[0].self_attn.rotary.table(positions)
+        residual = None
         for layer in self.layers:
-            h = layer(rope, h)
-        return self.norm(h)
+            h, residual = layer(rope, h, residual)
+        return self.norm(h) if residual is None else self.norm(h, residual)[0]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

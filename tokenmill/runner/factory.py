@@ -45,15 +45,25 @@ def cpu_has_native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> str:
-    if dtype != "auto":
-        if dtype == "bfloat16" and device.type == "cpu" and not cpu_has_native_bf16():
-            logger.warning("this CPU has no native bf16 (AVX-512 BF16/AMX): bfloat16 will be slow; "
-                           "float32 is faster here")
-        return dtype
-    if device.type == "cuda" or cpu_has_native_bf16():
-        return "bfloat16"
-    return "float32"
+@dataclass(frozen=True)
+class DtypePlan:
+    compute: str  # activations and the KV cache
+    weights: str  # how linear and embedding weights are stored
+
+    def __str__(self) -> str:
+        return self.compute if self.compute == self.weights else f"{self.weights} weights, {self.compute} compute"
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> DtypePlan:
+    """`auto`: bfloat16 on GPUs and on CPUs with bf16 arithmetic, float32 elsewhere.
+    `bfloat16` on a CPU without bf16 arithmetic stores the weights in bfloat16 (half the
+    bytes each decode step streams) and computes in float32, as llama.cpp does with a
+    BF16 file there: bf16 matmuls would be emulated, several times slower."""
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" or cpu_has_native_bf16() else "float32"
+    if dtype == "bfloat16" and device.type == "cpu" and not cpu_has_native_bf16():
+        return DtypePlan(compute="float32", weights="bfloat16")
+    return DtypePlan(compute=dtype, weights=dtype)
 
 
 def select_attention_backend(name: str, device: torch.device) -> AttentionBackend:
@@ -88,7 +98,7 @@ def build_runner(config: EngineConfig) -> BuiltRunner:
         torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
     start = time.perf_counter()
     dtype = resolve_dtype(config.dtype, device)
-    loaded = load_model(config.model, dtype, device, max_positions=config.max_model_len)
+    loaded = load_model(config.model, dtype.compute, device, max_positions=config.max_model_len)
     max_model_len = config.max_model_len or loaded.context_len
     window = loaded.arch.sliding_window
     if window is not None and max_model_len > window:
@@ -101,14 +111,17 @@ def build_runner(config: EngineConfig) -> BuiltRunner:
     if config.max_model_len and config.max_model_len > loaded.context_len:
         logger.warning("max_model_len %d exceeds the model's context length %d", max_model_len, loaded.context_len)
     memory = config.kv_cache_memory or default_kv_cache_memory(device)
-    per_block = kv_bytes_per_block(loaded.arch, config.block_size, loaded.model.embed_tokens.weight.dtype)
+    per_block = kv_bytes_per_block(loaded.arch, config.block_size, loaded.model.dtype)
     num_blocks = memory // per_block
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory {memory} bytes is less than one KV block ({per_block} bytes)")
-    if device.type == "cpu" and os.environ.get("TOKENMILL_PACK_WEIGHTS", "1") != "0":
-        from tokenmill.model.layers import pack_linears_for_cpu
+    if device.type == "cpu" and dtype.compute == "float32":
+        from tokenmill.model.layers import prepare_for_cpu
 
-        logger.info("packed %d linear weights for oneDNN", pack_linears_for_cpu(loaded.model))
+        onednn = os.environ.get("TOKENMILL_PACK_WEIGHTS", "1") != "0"
+        count = prepare_for_cpu(loaded.model, getattr(torch, dtype.weights), onednn=onednn)
+        logger.info("laid out %d linear weights for the CPU (%s for decode%s)", count, dtype.weights,
+                    ", float32 oneDNN copies for prefill" if onednn else "")
     backend = select_attention_backend(config.attention_backend, device)
     runner = ModelRunner(loaded.model, num_blocks, config.block_size, device, seed=config.seed, backend=backend)
     logger.info(

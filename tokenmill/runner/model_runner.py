@@ -37,7 +37,8 @@ class ModelRunner:
         self.vocab_size = model.cfg.vocab_size
         self.block_size = block_size
         self.device = device
-        self.dtype = model.embed_tokens.weight.dtype
+        self.dtype = model.dtype  # activations and KV cache
+        self.weight_dtype = model.embed_tokens.weight.dtype  # may be narrower (CPU, --dtype bfloat16)
         self.backend = backend or TorchSDPABackend()
         self.sampler = Sampler(seed)
         self.generators: dict[str, torch.Generator] = {}
