@@ -622,6 +622,7 @@ def run_system(system: str, args: argparse.Namespace, peers: Peers, plan: dict[s
                 workers[key] = {**worker.info, "notes": notes}
                 for column in columns.values():
                     column["dtype"] = worker.info.get("dtype")
+                    column["weight_dtype"] = worker.info.get("weight_dtype", column["dtype"])
                 for job in jobs:
                     run_job(worker, job, plan[job.workload], sizes, args.threads, columns[job])
         except (WorkerError, OSError) as exc:
@@ -664,15 +665,19 @@ def agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict[str, Any]:
 
 
 def bound_fractions(results: dict[str, Any], probe_result: dict[str, Any] | None) -> dict[str, float]:
-    """tokenmill's W1 decode and W2 prefill as fractions of the float32 bounds."""
+    """tokenmill's W1 decode as a fraction of the decode bound for the dtype its weights are
+    stored in (bytes streamed per step), W2 prefill of the prefill bound for the dtype it
+    computes in (GEMM throughput)."""
     if not probe_result:
         return {}
     bounds, out = probe_result["bounds"], {}
-    for workload, metric, bound in (("W1", "decode_tok_s", "decode_tok_s_float32"),
-                                    ("W2", "prefill_tok_s", "prefill_tok_s_float32")):
-        median = results.get(workload, {}).get("systems", {}).get("tokenmill", {}).get("median")
-        if median:
-            out[f"{workload}_{metric}_of_{bound}"] = median[metric] / bounds[bound]
+    for workload, metric, kind, dtype_key in (("W1", "decode_tok_s", "decode", "weight_dtype"),
+                                              ("W2", "prefill_tok_s", "prefill", "dtype")):
+        column = results.get(workload, {}).get("systems", {}).get("tokenmill", {})
+        dtype = column.get(dtype_key) or column.get("dtype") or "float32"
+        bound = f"{kind}_tok_s_{dtype}"
+        if column.get("median") and bound in bounds:
+            out[f"{workload}_{metric}_of_{bound}"] = column["median"][metric] / bounds[bound]
     return out
 
 
@@ -790,9 +795,10 @@ def notes_of(workload: str, result: dict[str, Any], report: dict[str, Any]) -> l
     bounds = (report.get("probe") or {}).get("bounds", {})
     for key, value in fractions.items():
         if key.startswith(workload):
-            kind = "decode" if "decode" in key else "prefill"
-            lines.append(f"tokenmill {kind} = {100 * value:.0f}% of the float32 {kind} bound "
-                         f"({bounds[f'{kind}_tok_s_float32']:.1f} tok/s)")
+            bound = key.split("_of_", 1)[1]  # e.g. decode_tok_s_bfloat16
+            kind, dtype = bound.split("_tok_s_")
+            lines.append(f"tokenmill {kind} = {100 * value:.0f}% of the {dtype} {kind} bound "
+                         f"({bounds[bound]:.1f} tok/s)")
     return lines
 
 
@@ -802,7 +808,9 @@ def dtypes_text(report: dict[str, Any]) -> str:
     for result in report["workloads"].values():
         for name, column in result["systems"].items():
             if column.get("dtype") and not name.endswith("_prefix_off"):
-                seen.setdefault(name, column["dtype"])
+                weights = column.get("weight_dtype") or column["dtype"]
+                dtype = column["dtype"] if weights == column["dtype"] else f"{weights} weights/{column['dtype']} compute"
+                seen.setdefault(name, dtype)
     return ", ".join(label(name) if dtype.lower() in label(name).lower() else f"{label(name)} {dtype}"
                      for name, dtype in seen.items())
 

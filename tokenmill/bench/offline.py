@@ -596,6 +596,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
         load_s["hf"] = time.perf_counter() - t0
 
     machine = machine_info(dtype)
+    machine["weight_dtype"] = _engine_weight_dtype(llm, args.dtype)
     machine["loadavg_start"] = list(os.getloadavg())
 
     results: dict[str, Any] = {}
@@ -640,6 +641,12 @@ def _engine_dtype(llm: Any, requested: str) -> str:
     return str(dtype).removeprefix("torch.") if dtype is not None else requested
 
 
+def _engine_weight_dtype(llm: Any, requested: str) -> str:
+    """How the engine stores its weights (bfloat16 on a float32-computing CPU with --dtype bfloat16)."""
+    dtype = getattr(llm.engine.executor, "weight_dtype", None)
+    return str(dtype).removeprefix("torch.") if dtype is not None else _engine_dtype(llm, requested)
+
+
 def _engine_device(llm: Any) -> str:
     device = getattr(llm.engine.executor, "device", None)
     return str(device) if device is not None else "cpu"
@@ -648,11 +655,16 @@ def _engine_device(llm: Any) -> str:
 # ----- output ---------------------------------------------------------------------------
 
 
+def _dtype_text(machine: dict[str, Any]) -> str:
+    weights = machine.get("weight_dtype", machine["dtype"])
+    return machine["dtype"] if weights == machine["dtype"] else f"{weights} weights, {machine['dtype']} compute"
+
+
 def format_table(report: dict[str, Any]) -> str:
     m = report["machine"]
     lines = [
         f"tokenmill bench offline: {m['cpu_model']}, {m['cores']} cores, torch {m['torch']} "
-        f"({m['torch_threads']} threads), {m['dtype']}; median of {report['settings']['runs']} runs",
+        f"({m['torch_threads']} threads), {_dtype_text(m)}; median of {report['settings']['runs']} runs",
     ]
     for workload, result in report["workloads"].items():
         systems = list(result["systems"])
