@@ -6,6 +6,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM as HFLlama, Qwen2Config, Qwen2ForCausalLM as HFQwen2
 
+from tokenmill import kernels
 from tokenmill.attention.backend import BatchLayout, ForwardContext, forward_context
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
 from tokenmill.model.config import ModelArchConfig
@@ -139,27 +140,46 @@ def _paged_logits(
     return [torch.cat(parts) for parts in logits]
 
 
-@pytest.mark.parametrize("backend_name", ["torch_sdpa", "cpu_native"])
+@pytest.mark.parametrize(
+    "backend_name,prepared",
+    [("torch_sdpa", False), ("cpu_native", False), ("cpu_native", True)],
+    ids=["torch_sdpa", "cpu_native", "cpu_native-prepared"],
+)
 @pytest.mark.parametrize(
     "chunks",
     [
         [[5, 7, 8], [6, 0, 8], [1, 0, 3], [1, 0, 1]],
         # decode, prefill chunk, decode in one step: decode rows not contiguous
         [[5, 3, 8], [1, 3, 1], [1, 1, 8], [1, 0, 3]],
+        # all-decode steps: with prepared weights, the fused native decode layer
+        [[5, 4, 8], [1, 1, 1], [1, 1, 1], [0, 1, 1], [1, 0, 0]],
     ],
-    ids=["decodes-contiguous", "decodes-split"],
+    ids=["decodes-contiguous", "decodes-split", "all-decode-steps"],
 )
 @torch.inference_mode()
-def test_paged_chunked_batched_attention_equals_dense(backend_name: str, chunks: list[list[int]]) -> None:
+def test_paged_chunked_batched_attention_equals_dense(
+    backend_name: str, prepared: bool, chunks: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`prepared`: weights laid out for the CPU (layers.prepare_for_cpu): the skinny and
+    oneDNN linears, and for all-decode steps the fused decode layer."""
     model = _ours_from(_hf_llama(num_key_value_heads=2))
     gen = torch.Generator().manual_seed(4)
     seqs = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (13, 7, 20)]
+    dense = [model.compute_logits(model(torch.tensor(seq), torch.arange(len(seq)))) for seq in seqs]
+    if prepared:
+        from tokenmill.model.layers import prepare_for_cpu
+
+        prepare_for_cpu(model, torch.float32)
+        assert all(layer.can_fuse_decode() for layer in model.layers)
+    fused_calls = []
+    original = kernels.llama_decode_layer
+    monkeypatch.setattr(kernels, "llama_decode_layer", lambda *a, **k: fused_calls.append(1) or original(*a, **k))
     # Step 1: prefill chunks; then mixed chunks and single-token decodes.
     paged = _paged_logits(model, seqs, chunks, backend_name)
-    for seq, got in zip(seqs, paged):
-        n = got.shape[0]
-        dense = model.compute_logits(model(torch.tensor(seq[:n]), torch.arange(n)))
-        torch.testing.assert_close(got, dense, atol=1e-5, rtol=1e-5)
+    all_decode_steps = sum(all(n in (0, 1) for n in step) for step in chunks)
+    assert len(fused_calls) == (all_decode_steps * model.cfg.num_layers if prepared else 0)
+    for expected, got in zip(dense, paged):
+        torch.testing.assert_close(got, expected[: got.shape[0]], atol=1e-5, rtol=1e-5)
 
 
 def test_explicit_rope_factors_equal_llama3_scaling() -> None:

@@ -53,6 +53,21 @@ class AttentionBackend(ABC):
         scale: float,
     ) -> torch.Tensor: ...  # [tokens, heads, head_dim]
 
+    def decode_only(self, metadata: object) -> DecodeOnly | None:
+        """The step in the form of a fused decode layer (kernels.llama_decode_layer), when
+        every token is a decode and this backend can hand its cache walk over; else None."""
+        return None
+
+
+@dataclass
+class DecodeOnly:
+    """An all-decode step (token i is sequence i's next token), as a native decode layer
+    reads it."""
+
+    slots: torch.Tensor  # int64 [tokens]: where each token's K/V goes in the flattened cache
+    block_tables: torch.Tensor  # int32 [tokens, max_blocks]
+    context_lens: torch.Tensor  # int32 [tokens], including this token
+
 
 @dataclass
 class ForwardContext:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.attention.backend import BatchLayout
+from tokenmill.attention.backend import BatchLayout, DecodeOnly
 from tokenmill.attention.torch_sdpa import SDPAMetadata, TorchSDPABackend
 from tokenmill.kernels import paged_decode_attention
 
@@ -40,6 +40,12 @@ class CPUNativeBackend(TorchSDPABackend):
             block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
             context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
         )
+
+    def decode_only(self, metadata: SDPAMetadata) -> DecodeOnly | None:
+        native: NativeDecode | None = metadata.decode
+        if metadata.prefills or native is None or not isinstance(native.rows, slice) or native.rows.start != 0:
+            return None
+        return DecodeOnly(metadata.slot_mapping, native.block_tables, native.context_lens)
 
     def _decode(self, q, k_cache, v_cache, metadata: SDPAMetadata, scale: float, out: torch.Tensor) -> None:
         native: NativeDecode = metadata.decode

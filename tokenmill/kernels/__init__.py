@@ -23,8 +23,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_ops.cpp")]
-_OPS = ("paged_decode_attention", "skinny_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary_")
+_SOURCES = [_CSRC / name for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_ops.cpp", "cpu_decoder.cpp")]
+_OPS = ("paged_decode_attention", "skinny_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary_",
+        "llama_decode_layer")
 _NAME = "tokenmill_cpu_kernels"
 
 
@@ -131,3 +132,29 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     """Rotate-half rotary embedding in place on x [tokens, heads, head_dim] (rows contiguous,
     any other strides); cos/sin [tokens, head_dim / 2]."""
     torch.ops.tokenmill.rotary_(x, cos, sin)
+
+
+def llama_decode_layer(
+    h: torch.Tensor,
+    residual: torch.Tensor,
+    input_norm: torch.Tensor,
+    post_norm: torch.Tensor,
+    eps: float,
+    tiled_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],  # qkv, o, gate_up, down
+    rope: tuple[torch.Tensor, torch.Tensor],
+    kv_cache: tuple[torch.Tensor, torch.Tensor],
+    slots: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    intermediate: int,
+    scale: float,
+) -> torch.Tensor:
+    """One Llama decoder layer over decode tokens (cpu_decoder.cpp): adds h into residual
+    (in place), runs attention (writing K/V at `slots`) and the MLP, returns the MLP output."""
+    return torch.ops.tokenmill.llama_decode_layer(
+        h, residual, input_norm, post_norm, eps, *tiled_weights, *rope, *kv_cache, slots, block_tables,
+        context_lens, num_heads, num_kv_heads, head_dim, intermediate, scale,
+    )

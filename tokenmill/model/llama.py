@@ -14,9 +14,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill.attention.backend import get_forward_context
+from tokenmill import kernels
+from tokenmill.attention.backend import DecodeOnly, get_forward_context
 from tokenmill.model.config import ModelArchConfig
-from tokenmill.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from tokenmill.model.layers import SKINNY_MAX_ROWS, Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
 
 
 class Attention(nn.Module):
@@ -72,6 +73,26 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(self.self_attn(rope, x), residual)
         return self.mlp(x), residual
 
+    def can_fuse_decode(self) -> bool:
+        """Whether kernels.llama_decode_layer can run this layer: weights tiled (CPU,
+        prepared), no biases, SiLU MLP."""
+        linears = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
+        return all(lin.tiled is not None and lin.bias is None for lin in linears)
+
+    def fused_decode(
+        self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, residual: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor], decode: DecodeOnly,
+    ) -> torch.Tensor:
+        """forward() for an all-decode step as one native op (same kernels, no Python
+        between them); adds h into residual in place and returns the MLP output."""
+        attn, mlp = self.self_attn, self.mlp
+        return kernels.llama_decode_layer(
+            h, residual, self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
+            (attn.qkv_proj.tiled, attn.o_proj.tiled, mlp.gate_up_proj.tiled, mlp.down_proj.tiled), rope, kv_cache,
+            decode.slots, decode.block_tables, decode.context_lens, attn.num_heads, attn.num_kv_heads, attn.head_dim,
+            mlp.down_proj.in_features, attn.scale,
+        )
+
 
 class LlamaForCausalLM(nn.Module):
     # Checkpoint projections that live fused in one of our matrices: name -> (fused name, shard index).
@@ -110,10 +131,24 @@ class LlamaForCausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids).to(self.dtype)
         rope = self.layers[0].self_attn.rotary.table(positions)
+        ctx = get_forward_context()
+        decode = ctx.backend.decode_only(ctx.metadata) if ctx is not None else None
+        if decode is not None and self._can_fuse_decode(h):
+            residual, h = h, torch.zeros_like(h)  # the first layer adds nothing to the embeddings
+            for layer, kv_cache in zip(self.layers, ctx.kv_caches):
+                h = layer.fused_decode(rope, h, residual, kv_cache, decode)
+            return self.norm(h, residual)[0]
         residual = None
         for layer in self.layers:
             h, residual = layer(rope, h, residual)
         return self.norm(h) if residual is None else self.norm(h, residual)[0]
+
+    def _can_fuse_decode(self, h: torch.Tensor) -> bool:
+        # Past SKINNY_MAX_ROWS tokens the per-op path is faster (oneDNN for the linears).
+        return (
+            h.shape[0] <= SKINNY_MAX_ROWS and h.dtype is torch.float32 and h.is_cpu and not torch.is_grad_enabled()
+            and all(layer.can_fuse_decode() for layer in self.layers)
+        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

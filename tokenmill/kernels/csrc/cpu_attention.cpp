@@ -23,6 +23,7 @@
 #include <cmath>
 #include <vector>
 
+#include "cpu_kernels.h"
 #include "cpu_vec.h"
 
 namespace {
@@ -314,6 +315,11 @@ void decode_kernel(
   });
 }
 
+}  // namespace
+
+// Entry points, also called directly by the fused decoder layer (cpu_kernels.h).
+namespace tokenmill {
+
 void paged_decode_attention(
     at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
@@ -335,7 +341,7 @@ void paged_decode_attention(
   }), at::kFloat, at::kBFloat16, at::kHalf);
 }
 
-}  // namespace
+}  // namespace tokenmill
 
 TORCH_LIBRARY(tokenmill, m) {
   m.def(
@@ -344,5 +350,5 @@ TORCH_LIBRARY(tokenmill, m) {
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
-  m.impl("paged_decode_attention", &paged_decode_attention);
+  m.impl("paged_decode_attention", &tokenmill::paged_decode_attention);
 }

@@ -19,6 +19,7 @@
 
 #include <algorithm>
 
+#include "cpu_kernels.h"
 #include "cpu_vec.h"
 
 namespace {
@@ -73,6 +74,11 @@ void tile_times_x(const float* x, int64_t M, int64_t K, const W* tile, float* y,
 #endif
 
 // tiled: [ceil(N / 4), K / 16, 4, 16] as tokenmill.kernels.tile_for_skinny lays it out.
+}  // namespace
+
+// Entry points, also called directly by the fused decoder layer (cpu_kernels.h).
+namespace tokenmill {
+
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& tiled, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
   TORCH_CHECK(tiled.dim() == 4 && tiled.is_contiguous() && tiled.size(2) == kTileRows && tiled.size(3) == kKBlock,
@@ -96,12 +102,12 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& tiled, int64_t N
   return y;
 }
 
-}  // namespace
+}  // namespace tokenmill
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("skinny_linear(Tensor x, Tensor tiled, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
-  m.impl("skinny_linear", &skinny_linear);
+  m.impl("skinny_linear", &tokenmill::skinny_linear);
 }

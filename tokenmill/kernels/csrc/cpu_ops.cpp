@@ -13,6 +13,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "cpu_kernels.h"
 #include "cpu_vec.h"
 
 namespace {
@@ -50,6 +51,11 @@ inline void rms_row(const float* x, const float* w, float* out, int64_t n, float
 #endif
   for (; i < n; ++i) out[i] = x[i] * inv * w[i];
 }
+
+}  // namespace
+
+// Entry points, also called directly by the fused decoder layer (cpu_kernels.h).
+namespace tokenmill {
 
 void check_norm_args(const at::Tensor& x, const at::Tensor& weight) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [tokens, hidden]");
@@ -154,7 +160,7 @@ void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin) {
   });
 }
 
-}  // namespace
+}  // namespace tokenmill
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
@@ -164,8 +170,8 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
-  m.impl("rms_norm", &rms_norm);
-  m.impl("add_rms_norm", &add_rms_norm);
-  m.impl("silu_and_mul", &silu_and_mul);
-  m.impl("rotary_", &rotary_);
+  m.impl("rms_norm", &tokenmill::rms_norm);
+  m.impl("add_rms_norm", &tokenmill::add_rms_norm);
+  m.impl("silu_and_mul", &tokenmill::silu_and_mul);
+  m.impl("rotary_", &tokenmill::rotary_);
 }

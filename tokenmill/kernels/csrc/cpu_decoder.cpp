@@ -1,0 +1,77 @@
+// One Llama decoder layer for a batch of decode tokens, as one op.
+//
+// Why: with the weights streamed at memory speed, a batch-1 decode step of the default
+// model spent about as long again in Python and op dispatch as in arithmetic: a layer is
+// a dozen ops on 576-wide rows plus ten module calls, thirty layers a step. This op runs
+// the same kernels in the same order (the Python layer path stays the reference), from
+// C++: norm (+ residual add), QKV, rotary, KV-cache write, paged attention, O, norm
+// (+ residual add), gate/up, SiLU-and-mul, down.
+//
+// Decode only (one query token per sequence), float32 activations and cache, weights
+// tiled for skinny_linear (float32 or bfloat16), no biases.
+
+#include <ATen/ATen.h>
+#include <torch/library.h>
+
+#include <cstring>
+
+#include "cpu_kernels.h"
+
+namespace tokenmill {
+
+// As DecoderLayer.forward: h (the previous layer's MLP output) is added into `residual`
+// (updated in place, twice: + h, then + attention output), and the layer's MLP output is
+// returned, to be added by the next layer's norm. The first layer passes zeros as h and
+// the embeddings as the residual.
+at::Tensor llama_decode_layer(
+    const at::Tensor& h, at::Tensor residual, const at::Tensor& input_norm,
+    const at::Tensor& post_norm, double eps, const at::Tensor& qkv_w, const at::Tensor& o_w,
+    const at::Tensor& gate_up_w, const at::Tensor& down_w, const at::Tensor& cos, const at::Tensor& sin,
+    at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
+    const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+    int64_t intermediate, double scale) {
+  const int64_t tokens = h.size(0), hidden = h.size(1);
+  const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
+  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous() &&
+                  k_cache.size(2) * k_cache.size(3) == kv_size,
+              "k/v cache: contiguous float32 [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == tokens,
+              "slots: int64, one per token");
+
+  at::Tensor x = add_rms_norm(h, residual, input_norm, eps);
+
+  at::Tensor qkv = skinny_linear(x, qkv_w, q_size + 2 * kv_size);
+  rotary_(qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, head_dim}), cos, sin);
+  // K and V rows into their cache slots.
+  const int64_t num_slots = k_cache.numel() / kv_size;
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  const float* qkv_p = qkv.data_ptr<float>();
+  float *k_p = k_cache.data_ptr<float>(), *v_p = v_cache.data_ptr<float>();
+  const int64_t row = qkv.size(1);
+  for (int64_t t = 0; t < tokens; ++t) {
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "KV slot out of range");
+    std::memcpy(k_p + slot[t] * kv_size, qkv_p + t * row + q_size, kv_size * sizeof(float));
+    std::memcpy(v_p + slot[t] * kv_size, qkv_p + t * row + q_size + kv_size, kv_size * sizeof(float));
+  }
+
+  at::Tensor attn = at::empty({tokens, num_heads, head_dim}, h.options());
+  paged_decode_attention(attn, qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim}), k_cache, v_cache,
+                         block_tables, context_lens, scale);
+  at::Tensor o = skinny_linear(attn.view({tokens, q_size}), o_w, hidden);
+  x = add_rms_norm(o, residual, post_norm, eps);
+  return skinny_linear(silu_and_mul(skinny_linear(x, gate_up_w, 2 * intermediate)), down_w, hidden);
+}
+
+}  // namespace tokenmill
+
+TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
+  m.def(
+      "llama_decode_layer(Tensor h, Tensor(a!) residual, Tensor input_norm, Tensor post_norm, float eps, "
+      "Tensor qkv_w, Tensor o_w, Tensor gate_up_w, Tensor down_w, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
+      "Tensor(c!) v_cache, Tensor slots, Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, "
+      "int head_dim, int intermediate, float scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("llama_decode_layer", &tokenmill::llama_decode_layer);
+}
