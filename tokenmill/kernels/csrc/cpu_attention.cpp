@@ -20,6 +20,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <vector>
 
@@ -281,10 +282,14 @@ void decode_kernel(
   const bool tiled = group <= kMaxTiledGroup && head_dim % kTiledDimStep == 0;
   const int64_t variant = tiled ? group : 0;
 
-  at::parallel_for(0, num_seqs * items_per_seq, 1, [&](int64_t begin, int64_t end) {
+  // Items differ in cost (context lengths are ragged) and at::parallel_for splits a range
+  // statically, so threads take the next item from a shared counter instead.
+  const int64_t num_items = num_seqs * items_per_seq;
+  std::atomic<int64_t> next_item{0};
+  at::parallel_for(0, std::min<int64_t>(num_items, at::get_num_threads()), 1, [&](int64_t, int64_t) {
     const int64_t rows = heads_per_item * group;
     std::vector<float> qf(rows * head_dim), acc(rows * head_dim), scores;
-    for (int64_t work = begin; work < end; ++work) {
+    for (int64_t work = next_item++; work < num_items; work = next_item++) {
       const int64_t s = work / items_per_seq, h0 = (work % items_per_seq) * heads_per_item;
       const int64_t ctx = lens[s];
       TORCH_CHECK(ctx <= max_blocks * block_size, "context longer than its block table");
