@@ -211,8 +211,9 @@ def test_dtype_plan_on_a_cpu_without_bf16_arithmetic(monkeypatch) -> None:
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(factory, "cpu_has_native_bf16", lambda: False)
-    assert factory.resolve_dtype("bfloat16", cpu) == factory.DtypePlan(compute="float32", weights="bfloat16")
-    assert str(factory.resolve_dtype("bfloat16", cpu)) == "bfloat16 weights, float32 compute"
+    plan = factory.resolve_dtype("bfloat16", cpu)
+    assert plan == factory.DtypePlan(compute="float32", weights="bfloat16", kv="bfloat16")
+    assert str(plan) == "bfloat16 weights and KV cache, float32 compute" and plan.kv_cache == "bfloat16"
     assert factory.resolve_dtype("auto", cpu) == factory.DtypePlan("float32", "float32")
     monkeypatch.setattr(factory, "cpu_has_native_bf16", lambda: True)
     assert factory.resolve_dtype("bfloat16", cpu) == factory.DtypePlan("bfloat16", "bfloat16")

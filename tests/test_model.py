@@ -100,7 +100,8 @@ def _backend(name: str):
 
 
 def _paged_logits(
-    model: LlamaForCausalLM, seqs: list[list[int]], chunks: list[list[int]], backend_name: str, block_size: int = 4
+    model: LlamaForCausalLM, seqs: list[list[int]], chunks: list[list[int]], backend_name: str, block_size: int = 4,
+    kv_dtype: torch.dtype = torch.float32,
 ):
     """Run `seqs` through the paged backend in several steps, the i-th step computing
     chunks[i][r] tokens of sequence r, with shuffled block ids; returns per-sequence
@@ -108,7 +109,7 @@ def _paged_logits(
     cfg = model.cfg
     num_blocks = sum(-(-len(s) // block_size) for s in seqs) + 3
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    caches = [(torch.zeros(shape), torch.zeros(shape)) for _ in range(cfg.num_layers)]
+    caches = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)) for _ in range(cfg.num_layers)]
     free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(3)).tolist()
     tables = [[free.pop() for _ in range(-(-len(s) // block_size))] for s in seqs]
     done = [0] * len(seqs)
@@ -180,6 +181,33 @@ def test_paged_chunked_batched_attention_equals_dense(
     assert len(fused_calls) == (all_decode_steps * model.cfg.num_layers if prepared else 0)
     for expected, got in zip(dense, paged):
         torch.testing.assert_close(got, expected[: got.shape[0]], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "backend_name,prepared",
+    [("torch_sdpa", False), ("cpu_native", False), ("cpu_native", True)],
+    ids=["torch_sdpa", "cpu_native", "cpu_native-prepared"],
+)
+@torch.inference_mode()
+def test_bfloat16_kv_cache_with_float32_compute(backend_name: str, prepared: bool) -> None:
+    """A bf16 cache under float32 activations (--dtype bfloat16 on a CPU without bf16
+    arithmetic): every path rounds K/V the same way, so they agree closely with each
+    other, and with the float32 cache up to bf16 rounding."""
+    model = _ours_from(_hf_llama(num_key_value_heads=2))
+    gen = torch.Generator().manual_seed(5)
+    seqs = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (13, 7, 20)]
+    chunks = [[5, 4, 8], [1, 1, 1], [6, 1, 8], [1, 1, 3]]
+    reference = _paged_logits(model, seqs, chunks, "torch_sdpa", kv_dtype=torch.bfloat16)
+    exact = _paged_logits(model, seqs, chunks, "torch_sdpa")
+    if prepared:
+        from tokenmill.model.layers import prepare_for_cpu
+
+        prepare_for_cpu(model, torch.float32)
+    got = _paged_logits(model, seqs, chunks, backend_name, kv_dtype=torch.bfloat16)
+    for g, r, e in zip(got, reference, exact):
+        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
+        assert not torch.equal(g, e)  # the rounding is real
 
 
 def test_explicit_rope_factors_equal_llama3_scaling() -> None:

@@ -56,8 +56,9 @@ class TorchSDPABackend(AttentionBackend):
         num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
         k_flat = k_cache.view(-1, num_kv_heads, head_dim)
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
-        k_flat.index_copy_(0, metadata.slot_mapping, k)
-        v_flat.index_copy_(0, metadata.slot_mapping, v)
+        # The cache may be narrower than the activations (bf16 KV, float32 compute).
+        k_flat.index_copy_(0, metadata.slot_mapping, k.to(k_flat.dtype))
+        v_flat.index_copy_(0, metadata.slot_mapping, v.to(v_flat.dtype))
 
         out = torch.empty_like(q)
         if metadata.decode is not None:
@@ -67,7 +68,7 @@ class TorchSDPABackend(AttentionBackend):
             if span.context_gather is None:  # the whole context is this chunk
                 kp, vp = k[span.start : span.end], v[span.start : span.end]
             else:
-                kp, vp = k_flat[span.context_gather], v_flat[span.context_gather]
+                kp, vp = k_flat[span.context_gather].to(q.dtype), v_flat[span.context_gather].to(q.dtype)
             kp = kp.transpose(0, 1).unsqueeze(0)
             vp = vp.transpose(0, 1).unsqueeze(0)
             o = _sdpa(qp, kp, vp, span.mask, scale, causal=span.mask is None)
@@ -81,8 +82,8 @@ class TorchSDPABackend(AttentionBackend):
         v_flat = v_cache.view(-1, num_kv_heads, head_dim)
         decode: PaddedDecode = metadata.decode
         qd = q[decode.rows].unsqueeze(2)  # [D, H, 1, d]
-        kd = k_flat[decode.gather].transpose(1, 2)  # [D, KVH, L, d]
-        vd = v_flat[decode.gather].transpose(1, 2)
+        kd = k_flat[decode.gather].to(q.dtype).transpose(1, 2)  # [D, KVH, L, d]
+        vd = v_flat[decode.gather].to(q.dtype).transpose(1, 2)
         o = _sdpa(qd, kd, vd, decode.mask, scale, causal=False)
         out[decode.rows] = o.squeeze(2)
 

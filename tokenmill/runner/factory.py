@@ -47,22 +47,31 @@ def cpu_has_native_bf16() -> bool:
 
 @dataclass(frozen=True)
 class DtypePlan:
-    compute: str  # activations and the KV cache
+    compute: str  # activations
     weights: str  # how linear and embedding weights are stored
+    kv: str = ""  # the KV cache; "" = compute
+
+    @property
+    def kv_cache(self) -> str:
+        return self.kv or self.compute
 
     def __str__(self) -> str:
-        return self.compute if self.compute == self.weights else f"{self.weights} weights, {self.compute} compute"
+        if self.compute == self.weights == self.kv_cache:
+            return self.compute
+        stored = "weights and KV cache" if self.weights == self.kv_cache else f"weights, {self.kv_cache} KV cache"
+        return f"{self.weights} {stored}, {self.compute} compute"
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> DtypePlan:
     """`auto`: bfloat16 on GPUs and on CPUs with bf16 arithmetic, float32 elsewhere.
     `bfloat16` on a CPU without bf16 arithmetic stores the weights in bfloat16 (half the
     bytes each decode step streams) and computes in float32, as llama.cpp does with a
-    BF16 file there: bf16 matmuls would be emulated, several times slower."""
+    BF16 file there: bf16 matmuls would be emulated, several times slower. The KV cache is
+    then bfloat16 too (as vLLM keeps it): batched decode attention streams half the bytes."""
     if dtype == "auto":
         dtype = "bfloat16" if device.type == "cuda" or cpu_has_native_bf16() else "float32"
     if dtype == "bfloat16" and device.type == "cpu" and not cpu_has_native_bf16():
-        return DtypePlan(compute="float32", weights="bfloat16")
+        return DtypePlan(compute="float32", weights="bfloat16", kv="bfloat16")
     return DtypePlan(compute=dtype, weights=dtype)
 
 
@@ -111,7 +120,8 @@ def build_runner(config: EngineConfig) -> BuiltRunner:
     if config.max_model_len and config.max_model_len > loaded.context_len:
         logger.warning("max_model_len %d exceeds the model's context length %d", max_model_len, loaded.context_len)
     memory = config.kv_cache_memory or default_kv_cache_memory(device)
-    per_block = kv_bytes_per_block(loaded.arch, config.block_size, loaded.model.dtype)
+    kv_dtype = getattr(torch, dtype.kv_cache)
+    per_block = kv_bytes_per_block(loaded.arch, config.block_size, kv_dtype)
     num_blocks = memory // per_block
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory {memory} bytes is less than one KV block ({per_block} bytes)")
@@ -123,7 +133,9 @@ def build_runner(config: EngineConfig) -> BuiltRunner:
         logger.info("laid out %d linear weights for the CPU (%s for decode%s)", count, dtype.weights,
                     ", float32 oneDNN copies for prefill" if onednn else "")
     backend = select_attention_backend(config.attention_backend, device)
-    runner = ModelRunner(loaded.model, num_blocks, config.block_size, device, seed=config.seed, backend=backend)
+    runner = ModelRunner(
+        loaded.model, num_blocks, config.block_size, device, seed=config.seed, backend=backend, kv_dtype=kv_dtype
+    )
     logger.info(
         "loaded %s (%s) on %s in %.1f s: %d KV blocks of %d tokens (%.2f GiB), max_model_len %d, attention %s",
         loaded.name, dtype, device, time.perf_counter() - start, num_blocks, config.block_size,

@@ -31,6 +31,7 @@ class ModelRunner:
         device: torch.device,
         seed: int = 0,
         backend: AttentionBackend | None = None,
+        kv_dtype: torch.dtype | None = None,  # None: the model's compute dtype
     ) -> None:
         self.model = model
         self.arch = model.cfg
@@ -39,6 +40,7 @@ class ModelRunner:
         self.device = device
         self.dtype = model.dtype  # activations and KV cache
         self.weight_dtype = model.embed_tokens.weight.dtype  # may be narrower (CPU, --dtype bfloat16)
+        self.kv_dtype = kv_dtype or self.dtype
         self.backend = backend or TorchSDPABackend()
         self.sampler = Sampler(seed)
         self.generators: dict[str, torch.Generator] = {}
@@ -46,7 +48,7 @@ class ModelRunner:
         # Zeroed, not empty: padded decode reads touch unwritten slots (masked out,
         # but garbage NaNs would still poison the weighted sum).
         self.kv_caches = [
-            (torch.zeros(shape, dtype=self.dtype, device=device), torch.zeros(shape, dtype=self.dtype, device=device))
+            (torch.zeros(shape, dtype=self.kv_dtype, device=device), torch.zeros(shape, dtype=self.kv_dtype, device=device))
             for _ in range(self.arch.num_layers)
         ]
 

@@ -7,13 +7,14 @@
 // C++: norm (+ residual add), QKV, rotary, KV-cache write, paged attention, O, norm
 // (+ residual add), gate/up, SiLU-and-mul, down.
 //
-// Decode only (one query token per sequence), float32 activations and cache, weights
+// Decode only (one query token per sequence), float32 activations, a float32 or bfloat16
+// KV cache, weights
 // tiled for skinny_linear (float32 or bfloat16), no biases.
 
 #include <ATen/ATen.h>
+#include <ATen/Dispatch_v2.h>
 #include <torch/library.h>
 
-#include <cstring>
 
 #include "cpu_kernels.h"
 
@@ -32,9 +33,10 @@ at::Tensor llama_decode_layer(
     int64_t intermediate, double scale) {
   const int64_t tokens = h.size(0), hidden = h.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  TORCH_CHECK(k_cache.scalar_type() == at::kFloat && k_cache.is_contiguous() && v_cache.is_contiguous() &&
-                  k_cache.size(2) * k_cache.size(3) == kv_size,
-              "k/v cache: contiguous float32 [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK((k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16) &&
+                  v_cache.scalar_type() == k_cache.scalar_type() && k_cache.is_contiguous() &&
+                  v_cache.is_contiguous() && k_cache.size(2) * k_cache.size(3) == kv_size,
+              "k/v cache: contiguous float32 or bfloat16 [blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == tokens,
               "slots: int64, one per token");
 
@@ -42,17 +44,25 @@ at::Tensor llama_decode_layer(
 
   at::Tensor qkv = skinny_linear(x, qkv_w, q_size + 2 * kv_size);
   rotary_(qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, head_dim}), cos, sin);
-  // K and V rows into their cache slots.
+  // K and V rows into their cache slots (rounded to nearest even when the cache is bf16).
   const int64_t num_slots = k_cache.numel() / kv_size;
   const int64_t* slot = slots.data_ptr<int64_t>();
   const float* qkv_p = qkv.data_ptr<float>();
-  float *k_p = k_cache.data_ptr<float>(), *v_p = v_cache.data_ptr<float>();
   const int64_t row = qkv.size(1);
-  for (int64_t t = 0; t < tokens; ++t) {
+  for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "KV slot out of range");
-    std::memcpy(k_p + slot[t] * kv_size, qkv_p + t * row + q_size, kv_size * sizeof(float));
-    std::memcpy(v_p + slot[t] * kv_size, qkv_p + t * row + q_size + kv_size, kv_size * sizeof(float));
-  }
+  AT_DISPATCH_V2(k_cache.scalar_type(), "llama_decode_layer_kv_write", AT_WRAP([&] {
+    scalar_t *k_p = k_cache.data_ptr<scalar_t>(), *v_p = v_cache.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < tokens; ++t) {
+      const float* k_src = qkv_p + t * row + q_size;
+      const float* v_src = k_src + kv_size;
+      scalar_t *k_dst = k_p + slot[t] * kv_size, *v_dst = v_p + slot[t] * kv_size;
+      for (int64_t i = 0; i < kv_size; ++i) {
+        k_dst[i] = static_cast<scalar_t>(k_src[i]);
+        v_dst[i] = static_cast<scalar_t>(v_src[i]);
+      }
+    }
+  }), at::kFloat, at::kBFloat16);
 
   at::Tensor attn = at::empty({tokens, num_heads, head_dim}, h.options());
   paged_decode_attention(attn, qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim}), k_cache, v_cache,
