@@ -288,7 +288,7 @@ def gguf_decode_bytes(path: str) -> int:
     return sum(int(t.n_bytes) for t in tensors if tied or t.name != "token_embd.weight")
 
 
-def _median_seconds(fn: Callable[[], Any], reps: int, budget_s: float = 4.0) -> float:
+def median_seconds(fn: Callable[[], Any], reps: int, budget_s: float = 4.0) -> float:
     """Median wall time of `fn` after one warm-up call; fewer reps when a call is slow."""
     t0 = time.perf_counter()
     fn()
@@ -312,11 +312,11 @@ def probe(threads: int, gguf: str, mem_mib: int = 1024, gemm_n: int = 2048, reps
     with torch.inference_mode():
         n = mem_mib * 2**20 // 4
         x = torch.ones(n, dtype=torch.float32)
-        out["sum_gb_s"] = x.nbytes / _median_seconds(lambda: x.sum(), reps) / 1e9
+        out["sum_gb_s"] = x.nbytes / median_seconds(lambda: x.sum(), reps) / 1e9
         del x
         m = int(math.isqrt(n))
         a, v = torch.ones(m, m, dtype=torch.float32), torch.ones(m, dtype=torch.float32)
-        out["gemv_gb_s"] = a.nbytes / _median_seconds(lambda: torch.mv(a, v), reps) / 1e9
+        out["gemv_gb_s"] = a.nbytes / median_seconds(lambda: torch.mv(a, v), reps) / 1e9
         del a, v
         out["bandwidth_gb_s"] = max(out["sum_gb_s"], out["gemv_gb_s"])
         for dtype in ("float32", "bfloat16"):
@@ -341,7 +341,7 @@ def gemm_rates(dtype: Any, n: int, reps: int, max_call_s: float = 2.0) -> dict[s
             if rate and 2 * size**3 / (rate * 1e9) > max_call_s:
                 break
             a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
-            rate = 2 * size**3 / _median_seconds(lambda: op(a, b), reps) / 1e9
+            rate = 2 * size**3 / median_seconds(lambda: op(a, b), reps) / 1e9
             rates[name] = {"n": size, "gflop_s": rate}
     return rates
 

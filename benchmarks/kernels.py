@@ -8,7 +8,7 @@
 - attention: `paged_decode_attention` over 32 sequences x 530 tokens (9 query / 3 KV heads,
   head_dim 64), blocks in order and shuffled, float32 and bfloat16 caches.
 
-Median of 7-9 timed calls after 2 warm-up calls. Not part of CI: timings on shared machines
+Median of up to 7 timed calls after a warm-up call (compare.py's timing helper). Not part of CI: timings on shared machines
 are noisy, compare within one run.
 """
 
@@ -16,25 +16,13 @@ from __future__ import annotations
 
 import argparse
 import random
-import statistics
-import time
-from collections.abc import Callable
 
 import torch
+from compare import median_seconds  # this directory's harness: one timing helper for both
 
 from tokenmill.kernels import cpu_kernels_available, paged_decode_attention, skinny_linear, tile_for_skinny
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
-
-
-def median_time(fn: Callable[[], object], repeats: int = 7) -> float:
-    fn(), fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def bench_linear() -> None:
@@ -49,10 +37,10 @@ def bench_linear() -> None:
         for rows in (1, 2, 4, 8, 16, 32, 64):
             x = torch.randn(rows, k)
             torch.testing.assert_close(skinny_linear(x, tiled32[0], n), x @ weights[0].T, atol=1e-3, rtol=1e-4)
-            t32 = median_time(lambda: [skinny_linear(x, w, n) for w in tiled32]) / copies
-            t16 = median_time(lambda: [skinny_linear(x, w, n) for w in tiled16]) / copies
-            tdn = median_time(
-                lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in packed]
+            t32 = median_seconds(lambda: [skinny_linear(x, w, n) for w in tiled32], 7) / copies
+            t16 = median_seconds(lambda: [skinny_linear(x, w, n) for w in tiled16], 7) / copies
+            tdn = median_seconds(
+                lambda: [torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "") for w in packed], 7
             ) / copies
             flop = 2 * rows * n * k
 
@@ -79,7 +67,7 @@ def bench_attention() -> None:
             lens = torch.full((seqs,), ctx, dtype=torch.int32)
             q = torch.randn(seqs, heads, head_dim)
             out = torch.empty_like(q)
-            t = median_time(lambda: paged_decode_attention(out, q, k_cache, v_cache, tables, lens, 0.125), 9)
+            t = median_seconds(lambda: paged_decode_attention(out, q, k_cache, v_cache, tables, lens, 0.125), 7)
             read = seqs * ctx * kv_heads * head_dim * 2 * k_cache.element_size()
             print(f"  {str(dtype).removeprefix('torch.'):>8} cache, blocks {order:>8}: {t * 1e3:.2f} ms "
                   f"({read / t / 1e9:.1f} GB/s of K/V)")

@@ -283,3 +283,26 @@ def test_attention_backend_choice_and_its_errors() -> None:
         select_attention_backend("cpu_native", torch.device("cuda"))
     with pytest.raises(ValueError, match="attention_backend must be one of"):
         EngineConfig(attention_backend="flash")
+
+
+def test_fused_decode_layer_rejects_bad_slots_and_caches() -> None:
+    """The fused decode layer checks what it writes before it writes: a slot outside the
+    cache and a cache it cannot hold (float16) are named errors, and nothing is written."""
+    h, residual = torch.zeros(1, 32), torch.randn(1, 32)
+    norm = torch.ones(32)
+    weights = tuple(tile_for_skinny(torch.randn(n, k)) for n, k in ((96, 32), (32, 32), (64, 32), (32, 32)))  # qkv, o, gate_up, down
+    rope = (torch.ones(1, 8), torch.zeros(1, 8))
+    cache = (torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16))
+    tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+
+    def run(kv_cache, slot):
+        return kernels.llama_decode_layer(h, residual.clone(), norm, norm, 1e-6, weights, rope, kv_cache,
+                                          torch.tensor([slot]), tables, lens, 2, 2, 16, 32, 0.25)
+
+    assert run(cache, 3).shape == (1, 32) and cache[0][0, 3].abs().sum() > 0  # slot 3 written
+    fresh = (torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16))
+    with pytest.raises(RuntimeError, match="KV slot out of range"):
+        run(fresh, 8)
+    assert fresh[0].abs().sum() == 0 and fresh[1].abs().sum() == 0
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        run(tuple(c.half() for c in cache), 0)
