@@ -16,6 +16,7 @@ import functools
 import logging
 import os
 import time
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -23,9 +24,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_ops.cpp", "cpu_decoder.cpp")]
+_SOURCES = [
+    _CSRC / name for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_ops.cpp", "cpu_decoder.cpp", "cpu_quant.cpp")
+]
 _OPS = ("paged_decode_attention", "skinny_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary_",
-        "llama_decode_layer")
+        "llama_decode_layer", "quant_linear", "quant_dequantize", "quantize_activations_q8", "quant_isa")
 _NAME = "tokenmill_cpu_kernels"
 
 
@@ -111,6 +114,35 @@ def skinny_linear(x: torch.Tensor, tiled: torch.Tensor, n: int) -> torch.Tensor:
     """x [M, K] float32 (contiguous) @ W[n, K]^T with W given by tile_for_skinny (float32
     or bfloat16). Built for few rows; any M works."""
     return torch.ops.tokenmill.skinny_linear(x, tiled, n)
+
+
+QUANT_INTEGER_MAX_ROWS = 16  # quant_linear: integer dot products up to here, a bf16 GEMM beyond
+
+
+def quant_linear(
+    x: torch.Tensor, packed: torch.Tensor, format: Sequence[int], col_perm: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x [M, K] float32 (contiguous) @ W^T for a quantized W given as a QuantizedTensor's
+    `packed`, `format` and `col_perm` (tokenmill/quantization/qtensor.py): float32 [M, N].
+    Up to QUANT_INTEGER_MAX_ROWS rows x is quantized to int8 per 32 (llama.cpp's Q8_1) and
+    multiplied on integers; beyond, W is dequantized to bf16 tile by tile for a GEMM."""
+    return torch.ops.tokenmill.quant_linear(x, packed, list(format), col_perm)
+
+
+def quant_dequantize(packed: torch.Tensor, format: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """The quantized W as float32 or bfloat16 [N, K] (stored column order)."""
+    return torch.ops.tokenmill.quant_dequantize(packed, list(format), dtype)
+
+
+def quantize_activations_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] float32, K % 32 == 0 -> (int8 q [M, K], float32 d [M, K / 32]) as quant_linear
+    quantizes its input: d = max|x| / 127 per 32 values, q = round-half-even(x * 127 / max|x|)."""
+    return torch.ops.tokenmill.quantize_activations_q8(x)
+
+
+def quant_isa() -> str:
+    """The integer dot product this build of quant_linear uses: avx512_vnni, avx_vnni, avx2, scalar."""
+    return torch.ops.tokenmill.quant_isa()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

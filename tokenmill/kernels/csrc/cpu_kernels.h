@@ -5,7 +5,36 @@
 
 #include <ATen/ATen.h>
 
+#include <optional>
+#include <tuple>
+
 namespace tokenmill {
+
+// A weight-only quantized weight W [N, K] as the kernels read it: a QuantizedTensor
+// (tokenmill/quantization/qtensor.py; its `.packed`, `.format` and `.col_perm`).
+struct QuantWeight {
+  at::Tensor packed;  // uint8 [tiles, spans, span_bytes]: 4-row tiles of [scales][mins][codes] spans
+  int64_t N, K;
+  int64_t bits;         // 4 or 8 (codes of 5/6-bit formats are stored in 8)
+  int64_t group_size;   // the kernel group: 16, 32 or a multiple of 64 (QuantizedTensor.format)
+  int64_t scale_bytes;  // 2: float16 scales/mins, 4: float32
+  int64_t code_offset;  // symmetric: w = scale * (u - code_offset); -1: w = scale * u + min, mins stored
+  std::optional<at::Tensor> col_perm;  // int64 [K] (GPTQ act-order): y = x[:, col_perm] . W_stored^T
+
+  // format = QuantizedTensor.format = [N, K, bits, group_size, scale_bytes, code_offset]
+  static QuantWeight from_format(at::Tensor packed, at::IntArrayRef format, std::optional<at::Tensor> col_perm);
+};
+
+// cpu_quant.cpp. y [M, N] float32 = x [M, K] (contiguous float32) . W^T for any M: up to 16
+// rows, x is quantized to int8 per 32 columns (d = max|x| / 127) and multiplied with integer
+// dot products; above, W is dequantized to bf16 chunk by chunk and multiplied by a bf16 GEMM.
+at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w);
+// W as float32 or bfloat16 [N, K], in the stored column order (col_perm not undone).
+at::Tensor quant_dequantize(const QuantWeight& w, at::ScalarType dtype);
+// x [M, K] (K % 32 == 0) -> int8 q [M, K] and float32 d [M, K / 32], as quant_linear quantizes.
+std::tuple<at::Tensor, at::Tensor> quantize_activations_q8(const at::Tensor& x);
+// Which integer dot product this build uses: avx512_vnni, avx_vnni, avx2 or scalar.
+const char* quant_isa();
 
 // y = x . W^T with W tiled by tile_for_skinny (cpu_linear.cpp).
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& tiled, int64_t N);

@@ -1,0 +1,679 @@
+// Matrix multiply with weight-only quantized weights on the CPU: y[M, N] = x[M, K] . W^T,
+// W a QuantizedTensor (tokenmill/quantization/qtensor.py): unsigned codes u with
+// w = scale * u + min per (row, group), or scale * (u - code_offset) for symmetric formats.
+//
+// Few rows (decode, M <= kMaxIntegerRows): the activations are quantized on the fly, per
+// 32 values, to int8 with d = max|x| / 127 (llama.cpp's Q8_1 form: q = round(x / d)), and
+// the products run on integers: per 4 columns an int32 lane gets the dot product of the
+// codes with q (AVX512-VNNI vpdpbusd on 64 columns at a time; AVX-VNNI, or AVX2 maddubs +
+// madd, on 32; plain C otherwise: chosen by the compiler's target macros, the build being
+// -march=native), then lane * (scale * d) is accumulated in float32. The min term
+// sum_g min[g] * sum_{k in g} d q_k is one fused multiply-add per span for all four rows of a
+// tile; a symmetric format's -code_offset * scale * sum(q) is folded into the integer dot
+// as its starting value. Why: decode reads every weight once per token, so its speed is
+// bytes per weight; Q4_1 is 5 bits, and integer dot products keep the arithmetic well
+// under the memory time.
+//
+// The weight is one byte stream (qtensor.py's `packed`): tiles of 4 rows, each a run of
+// spans [scales][mins][codes], read strictly in memory order: the hardware prefetchers
+// follow one stream well and several interleaved ones badly (see cpu_linear.cpp). A tile's
+// codes are unpacked once per group of up to 4 activation rows, from L1 after the first.
+//
+// Many rows (prefill): tiles of rows are dequantized to bfloat16 and multiplied by a bf16
+// GEMM (oneDNN, AMX/AVX512-BF16 where the CPU has them); see quant_linear below for the
+// measured reason.
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "cpu_kernels.h"
+
+#if defined(__SSE__)
+#include <immintrin.h>
+#endif
+
+// Which integer dot product: TOKENMILL_QUANT_FORCE_* pick a narrower one for tests.
+#if defined(TOKENMILL_QUANT_FORCE_SCALAR)
+#define TM_QUANT_SCALAR 1
+#elif defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__) && !defined(TOKENMILL_QUANT_FORCE_AVX2)
+#define TM_QUANT_AVX512 1
+#elif defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define TM_QUANT_AVX2 1
+#if defined(__AVXVNNI__) && !defined(TOKENMILL_QUANT_NO_VNNI)
+#define TM_QUANT_AVX_VNNI 1
+#endif
+#else
+#define TM_QUANT_SCALAR 1
+#endif
+
+#ifndef TOKENMILL_OPS_NS
+#define TOKENMILL_OPS_NS tokenmill
+#endif
+
+namespace {
+
+constexpr int64_t kRows = 4;     // rows of W per tile
+constexpr int64_t kStep = 64;    // columns per kernel step
+constexpr int64_t kBlock = 32;   // columns per activation scale
+constexpr int64_t kLanes = 16;   // int32 lanes per step (4 columns each)
+constexpr int64_t kMaxIntegerRows = 16;  // more rows: dequantize + bf16 GEMM
+
+// Where things sit in `packed` (qtensor.py's _Layout, the same arithmetic).
+struct Layout {
+  int64_t N, K, bits, group, scale_bytes, offset;
+  bool has_mins;
+  int64_t span, gps, spans, tiles, Kp, scale_block, code_bytes, span_bytes, step_bytes, row_step_bytes;
+  // Which of a span's scales each int32 lane takes: row r, lane l of a 64-column step ->
+  // r * gps + 4 l / group (lane16); lane l of a 32-column half h -> (32 h + 4 l) / group,
+  // to be offset by the row's first scale (lane8). One scale per row when group >= 64.
+  alignas(64) int32_t lane16[kRows][kLanes];
+  alignas(32) int32_t lane8[2][8];
+
+  explicit Layout(const tokenmill::QuantWeight& w)
+      : N(w.N), K(w.K), bits(w.bits), group(w.group_size), scale_bytes(w.scale_bytes), offset(w.code_offset),
+        has_mins(w.code_offset < 0) {
+    TORCH_CHECK(N > 0 && K > 0, "quantized weight: N and K must be positive");
+    TORCH_CHECK(bits == 4 || bits == 8, "quantized weight: bits must be 4 or 8, got ", bits);
+    TORCH_CHECK(scale_bytes == 2 || scale_bytes == 4, "quantized weight: scales must be float16 or float32");
+    TORCH_CHECK(offset >= -1 && offset < (int64_t{1} << bits), "quantized weight: code_offset out of range");
+    TORCH_CHECK(group > 0 && (group % kStep == 0 || kStep % group == 0) && group % 4 == 0,
+                "quantized weight: kernel group size must be 16, 32 or a multiple of 64, got ", group);
+    span = std::max(group, kStep);
+    gps = span / group;
+    spans = (K + span - 1) / span;
+    tiles = (N + kRows - 1) / kRows;
+    Kp = spans * span;
+    scale_block = kRows * gps * scale_bytes;
+    row_step_bytes = kStep * bits / 8;
+    step_bytes = kRows * row_step_bytes;
+    code_bytes = (span / kStep) * step_bytes;
+    span_bytes = scale_block * (has_mins ? 2 : 1) + code_bytes;
+    for (int64_t r = 0; r < kRows; ++r)
+      for (int64_t l = 0; l < kLanes; ++l) lane16[r][l] = static_cast<int32_t>(r * gps + (gps > 1 ? 4 * l / group : 0));
+    for (int64_t h = 0; h < 2; ++h)
+      for (int64_t l = 0; l < 8; ++l) lane8[h][l] = static_cast<int32_t>(gps > 1 ? (32 * h + 4 * l) / group : 0);
+    const at::Tensor& p = w.packed;
+    TORCH_CHECK(p.scalar_type() == at::kByte && p.is_contiguous() && p.numel() == tiles * spans * span_bytes,
+                "quantized weight: packed must be contiguous uint8 holding ", tiles, " tiles x ", spans, " spans x ",
+                span_bytes, " bytes for this format, got ", p.numel(), " bytes");
+  }
+  const uint8_t* tile(const uint8_t* base, int64_t t) const { return base + t * spans * span_bytes; }
+};
+
+inline float load_scale(const uint8_t* p, int64_t i, int64_t scale_bytes) {
+  if (scale_bytes == 2) {
+    c10::Half h;
+    std::memcpy(&h, p + 2 * i, 2);
+    return static_cast<float>(h);
+  }
+  float f;
+  std::memcpy(&f, p + 4 * i, 4);
+  return f;
+}
+
+// ----- activations -> int8 per 32 -----------------------------------------------------------
+
+// Quantized activation rows, as the tile kernels read them (all per row m, Kp columns):
+// q int8, the scale d of each 4-column lane, the lane's starting value for the integer dot
+// (init_mult * sum of its 4 q's: folds a symmetric code offset in), and per span the sums
+// d * sum(q) of each group, laid out as the tile's scale lanes (row r, group j at r*gps + j).
+struct ActRows {
+  int64_t M = 0, Kp = 0, lanes = 0, spans = 0;
+  int8_t* q = nullptr;
+  float* d = nullptr;
+  int32_t* init = nullptr;
+  float* gsum = nullptr;
+  const int8_t* q_row(int64_t m) const { return q + m * Kp; }
+  const float* d_row(int64_t m) const { return d + m * lanes; }
+  const int32_t* init_row(int64_t m) const { return init + m * lanes; }
+  const float* gsum_span(int64_t m, int64_t s) const { return gsum + (m * spans + s) * kLanes; }
+};
+
+// Scratch reused across calls on the calling thread (the workers only read it).
+struct Scratch {
+  std::vector<uint8_t> bytes;
+  uint8_t* take(size_t n) {
+    if (bytes.size() < n + 64) bytes.resize(n + 64);
+    return reinterpret_cast<uint8_t*>((reinterpret_cast<uintptr_t>(bytes.data()) + 63) & ~uintptr_t{63});
+  }
+};
+
+inline size_t round64(size_t n) { return (n + 63) & ~size_t{63}; }
+
+// One block of 32 values: d and q as the PyTorch reference computes them. d and 1/d are
+// formed in double and rounded once, which is the correctly rounded float32 quotient
+// whatever -ffast-math does to the division (the quotient is never within 2^-49 of a
+// float32 rounding boundary); q = round-half-even(x * (127 / amax)).
+inline float block_scales(float amax, float* inv) {
+  if (!(amax > 1e-30f)) {  // zero (or tiny, whose inverse overflows) blocks quantize to 0
+    *inv = 0.f;
+    return 0.f;
+  }
+  *inv = static_cast<float>(127.0 / static_cast<double>(amax));
+  return static_cast<float>(static_cast<double>(amax) / 127.0);
+}
+
+void quantize_block(const float* x, int8_t* q, float* d_out) {
+  float inv;
+#if defined(TM_QUANT_AVX512)
+  const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
+  *d_out = block_scales(amax, &inv);
+  const __m512 vi = _mm512_set1_ps(inv);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, vi))));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, vi))));
+#else
+  float amax = 0.f;
+  for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
+  *d_out = block_scales(amax, &inv);
+  for (int i = 0; i < kBlock; ++i) {
+    const float v = std::nearbyint(x[i] * inv);
+    q[i] = static_cast<int8_t>(std::max(-128.f, std::min(127.f, v)));
+  }
+#endif
+}
+
+// x [M, K] float32 (columns gathered through perm when given) -> ActRows in `scratch`.
+// group: the weight's kernel group; init_mult: see ActRows; want_gsum: the weight has mins.
+ActRows quantize_activations(const float* x, int64_t M, int64_t K, const int64_t* perm, const Layout& L,
+                             int32_t init_mult, Scratch& scratch) {
+  ActRows a;
+  a.M = M, a.Kp = L.Kp, a.lanes = L.Kp / 4, a.spans = L.spans;
+  const size_t q_bytes = round64(M * a.Kp), d_bytes = round64(M * a.lanes * 4);
+  const size_t init_bytes = init_mult ? d_bytes : 0, gsum_bytes = L.has_mins ? round64(M * a.spans * kLanes * 4) : 0;
+  const size_t row_bytes = round64(a.Kp * 4);
+  uint8_t* base = scratch.take(q_bytes + d_bytes + init_bytes + gsum_bytes + row_bytes);
+  a.q = reinterpret_cast<int8_t*>(base);
+  a.d = reinterpret_cast<float*>(base + q_bytes);
+  a.init = init_mult ? reinterpret_cast<int32_t*>(base + q_bytes + d_bytes) : nullptr;
+  a.gsum = L.has_mins ? reinterpret_cast<float*>(base + q_bytes + d_bytes + init_bytes) : nullptr;
+  float* row = reinterpret_cast<float*>(base + q_bytes + d_bytes + init_bytes + gsum_bytes);
+  const bool copy = perm != nullptr || a.Kp != K;
+  for (int64_t m = 0; m < M; ++m) {
+    const float* xr = x + m * K;
+    if (copy) {  // gathered and zero-padded to whole spans
+      if (perm)
+        for (int64_t k = 0; k < K; ++k) row[k] = xr[perm[k]];
+      else
+        std::memcpy(row, xr, K * sizeof(float));
+      std::fill(row + K, row + a.Kp, 0.f);
+      xr = row;
+    }
+    int8_t* q = a.q + m * a.Kp;
+    float* d = a.d + m * a.lanes;
+    for (int64_t b = 0; b < a.Kp / kBlock; ++b) {
+      float db;
+      quantize_block(xr + b * kBlock, q + b * kBlock, &db);
+      for (int l = 0; l < kBlock / 4; ++l) d[b * (kBlock / 4) + l] = db;
+    }
+    // Lane sums of q: the symmetric offset's start values and the group sums.
+    int32_t* init = a.init ? a.init + m * a.lanes : nullptr;
+    float* gsum = a.gsum ? a.gsum + m * a.spans * kLanes : nullptr;
+    for (int64_t s = 0; s < a.spans; ++s) {
+      float groups[4] = {0.f, 0.f, 0.f, 0.f};
+      for (int64_t lane = s * L.span / 4; lane < (s + 1) * L.span / 4; ++lane) {
+        const int8_t* ql = q + 4 * lane;
+        const int32_t sum = int32_t{ql[0]} + ql[1] + ql[2] + ql[3];
+        if (init) init[lane] = init_mult * sum;
+        if (gsum) groups[(4 * lane - s * L.span) / L.group] += d[lane] * static_cast<float>(sum);
+      }
+      if (gsum)
+        for (int64_t r = 0; r < kLanes; ++r)
+          gsum[s * kLanes + r] = r < kRows * L.gps ? groups[r % L.gps] : 0.f;
+    }
+  }
+  return a;
+}
+
+// ----- tile kernels: 4 rows of W against MB rows of quantized x --------------------------------
+
+#if defined(TM_QUANT_AVX512)
+
+template <bool HALF>
+inline __m512 load_scale_lanes(const uint8_t* p, __mmask16 mask) {
+  if (HALF) return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(mask, p));
+  return _mm512_maskz_loadu_ps(mask, p);
+}
+
+template <int BITS>
+inline __m512i load_codes(const uint8_t* p) {
+  if (BITS == 8) return _mm512_loadu_si512(p);
+  // 32 bytes: column j in the low nibble of byte j, column 32 + j in the high one.
+  const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1);
+  return _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
+}
+
+template <int MB, int BITS, bool MINS, bool HALF>
+void tile_rows(const uint8_t* tile, const Layout& L, const ActRows& a, int64_t m0, float* y, int64_t N,
+               int64_t valid) {
+  __m512 acc[kRows][MB], macc[MB];
+  for (int m = 0; m < MB; ++m) {
+    macc[m] = _mm512_setzero_ps();
+    for (int r = 0; r < kRows; ++r) acc[r][m] = _mm512_setzero_ps();
+  }
+  __m512i idx[kRows];
+  for (int r = 0; r < kRows; ++r) idx[r] = _mm512_load_si512(L.lane16[r]);
+  const bool has_init = a.init != nullptr;
+  const __mmask16 smask = static_cast<__mmask16>((1u << (kRows * L.gps)) - 1);
+  const int64_t steps = L.span / kStep;
+  const uint8_t* p = tile;
+  for (int64_t s = 0; s < L.spans; ++s, p += L.span_bytes) {
+    const __m512 sv = load_scale_lanes<HALF>(p, smask);
+    __m512 sw[kRows];
+    for (int r = 0; r < kRows; ++r) sw[r] = _mm512_permutexvar_ps(idx[r], sv);
+    if (MINS) {
+      const __m512 mv = load_scale_lanes<HALF>(p + L.scale_block, smask);
+      for (int m = 0; m < MB; ++m) macc[m] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(a.gsum_span(m0 + m, s)), macc[m]);
+    }
+    const uint8_t* c = p + L.scale_block * (MINS ? 2 : 1);
+    for (int64_t j = 0; j < steps; ++j, c += L.step_bytes) {
+      const int64_t col = s * L.span + j * kStep;
+      __m512i w[kRows];
+      for (int r = 0; r < kRows; ++r) w[r] = load_codes<BITS>(c + r * L.row_step_bytes);
+      for (int m = 0; m < MB; ++m) {
+        const __m512i xq = _mm512_loadu_si512(a.q_row(m0 + m) + col);
+        const __m512 dx = _mm512_loadu_ps(a.d_row(m0 + m) + col / 4);
+        const __m512i init = has_init ? _mm512_loadu_si512(a.init_row(m0 + m) + col / 4) : _mm512_setzero_si512();
+        for (int r = 0; r < kRows; ++r) {
+          const __m512i dot = _mm512_dpbusd_epi32(init, w[r], xq);
+          acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sw[r], dx), acc[r][m]);
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    alignas(64) float mins[kLanes];
+    if (MINS) _mm512_store_ps(mins, macc[m]);
+    for (int r = 0; r < valid; ++r) {
+      float v = _mm512_reduce_add_ps(acc[r][m]);
+      if (MINS)
+        for (int64_t j = 0; j < L.gps; ++j) v += mins[r * L.gps + j];
+      y[(m0 + m) * N + r] = v;
+    }
+  }
+}
+constexpr int kMaxBlockRows = 4;  // activation rows per pass over a tile
+
+#elif defined(TM_QUANT_AVX2)
+
+inline __m256 load_row_scales(const uint8_t* p, int64_t i, bool half) {  // scales i..i+3 in lanes 0..3
+  const __m128 v = half ? _mm_cvtph_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + 2 * i)))
+                        : _mm_loadu_ps(reinterpret_cast<const float*>(p + 4 * i));
+  return _mm256_castps128_ps256(v);
+}
+
+inline __m256 load8_scales(const uint8_t* p, int64_t i, bool half) {  // scales i..i+7
+  if (half) return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i)));
+  return _mm256_loadu_ps(reinterpret_cast<const float*>(p + 4 * i));
+}
+
+// dot of 32 u8 codes with 32 s8 activations, 8 int32 lanes of 4, added to init.
+template <int BITS>
+inline __m256i dot32(__m256i init, __m256i w, __m256i xq) {
+#if defined(TM_QUANT_AVX_VNNI)
+  return _mm256_dpbusd_avx_epi32(init, w, xq);
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+  if (BITS == 4)  // u4 * s8 pairs: at most 2 * 15 * 127, no saturation
+    return _mm256_add_epi32(init, _mm256_madd_epi16(_mm256_maddubs_epi16(w, xq), ones));
+  // 8-bit codes would saturate maddubs: multiply u - 128 (signed) by the sign trick,
+  // |u - 128| * sign(x, u - 128); the caller's init adds 128 * sum(q) back.
+  const __m256i s = _mm256_xor_si256(w, _mm256_set1_epi8(static_cast<char>(0x80)));
+  const __m256i p = _mm256_maddubs_epi16(_mm256_abs_epi8(s), _mm256_sign_epi8(xq, s));
+  return _mm256_add_epi32(init, _mm256_madd_epi16(p, ones));
+#endif
+}
+
+template <int MB, int BITS, bool MINS, bool HALF>
+void tile_rows(const uint8_t* tile, const Layout& L, const ActRows& a, int64_t m0, float* y, int64_t N,
+               int64_t valid) {
+  __m256 acc[kRows][MB], macc[MB][2];
+  for (int m = 0; m < MB; ++m) {
+    macc[m][0] = macc[m][1] = _mm256_setzero_ps();
+    for (int r = 0; r < kRows; ++r) acc[r][m] = _mm256_setzero_ps();
+  }
+  const __m256i idx[2] = {_mm256_load_si256(reinterpret_cast<const __m256i*>(L.lane8[0])),
+                          _mm256_load_si256(reinterpret_cast<const __m256i*>(L.lane8[1]))};
+  const bool has_init = a.init != nullptr;
+  const int64_t steps = L.span / kStep;
+  const uint8_t* p = tile;
+  for (int64_t s = 0; s < L.spans; ++s, p += L.span_bytes) {
+    __m256 rs[kRows];
+    for (int r = 0; r < kRows; ++r) rs[r] = load_row_scales(p, r * L.gps, HALF);
+    if (MINS) {
+      const uint8_t* mp = p + L.scale_block;
+      const __m256 m0v = load8_scales(mp, 0, HALF);
+      const __m256 m1v = kRows * L.gps > 8 ? load8_scales(mp, 8, HALF) : _mm256_setzero_ps();
+      for (int m = 0; m < MB; ++m) {
+        const float* g = a.gsum_span(m0 + m, s);
+        macc[m][0] = _mm256_fmadd_ps(m0v, _mm256_loadu_ps(g), macc[m][0]);
+        macc[m][1] = _mm256_fmadd_ps(m1v, _mm256_loadu_ps(g + 8), macc[m][1]);
+      }
+    }
+    const uint8_t* c = p + L.scale_block * (MINS ? 2 : 1);
+    for (int64_t j = 0; j < steps; ++j, c += L.step_bytes) {
+      for (int h = 0; h < 2; ++h) {
+        const int64_t col = s * L.span + j * kStep + 32 * h;
+        __m256i w[kRows];
+        for (int r = 0; r < kRows; ++r) {
+          const uint8_t* cr = c + r * L.row_step_bytes;
+          if (BITS == 8) {
+            w[r] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cr + 32 * h));
+          } else {
+            const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cr));
+            w[r] = _mm256_and_si256(h ? _mm256_srli_epi16(t, 4) : t, _mm256_set1_epi8(0x0F));
+          }
+        }
+        for (int m = 0; m < MB; ++m) {
+          const __m256i xq = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.q_row(m0 + m) + col));
+          const __m256 dx = _mm256_loadu_ps(a.d_row(m0 + m) + col / 4);
+          const __m256i init = has_init ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.init_row(m0 + m) + col / 4))
+                                        : _mm256_setzero_si256();
+          for (int r = 0; r < kRows; ++r) {
+            const __m256 sw = _mm256_permutevar8x32_ps(rs[r], idx[h]);
+            const __m256i dot = dot32<BITS>(init, w[r], xq);
+            acc[r][m] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), _mm256_mul_ps(sw, dx), acc[r][m]);
+          }
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) {
+    alignas(32) float mins[kLanes];
+    if (MINS) {
+      _mm256_store_ps(mins, macc[m][0]);
+      _mm256_store_ps(mins + 8, macc[m][1]);
+    }
+    for (int r = 0; r < valid; ++r) {
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, acc[r][m]);
+      float v = 0.f;
+      for (int l = 0; l < 8; ++l) v += lanes[l];
+      if (MINS)
+        for (int64_t j = 0; j < L.gps; ++j) v += mins[r * L.gps + j];
+      y[(m0 + m) * N + r] = v;
+    }
+  }
+}
+constexpr int kMaxBlockRows = 2;  // 16 ymm registers: 4 x 2 accumulators
+
+#else  // plain C: the same arithmetic lane by lane
+
+template <int MB, int BITS, bool MINS, bool HALF>
+void tile_rows(const uint8_t* tile, const Layout& L, const ActRows& a, int64_t m0, float* y, int64_t N,
+               int64_t valid) {
+  float acc[kRows][MB] = {}, macc[kRows][MB] = {};
+  const int64_t steps = L.span / kStep;
+  const uint8_t* p = tile;
+  for (int64_t s = 0; s < L.spans; ++s, p += L.span_bytes) {
+    const uint8_t* c = p + L.scale_block * (MINS ? 2 : 1);
+    for (int r = 0; r < kRows; ++r)
+      for (int m = 0; m < MB; ++m)
+        if (MINS)
+          for (int64_t j = 0; j < L.gps; ++j)
+            macc[r][m] += load_scale(p + L.scale_block, r * L.gps + j, L.scale_bytes) *
+                          a.gsum_span(m0 + m, s)[r * L.gps + j];
+    for (int64_t j = 0; j < steps; ++j, c += L.step_bytes) {
+      const int64_t col = s * L.span + j * kStep;
+      for (int r = 0; r < kRows; ++r) {
+        uint8_t u[kStep];
+        const uint8_t* cr = c + r * L.row_step_bytes;
+        for (int i = 0; i < kStep; ++i) u[i] = BITS == 8 ? cr[i] : (i < 32 ? cr[i] & 0x0F : cr[i - 32] >> 4);
+        for (int m = 0; m < MB; ++m) {
+          const int8_t* xq = a.q_row(m0 + m) + col;
+          for (int l = 0; l < kLanes; ++l) {
+            int32_t dot = a.init ? a.init_row(m0 + m)[col / 4 + l] : 0;
+            for (int i = 4 * l; i < 4 * l + 4; ++i) dot += int32_t{u[i]} * xq[i];
+            const float sw = load_scale(p, L.lane16[r][l], L.scale_bytes);
+            acc[r][m] += static_cast<float>(dot) * (sw * a.d_row(m0 + m)[col / 4 + l]);
+          }
+        }
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m)
+    for (int r = 0; r < valid; ++r) y[(m0 + m) * N + r] = acc[r][m] + macc[r][m];
+}
+constexpr int kMaxBlockRows = 4;
+
+#endif
+
+// What the integer dot must start from, per lane, times the lane's sum of q.
+int32_t init_multiplier(const Layout& L) {
+  int32_t mult = L.has_mins ? 0 : -static_cast<int32_t>(L.offset);
+#if defined(TM_QUANT_AVX2) && !defined(TM_QUANT_AVX_VNNI)
+  if (L.bits == 8) mult += 128;  // the sign trick multiplies u - 128
+#endif
+  return mult;
+}
+
+using TileFn = void (*)(const uint8_t*, const Layout&, const ActRows&, int64_t, float*, int64_t, int64_t);
+
+template <int MB>
+TileFn pick_tile_fn(const Layout& L) {
+  const bool half = L.scale_bytes == 2;
+  if (L.bits == 4) {
+    if (L.has_mins) return half ? &tile_rows<MB, 4, true, true> : &tile_rows<MB, 4, true, false>;
+    return half ? &tile_rows<MB, 4, false, true> : &tile_rows<MB, 4, false, false>;
+  }
+  if (L.has_mins) return half ? &tile_rows<MB, 8, true, true> : &tile_rows<MB, 8, true, false>;
+  return half ? &tile_rows<MB, 8, false, true> : &tile_rows<MB, 8, false, false>;
+}
+
+TileFn pick_tile_fn(const Layout& L, int64_t rows) {
+  switch (rows) {
+    case 1: return pick_tile_fn<1>(L);
+    case 2: return pick_tile_fn<2>(L);
+#if defined(TM_QUANT_AVX512) || defined(TM_QUANT_SCALAR)
+    case 3: return pick_tile_fn<3>(L);
+    case 4: return pick_tile_fn<4>(L);
+#endif
+    default: TORCH_CHECK(false, "tile kernel for ", rows, " rows");
+  }
+}
+
+// Few rows: integer dot products over every tile, tiles spread over the threads.
+void integer_linear(const float* x, int64_t M, const int64_t* perm, const Layout& L, const uint8_t* packed, float* y) {
+  thread_local Scratch scratch;
+  const ActRows a = quantize_activations(x, M, L.K, perm, L, init_multiplier(L), scratch);
+  // Row blocks as even as the register budget allows (6 rows: 3 + 3, not 4 + 2).
+  const int64_t blocks = (M + kMaxBlockRows - 1) / kMaxBlockRows;
+  TileFn fns[kMaxIntegerRows];
+  int64_t starts[kMaxIntegerRows + 1];
+  for (int64_t b = 0, m = 0; b < blocks; ++b) {
+    const int64_t rows = (M - m) / (blocks - b) + ((M - m) % (blocks - b) ? 1 : 0);
+    fns[b] = pick_tile_fn(L, rows);
+    starts[b] = m;
+    m += rows;
+    starts[b + 1] = m;
+  }
+  // Several chunks per thread (uneven thread speed), each worth a hand-off.
+  const int64_t grain = std::max<int64_t>(4, L.tiles / (4 * at::get_num_threads()));
+  at::parallel_for(0, L.tiles, grain, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t valid = std::min(kRows, L.N - t * kRows);
+      for (int64_t b = 0; b < blocks; ++b) fns[b](L.tile(packed, t), L, a, starts[b], y + t * kRows, L.N, valid);
+    }
+  });
+}
+
+// ----- dequantization (prefill's GEMM input, embedding rows, tests) ---------------------------
+
+// Rows [row_begin, row_end) of W (stored column order) into out [rows, K], float or bf16.
+template <typename T>
+void dequantize_rows(const uint8_t* packed, const Layout& L, int64_t row_begin, int64_t row_end, T* out) {
+  const int64_t t_begin = row_begin / kRows, t_end = (row_end + kRows - 1) / kRows;
+  const int64_t grain = std::max<int64_t>(1, 16384 / (kRows * L.Kp));
+  at::parallel_for(t_begin, t_end, grain, [&](int64_t tb, int64_t te) {
+    float scale[kRows * 4], minv[kRows * 4];
+    float vals[kStep];
+    for (int64_t t = tb; t < te; ++t) {
+      const uint8_t* p = L.tile(packed, t);
+      for (int64_t s = 0; s < L.spans; ++s, p += L.span_bytes) {
+        for (int64_t i = 0; i < kRows * L.gps; ++i) {
+          scale[i] = load_scale(p, i, L.scale_bytes);
+          minv[i] = L.has_mins ? load_scale(p + L.scale_block, i, L.scale_bytes) : -static_cast<float>(L.offset) * scale[i];
+        }
+        const uint8_t* c = p + L.scale_block * (L.has_mins ? 2 : 1);
+        for (int64_t j = 0; j < L.span / kStep; ++j, c += L.step_bytes) {
+          const int64_t col = s * L.span + j * kStep;
+          const int64_t width = std::min(kStep, L.K - col);
+          if (width <= 0) break;
+          for (int64_t r = 0; r < kRows; ++r) {
+            const int64_t row = t * kRows + r;
+            if (row < row_begin || row >= row_end) continue;
+            const uint8_t* cr = c + r * L.row_step_bytes;
+            const float* sc = scale + r * L.gps;
+            const float* mn = minv + r * L.gps;
+            // scale * u + min: scale * u is exact for every stored format, so a fused
+            // multiply-add rounds like the reference's two operations.
+            if (L.gps == 1) {
+              const float s0 = sc[0], m0 = mn[0];
+              if (L.bits == 8)
+                for (int i = 0; i < kStep; ++i) vals[i] = s0 * static_cast<float>(cr[i]) + m0;
+              else
+                for (int i = 0; i < 32; ++i) {
+                  vals[i] = s0 * static_cast<float>(cr[i] & 0x0F) + m0;
+                  vals[i + 32] = s0 * static_cast<float>(cr[i] >> 4) + m0;
+                }
+            } else {
+              const int64_t g = L.group;
+              for (int i = 0; i < kStep; ++i) {
+                const int u = L.bits == 8 ? cr[i] : (i < 32 ? cr[i] & 0x0F : cr[i - 32] >> 4);
+                vals[i] = sc[i / g] * static_cast<float>(u) + mn[i / g];
+              }
+            }
+            T* o = out + (row - row_begin) * L.K + col;
+            for (int64_t i = 0; i < width; ++i) o[i] = static_cast<T>(vals[i]);
+          }
+        }
+      }
+    }
+  });
+}
+
+at::Tensor dequantize_impl(const tokenmill::QuantWeight& w, const Layout& L, int64_t row_begin, int64_t row_end,
+                           at::ScalarType dtype) {
+  at::Tensor out = at::empty({row_end - row_begin, L.K}, w.packed.options().dtype(dtype));
+  const uint8_t* p = w.packed.data_ptr<uint8_t>();
+  if (dtype == at::kFloat)
+    dequantize_rows(p, L, row_begin, row_end, out.data_ptr<float>());
+  else
+    dequantize_rows(p, L, row_begin, row_end, out.data_ptr<c10::BFloat16>());
+  return out;
+}
+
+// Many rows: each chunk of rows of W dequantized to bf16 (it stays in L2) and multiplied by
+// oneDNN's bf16 GEMM into y^T's rows; y^T is transposed once at the end.
+constexpr int64_t kGemmChunkRows = 512;
+
+at::Tensor gemm_linear(const at::Tensor& x, const tokenmill::QuantWeight& w, const Layout& L) {
+  at::Tensor xb = x;
+  if (w.col_perm.has_value()) xb = xb.index_select(1, *w.col_perm);
+  xb = xb.to(at::kBFloat16);
+  at::Tensor yt = at::empty({L.N, x.size(0)}, x.options().dtype(at::kBFloat16));
+  for (int64_t r = 0; r < L.N; r += kGemmChunkRows) {
+    const int64_t end = std::min(L.N, r + kGemmChunkRows);
+    at::Tensor wc = dequantize_impl(w, L, r, end, at::kBFloat16);
+    at::Tensor out = yt.narrow(0, r, end - r);
+    at::mm_out(out, wc, xb.t());
+  }
+  return at::empty({x.size(0), L.N}, x.options()).copy_(yt.t());
+}
+
+}  // namespace
+
+namespace tokenmill {
+
+QuantWeight QuantWeight::from_format(at::Tensor packed, at::IntArrayRef format, std::optional<at::Tensor> col_perm) {
+  TORCH_CHECK(format.size() == 6, "quantized weight format must be [N, K, bits, group_size, scale_bytes, code_offset]");
+  return QuantWeight{std::move(packed), format[0], format[1], format[2], format[3], format[4], format[5],
+                     std::move(col_perm)};
+}
+
+at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w) {
+  const Layout L(w);
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(x.size(1) == L.K, "x has ", x.size(1), " columns but the quantized weight has K = ", L.K);
+  const int64_t* perm = nullptr;
+  if (w.col_perm.has_value()) {
+    const at::Tensor& p = *w.col_perm;
+    TORCH_CHECK(p.scalar_type() == at::kLong && p.is_contiguous() && p.dim() == 1 && p.size(0) == L.K,
+                "col_perm: contiguous int64 [K]");
+    perm = p.data_ptr<int64_t>();
+  }
+  const int64_t M = x.size(0);
+  // Measured (benchmarks/kernels.py --only quant): the integer kernel wins up to 16 rows;
+  // beyond, a bf16 GEMM on dequantized tiles is several times faster (AMX).
+  if (M > kMaxIntegerRows) return gemm_linear(x, w, L);
+  at::Tensor y = at::empty({M, L.N}, x.options());
+  if (M == 0) return y;
+  integer_linear(x.data_ptr<float>(), M, perm, L, w.packed.data_ptr<uint8_t>(), y.data_ptr<float>());
+  return y;
+}
+
+at::Tensor quant_dequantize(const QuantWeight& w, at::ScalarType dtype) {
+  const Layout L(w);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quant_dequantize: dtype must be float32 or bfloat16");
+  return dequantize_impl(w, L, 0, L.N, dtype);
+}
+
+std::tuple<at::Tensor, at::Tensor> quantize_activations_q8(const at::Tensor& x) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  const int64_t M = x.size(0), K = x.size(1);
+  TORCH_CHECK(K % kBlock == 0, "quantize_activations_q8: K must be a multiple of 32");
+  at::Tensor q = at::empty({M, K}, x.options().dtype(at::kChar));
+  at::Tensor d = at::empty({M, K / kBlock}, x.options());
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < K / kBlock; ++b)
+      quantize_block(x.data_ptr<float>() + m * K + b * kBlock, q.data_ptr<int8_t>() + m * K + b * kBlock,
+                     d.data_ptr<float>() + m * (K / kBlock) + b);
+  return {q, d};
+}
+
+const char* quant_isa() {
+#if defined(TM_QUANT_AVX512)
+  return "avx512_vnni";
+#elif defined(TM_QUANT_AVX_VNNI)
+  return "avx_vnni";
+#elif defined(TM_QUANT_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
+}  // namespace tokenmill
+
+namespace {
+at::Tensor quant_linear_op(const at::Tensor& x, const at::Tensor& packed, at::IntArrayRef format,
+                           const std::optional<at::Tensor>& col_perm) {
+  return tokenmill::quant_linear(x, tokenmill::QuantWeight::from_format(packed, format, col_perm));
+}
+at::Tensor quant_dequantize_op(const at::Tensor& packed, at::IntArrayRef format, at::ScalarType dtype) {
+  return tokenmill::quant_dequantize(tokenmill::QuantWeight::from_format(packed, format, std::nullopt), dtype);
+}
+std::string quant_isa_op() { return tokenmill::quant_isa(); }
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(TOKENMILL_OPS_NS, m) {
+  m.def("quant_linear(Tensor x, Tensor packed, int[] format, Tensor? col_perm) -> Tensor");
+  m.def("quant_dequantize(Tensor packed, int[] format, ScalarType dtype) -> Tensor");
+  m.def("quantize_activations_q8(Tensor x) -> (Tensor, Tensor)");
+  m.def("quant_isa() -> str", &quant_isa_op);
+}
+
+TORCH_LIBRARY_IMPL(TOKENMILL_OPS_NS, CPU, m) {
+  m.impl("quant_linear", &quant_linear_op);
+  m.impl("quant_dequantize", &quant_dequantize_op);
+  m.impl("quantize_activations_q8", &tokenmill::quantize_activations_q8);
+}
