@@ -7,6 +7,11 @@
   weights not in cache (a rotating set of ~200 MB), as in a decode step.
 - attention: `paged_decode_attention` over 32 sequences x 530 tokens (9 query / 3 KV heads,
   head_dim 64), blocks in order and shuffled, float32 and bfloat16 caches.
+- quant: `quant_linear` on GGUF Q4_1 and Q8_0 weights (tokenmill/quantization) against the
+  bf16 `skinny_linear`, aten's `_weight_int4pack_mm_for_cpu` (bf16 activations, group 32) and
+  bf16 F.linear, for the default model's shapes and 1-512 rows. Every candidate streams its
+  own set of distinct weight copies of `--quant-set-mib` (default 256 MiB, beyond this
+  machine's cache), the candidates taking turns within each timing round.
 
 Median of up to 7 timed calls after a warm-up call (compare.py's timing helper). Not part of CI: timings on shared machines
 are noisy, compare within one run.
@@ -16,11 +21,24 @@ from __future__ import annotations
 
 import argparse
 import random
+import statistics
+import time
+from collections.abc import Callable
 
+import numpy as np
 import torch
+import torch.nn.functional as F
 from compare import median_seconds  # this directory's harness: one timing helper for both
 
-from tokenmill.kernels import cpu_kernels_available, paged_decode_attention, skinny_linear, tile_for_skinny
+from tokenmill.kernels import (
+    QUANT_INTEGER_ROWS,
+    cpu_kernels_available,
+    paged_decode_attention,
+    quant_isa,
+    quant_linear,
+    skinny_linear,
+    tile_for_skinny,
+)
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 
@@ -73,10 +91,98 @@ def bench_attention() -> None:
                   f"({read / t / 1e9:.1f} GB/s of K/V)")
 
 
+def cpu_description() -> str:
+    with open("/proc/cpuinfo") as f:
+        info = f.read()
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    wanted = [f for f in flags if f.startswith(("avx", "amx")) or f in ("fma", "f16c")]
+    return f"{name}; {' '.join(wanted)}"
+
+
+def interleaved_medians(candidates: dict[str, Callable[[], object]], rounds: int) -> dict[str, float]:
+    """Median seconds per candidate, the candidates taking turns within each round (so a
+    change in machine load hits them all alike); one warm-up round."""
+    times: dict[str, list[float]] = {name: [] for name in candidates}
+    for r in range(rounds + 1):
+        for name, fn in candidates.items():
+            t0 = time.perf_counter()
+            fn()
+            if r:
+                times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def read_bandwidth(mib: int = 1024) -> float:
+    """GB/s of a plain read (sum) of `mib` MiB of float32, median of 5."""
+    a = torch.ones(mib * 2**18)
+    return a.numel() * 4 / median_seconds(a.sum, 5) / 1e9
+
+
+def bench_quant(set_mib: int, rounds: int) -> None:
+    import gguf
+
+    from tokenmill.quantization.gguf_blocks import from_gguf_blocks
+
+    print(f"\nquant: {cpu_description()}")
+    print(f"quant_linear integer path: {quant_isa()}; threads: {torch.get_num_threads()}; "
+          f"plain read of 1 GiB: {read_bandwidth():.1f} GB/s")
+    print("us per matrix (GB/s of weight bytes as stored); each candidate streams its own "
+          f"{set_mib} MiB of distinct copies (M >= 64: the first 16 copies)")
+    names = ("Q4_1 int", "Q4_1 gemm", "Q8_0 int", "Q8_0 gemm", "bf16 skinny", "int4pack bf16", "F.linear bf16")
+    print("  Q4_1/Q8_0 int: quant_linear's integer path; gemm: its dequantize + bf16 GEMM path (default: int up to "
+          f"{QUANT_INTEGER_ROWS} rows); bf16 skinny: skinny_linear on bf16 tiles; int4pack bf16: "
+          "aten._weight_int4pack_mm_for_cpu, group 32, bf16 x; F.linear bf16: bf16 x and W")
+    print(f"{'shape':>8} {'N x K':>11} {'M':>4} " + " ".join(f"{n:>19}" for n in names))
+    rng = np.random.default_rng(0)
+    for name, (n, k) in SHAPES.items():
+        w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
+        q41 = from_gguf_blocks(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q4_1), 3)
+        q80 = from_gguf_blocks(gguf.quants.quantize(w, gguf.GGMLQuantizationType.Q8_0), 8)
+        wt = torch.from_numpy(w)
+        # aten int4pack: codes 0..15 with w = (q - 8) * scale + zero, bf16 scales/zeros [K/32, N, 2].
+        int4 = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q41.codes().int(), 1)
+        sz = torch.stack((q41.scales(), q41.mins() + 8 * q41.scales()), dim=-1).transpose(0, 1).contiguous().bfloat16()
+        nbytes = {"Q4_1": n * k * 20 // 32, "Q8_0": n * k * 34 // 32, "bf16 skinny": n * k * 2,
+                  "int4pack bf16": int4.numel() + sz.numel() * 2, "F.linear bf16": n * k * 2}
+        base = {"Q4_1": (q41.packed,), "Q8_0": (q80.packed,), "bf16 skinny": (tile_for_skinny(wt, torch.bfloat16),),
+                "int4pack bf16": (int4, sz), "F.linear bf16": (wt.bfloat16(),)}
+        sets = {c: [tuple(t.clone() for t in base[c]) for _ in range(max(2, set_mib * 2**20 // nbytes[c]))]
+                for c in base}
+        for rows in (1, 4, 16, 64, 512):
+            x = torch.randn(rows, k)
+            xb = x.bfloat16()
+            limit = None if rows <= 16 else 16
+
+            def each(c: str, f: Callable[..., object]) -> Callable[[], object]:
+                return lambda: [f(*t) for t in sets[c][:limit]]
+
+            big = 1 << 30
+            candidates = {
+                "Q4_1 int": each("Q4_1", lambda t: quant_linear(x, t, q41.format, None, big)),
+                "Q4_1 gemm": each("Q4_1", lambda t: quant_linear(x, t, q41.format, None, 0)),
+                "Q8_0 int": each("Q8_0", lambda t: quant_linear(x, t, q80.format, None, big)),
+                "Q8_0 gemm": each("Q8_0", lambda t: quant_linear(x, t, q80.format, None, 0)),
+                "bf16 skinny": each("bf16 skinny", lambda t: skinny_linear(x, t, n)),
+                "int4pack bf16": each("int4pack bf16", lambda t, s: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, t, 32, s)),
+                "F.linear bf16": each("F.linear bf16", lambda t: F.linear(xb, t)),
+            }
+            med = interleaved_medians(candidates, rounds)
+            cells = []
+            for c in names:
+                key = c.split(" ")[0] if c.startswith("Q") else c
+                per = med[c] / len(sets[key][:limit])
+                cells.append(f"{per * 1e6:8.1f} ({nbytes[key] / per / 1e9:4.1f} GB/s)")
+            print(f"{name:>8} {f'{n}x{k}':>11} {rows:>4} " + " ".join(f"{cell:>19}" for cell in cells), flush=True)
+        del sets
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--only", choices=("linear", "attention"))
+    parser.add_argument("--only", choices=("linear", "attention", "quant"))
+    parser.add_argument("--quant-set-mib", type=int, default=256, help="distinct weights per candidate (quant)")
+    parser.add_argument("--rounds", type=int, default=5, help="timed rounds per candidate (quant)")
     args = parser.parse_args()
     if not cpu_kernels_available():
         raise SystemExit("the native CPU kernels did not build: python -m tokenmill.kernels -v shows why")
@@ -85,6 +191,8 @@ def main() -> None:
         bench_linear()
     if args.only in (None, "attention"):
         bench_attention()
+    if args.only in (None, "quant"):
+        bench_quant(args.quant_set_mib, args.rounds)
 
 
 if __name__ == "__main__":

@@ -116,22 +116,29 @@ def skinny_linear(x: torch.Tensor, tiled: torch.Tensor, n: int) -> torch.Tensor:
     return torch.ops.tokenmill.skinny_linear(x, tiled, n)
 
 
-QUANT_INTEGER_MAX_ROWS = 16  # quant_linear: integer dot products up to here, a bf16 GEMM beyond
+QUANT_INTEGER_ROWS = 8  # quant_linear's default: integer dot products up to here, a bf16 GEMM beyond
 
 
 def quant_linear(
-    x: torch.Tensor, packed: torch.Tensor, format: Sequence[int], col_perm: torch.Tensor | None = None
+    x: torch.Tensor,
+    packed: torch.Tensor,
+    format: Sequence[int],
+    col_perm: torch.Tensor | None = None,
+    max_integer_rows: int = -1,
 ) -> torch.Tensor:
     """x [M, K] float32 (contiguous) @ W^T for a quantized W given as a QuantizedTensor's
     `packed`, `format` and `col_perm` (tokenmill/quantization/qtensor.py): float32 [M, N].
-    Up to QUANT_INTEGER_MAX_ROWS rows x is quantized to int8 per 32 (llama.cpp's Q8_1) and
-    multiplied on integers; beyond, W is dequantized to bf16 tile by tile for a GEMM."""
-    return torch.ops.tokenmill.quant_linear(x, packed, list(format), col_perm)
+    Up to `max_integer_rows` rows (-1: QUANT_INTEGER_ROWS) x is quantized to int8 per 32
+    (llama.cpp's Q8_1) and multiplied on integers; beyond, W is dequantized to bf16 for a GEMM."""
+    return torch.ops.tokenmill.quant_linear(x, packed, format, col_perm, max_integer_rows)
 
 
-def quant_dequantize(packed: torch.Tensor, format: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """The quantized W as float32 or bfloat16 [N, K] (stored column order)."""
-    return torch.ops.tokenmill.quant_dequantize(packed, list(format), dtype)
+def quant_dequantize(
+    packed: torch.Tensor, format: Sequence[int], dtype: torch.dtype = torch.float32, rows: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The quantized W (or its rows `rows`, e.g. embedding lookups) as float32 or bfloat16
+    [rows, K], in the stored column order."""
+    return torch.ops.tokenmill.quant_dequantize(packed, format, dtype, rows)
 
 
 def quantize_activations_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -25,12 +25,16 @@ struct QuantWeight {
   static QuantWeight from_format(at::Tensor packed, at::IntArrayRef format, std::optional<at::Tensor> col_perm);
 };
 
-// cpu_quant.cpp. y [M, N] float32 = x [M, K] (contiguous float32) . W^T for any M: up to 16
-// rows, x is quantized to int8 per 32 columns (d = max|x| / 127) and multiplied with integer
-// dot products; above, W is dequantized to bf16 chunk by chunk and multiplied by a bf16 GEMM.
-at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w);
-// W as float32 or bfloat16 [N, K], in the stored column order (col_perm not undone).
-at::Tensor quant_dequantize(const QuantWeight& w, at::ScalarType dtype);
+// cpu_quant.cpp. y [M, N] float32 = x [M, K] (contiguous float32) . W^T for any M. Up to
+// max_integer_rows rows (-1: the measured default, 8) x is quantized to int8 per 32 columns
+// (d = max|x| / 127, llama.cpp's Q8_1) and multiplied with integer dot products, W read once
+// per 16 rows; beyond, W is dequantized to bf16 in L2-sized chunks for oneDNN's bf16 GEMM.
+// Pass a large max_integer_rows to keep every row count on the integer arithmetic (e.g. so
+// that speculative verification computes exactly what one-token decoding computes).
+at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w, int64_t max_integer_rows = -1);
+// W (or its rows `rows`, e.g. embedding lookups) as float32 or bfloat16 [rows, K], in the
+// stored column order (col_perm not undone).
+at::Tensor quant_dequantize(const QuantWeight& w, at::ScalarType dtype, const std::optional<at::Tensor>& rows = std::nullopt);
 // x [M, K] (K % 32 == 0) -> int8 q [M, K] and float32 d [M, K / 32], as quant_linear quantizes.
 std::tuple<at::Tensor, at::Tensor> quantize_activations_q8(const at::Tensor& x);
 // Which integer dot product this build uses: avx512_vnni, avx_vnni, avx2 or scalar.

@@ -2,7 +2,7 @@
 // W a QuantizedTensor (tokenmill/quantization/qtensor.py): unsigned codes u with
 // w = scale * u + min per (row, group), or scale * (u - code_offset) for symmetric formats.
 //
-// Few rows (decode, M <= kMaxIntegerRows): the activations are quantized on the fly, per
+// Few rows (decode, M <= kDefaultIntegerRows): the activations are quantized on the fly, per
 // 32 values, to int8 with d = max|x| / 127 (llama.cpp's Q8_1 form: q = round(x / d)), and
 // the products run on integers: per 4 columns an int32 lane gets the dot product of the
 // codes with q (AVX512-VNNI vpdpbusd on 64 columns at a time; AVX-VNNI, or AVX2 maddubs +
@@ -32,9 +32,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_kernels.h"
+#include "cpu_vec.h"
 
 #if defined(__SSE__)
 #include <immintrin.h>
@@ -64,7 +66,20 @@ constexpr int64_t kRows = 4;     // rows of W per tile
 constexpr int64_t kStep = 64;    // columns per kernel step
 constexpr int64_t kBlock = 32;   // columns per activation scale
 constexpr int64_t kLanes = 16;   // int32 lanes per step (4 columns each)
-constexpr int64_t kMaxIntegerRows = 16;  // more rows: dequantize + bf16 GEMM
+constexpr int64_t kMaxIntegerRows = 16;  // rows per pass of the integer kernel over W
+// Up to this many rows quant_linear uses the integer kernel by default, beyond it the bf16
+// GEMM on dequantized weights (measured crossover, benchmarks/kernels.py --only quant).
+constexpr int64_t kDefaultIntegerRows = 8;
+// Up to this many rows the GEMM path computes y^T = W x^T: oneDNN then packs the small x^T
+// rather than W (half the time at 17-64 rows); beyond, y = x W^T saves the transpose.
+constexpr int64_t kTransposedGemmRows = 64;
+// Software prefetch distance in the weight stream: one core's hardware prefetchers alone
+// left the Q4_1 stream at ~6.5 GB/s where a plain read gets ~15 (measured: 2 KiB ahead
+// took a 960x576 matrix from 55 to 40 us; 1 and 4 KiB did as well).
+#ifndef TM_PREFETCH_BYTES
+#define TM_PREFETCH_BYTES 2048
+#endif
+constexpr int64_t kPrefetchBytes = TM_PREFETCH_BYTES;
 
 // Where things sit in `packed` (qtensor.py's _Layout, the same arithmetic).
 struct Layout {
@@ -76,6 +91,11 @@ struct Layout {
   // to be offset by the row's first scale (lane8). One scale per row when group >= 64.
   alignas(64) int32_t lane16[kRows][kLanes];
   alignas(32) int32_t lane8[2][8];
+  // AVX-512 4-bit vectors (load_step_codes): vector 2p + h holds columns 32h..32h+31 of rows
+  // 2p (lanes 0-7) and 2p + 1 (lanes 8-15).
+  alignas(64) int32_t pair16[kRows][kLanes];
+  // mins_lanes[j][r] = r * gps + j: the lane of row r's group j in a span's mins (r < 4).
+  alignas(64) int32_t mins_lanes[4][kLanes];
 
   explicit Layout(const tokenmill::QuantWeight& w)
       : N(w.N), K(w.K), bits(w.bits), group(w.group_size), scale_bytes(w.scale_bytes), offset(w.code_offset),
@@ -100,6 +120,13 @@ struct Layout {
       for (int64_t l = 0; l < kLanes; ++l) lane16[r][l] = static_cast<int32_t>(r * gps + (gps > 1 ? 4 * l / group : 0));
     for (int64_t h = 0; h < 2; ++h)
       for (int64_t l = 0; l < 8; ++l) lane8[h][l] = static_cast<int32_t>(gps > 1 ? (32 * h + 4 * l) / group : 0);
+    for (int64_t v = 0; v < kRows; ++v)
+      for (int64_t l = 0; l < kLanes; ++l) {
+        const int64_t row = 2 * (v / 2) + l / 8, col = 32 * (v % 2) + 4 * (l % 8);
+        pair16[v][l] = static_cast<int32_t>(row * gps + (gps > 1 ? col / group : 0));
+      }
+    for (int64_t j = 0; j < 4; ++j)
+      for (int64_t l = 0; l < kLanes; ++l) mins_lanes[j][l] = static_cast<int32_t>(l < kRows ? l * gps + std::min(j, gps - 1) : 0);
     const at::Tensor& p = w.packed;
     TORCH_CHECK(p.scalar_type() == at::kByte && p.is_contiguous() && p.numel() == tiles * spans * span_bytes,
                 "quantized weight: packed must be contiguous uint8 holding ", tiles, " tiles x ", spans, " spans x ",
@@ -214,20 +241,25 @@ ActRows quantize_activations(const float* x, int64_t M, int64_t K, const int64_t
       quantize_block(xr + b * kBlock, q + b * kBlock, &db);
       for (int l = 0; l < kBlock / 4; ++l) d[b * (kBlock / 4) + l] = db;
     }
-    // Lane sums of q: the symmetric offset's start values and the group sums.
+    // Lane sums of q: the symmetric offset's start values, and the group sums d * sum(q).
     int32_t* init = a.init ? a.init + m * a.lanes : nullptr;
     float* gsum = a.gsum ? a.gsum + m * a.spans * kLanes : nullptr;
+    const int64_t lanes_per_group = L.group / 4;
     for (int64_t s = 0; s < a.spans; ++s) {
       float groups[4] = {0.f, 0.f, 0.f, 0.f};
-      for (int64_t lane = s * L.span / 4; lane < (s + 1) * L.span / 4; ++lane) {
-        const int8_t* ql = q + 4 * lane;
-        const int32_t sum = int32_t{ql[0]} + ql[1] + ql[2] + ql[3];
-        if (init) init[lane] = init_mult * sum;
-        if (gsum) groups[(4 * lane - s * L.span) / L.group] += d[lane] * static_cast<float>(sum);
+      const int64_t first = s * L.span / 4;
+      for (int64_t j = 0; j < L.gps; ++j) {
+        float g = 0.f;
+        for (int64_t lane = first + j * lanes_per_group; lane < first + (j + 1) * lanes_per_group; ++lane) {
+          const int8_t* ql = q + 4 * lane;
+          const int32_t sum = int32_t{ql[0]} + ql[1] + ql[2] + ql[3];
+          if (init) init[lane] = init_mult * sum;
+          g += d[lane] * static_cast<float>(sum);
+        }
+        groups[j] = g;
       }
       if (gsum)
-        for (int64_t r = 0; r < kLanes; ++r)
-          gsum[s * kLanes + r] = r < kRows * L.gps ? groups[r % L.gps] : 0.f;
+        for (int64_t r = 0; r < kLanes; ++r) gsum[s * kLanes + r] = r < kRows * L.gps ? groups[r % L.gps] : 0.f;
     }
   }
   return a;
@@ -243,33 +275,45 @@ inline __m512 load_scale_lanes(const uint8_t* p, __mmask16 mask) {
   return _mm512_maskz_loadu_ps(mask, p);
 }
 
+// A step's codes as four vectors of 64 bytes. 8-bit: vector v is row v. 4-bit: rows 2p and
+// 2p + 1 are loaded together (64 bytes) and split into their low nibbles, columns 0-31 of
+// both rows (vector 2p), and high nibbles, columns 32-63 (vector 2p + 1): three
+// operations per two rows, matched by activations broadcast from 32 columns.
 template <int BITS>
-inline __m512i load_codes(const uint8_t* p) {
-  if (BITS == 8) return _mm512_loadu_si512(p);
-  // 32 bytes: column j in the low nibble of byte j, column 32 + j in the high one.
-  const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  const __m512i both = _mm512_inserti64x4(_mm512_castsi256_si512(t), _mm256_srli_epi16(t, 4), 1);
-  return _mm512_and_si512(both, _mm512_set1_epi8(0x0F));
+inline void load_step_codes(const uint8_t* c, __m512i w[kRows]) {
+  if (BITS == 8) {
+    for (int v = 0; v < kRows; ++v) w[v] = _mm512_loadu_si512(c + v * kStep);
+    return;
+  }
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  for (int pair = 0; pair < 2; ++pair) {
+    const __m512i t = _mm512_loadu_si512(c + pair * kStep);
+    w[2 * pair] = _mm512_and_si512(t, nibble);
+    w[2 * pair + 1] = _mm512_and_si512(_mm512_srli_epi16(t, 4), nibble);
+  }
 }
 
 template <int MB, int BITS, bool MINS, bool HALF>
-void tile_rows(const uint8_t* tile, const Layout& L, const ActRows& a, int64_t m0, float* y, int64_t N,
+__attribute__((always_inline)) inline void tile_rows(const uint8_t* tile, const Layout& L, const ActRows& a, int64_t m0, float* y, int64_t N,
                int64_t valid) {
+  constexpr int kHalves = BITS == 8 ? 1 : 2;  // activation vectors per step
   __m512 acc[kRows][MB], macc[MB];
   for (int m = 0; m < MB; ++m) {
     macc[m] = _mm512_setzero_ps();
-    for (int r = 0; r < kRows; ++r) acc[r][m] = _mm512_setzero_ps();
+    for (int v = 0; v < kRows; ++v) acc[v][m] = _mm512_setzero_ps();
   }
   __m512i idx[kRows];
-  for (int r = 0; r < kRows; ++r) idx[r] = _mm512_load_si512(L.lane16[r]);
+  for (int v = 0; v < kRows; ++v) idx[v] = _mm512_load_si512(BITS == 8 ? L.lane16[v] : L.pair16[v]);
   const bool has_init = a.init != nullptr;
   const __mmask16 smask = static_cast<__mmask16>((1u << (kRows * L.gps)) - 1);
   const int64_t steps = L.span / kStep;
   const uint8_t* p = tile;
   for (int64_t s = 0; s < L.spans; ++s, p += L.span_bytes) {
+    for (int64_t o = 0; o < L.span_bytes; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + o), _MM_HINT_T0);
     const __m512 sv = load_scale_lanes<HALF>(p, smask);
     __m512 sw[kRows];
-    for (int r = 0; r < kRows; ++r) sw[r] = _mm512_permutexvar_ps(idx[r], sv);
+    for (int v = 0; v < kRows; ++v) sw[v] = _mm512_permutexvar_ps(idx[v], sv);
     if (MINS) {
       const __m512 mv = load_scale_lanes<HALF>(p + L.scale_block, smask);
       for (int m = 0; m < MB; ++m) macc[m] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(a.gsum_span(m0 + m, s)), macc[m]);
@@ -278,27 +322,58 @@ void tile_rows(const uint8_t* tile, const Layout& L, const ActRows& a, int64_t m
     for (int64_t j = 0; j < steps; ++j, c += L.step_bytes) {
       const int64_t col = s * L.span + j * kStep;
       __m512i w[kRows];
-      for (int r = 0; r < kRows; ++r) w[r] = load_codes<BITS>(c + r * L.row_step_bytes);
+      load_step_codes<BITS>(c, w);
       for (int m = 0; m < MB; ++m) {
-        const __m512i xq = _mm512_loadu_si512(a.q_row(m0 + m) + col);
-        const __m512 dx = _mm512_loadu_ps(a.d_row(m0 + m) + col / 4);
-        const __m512i init = has_init ? _mm512_loadu_si512(a.init_row(m0 + m) + col / 4) : _mm512_setzero_si512();
-        for (int r = 0; r < kRows; ++r) {
-          const __m512i dot = _mm512_dpbusd_epi32(init, w[r], xq);
-          acc[r][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sw[r], dx), acc[r][m]);
+        const int8_t* xq = a.q_row(m0 + m) + col;
+        const float* dx = a.d_row(m0 + m) + col / 4;
+        const int32_t* init = has_init ? a.init_row(m0 + m) + col / 4 : nullptr;
+        __m512i xv[kHalves], iv[kHalves];
+        __m512 dv[kHalves];
+        for (int h = 0; h < kHalves; ++h) {
+          if (BITS == 8) {
+            xv[h] = _mm512_loadu_si512(xq);
+            dv[h] = _mm512_loadu_ps(dx);
+            iv[h] = init ? _mm512_loadu_si512(init) : _mm512_setzero_si512();
+          } else {  // columns 32h..32h+31, for both rows of a pair
+            xv[h] = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * h)));
+            dv[h] = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_loadu_pd(reinterpret_cast<const double*>(dx + 8 * h))));
+            iv[h] = init ? _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(init + 8 * h)))
+                         : _mm512_setzero_si512();
+          }
+        }
+        for (int v = 0; v < kRows; ++v) {
+          const int h = BITS == 8 ? 0 : v % 2;
+          const __m512i dot = _mm512_dpbusd_epi32(iv[h], w[v], xv[h]);
+          acc[v][m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), _mm512_mul_ps(sw[v], dv[h]), acc[v][m]);
         }
       }
     }
   }
+  // Each row's lanes summed, four rows at a time into one 128-bit vector.
   for (int m = 0; m < MB; ++m) {
-    alignas(64) float mins[kLanes];
-    if (MINS) _mm512_store_ps(mins, macc[m]);
-    for (int r = 0; r < valid; ++r) {
-      float v = _mm512_reduce_add_ps(acc[r][m]);
-      if (MINS)
-        for (int64_t j = 0; j < L.gps; ++j) v += mins[r * L.gps + j];
-      y[(m0 + m) * N + r] = v;
+    __m128 out;
+    if (BITS == 8) {  // acc[r]: row r's 16 lanes
+      const __m512 t01 = _mm512_add_ps(_mm512_unpacklo_ps(acc[0][m], acc[1][m]), _mm512_unpackhi_ps(acc[0][m], acc[1][m]));
+      const __m512 t23 = _mm512_add_ps(_mm512_unpacklo_ps(acc[2][m], acc[3][m]), _mm512_unpackhi_ps(acc[2][m], acc[3][m]));
+      // per 128-bit chunk [r0 r1 r0 r1] + ... -> [r0 r1 r2 r3], then the four chunks added
+      const __m512 c = _mm512_add_ps(_mm512_shuffle_ps(t01, t23, 0x44), _mm512_shuffle_ps(t01, t23, 0xEE));
+      const __m512 c2 = _mm512_add_ps(c, _mm512_shuffle_f32x4(c, c, 0x4E));
+      out = _mm512_castps512_ps128(_mm512_add_ps(c2, _mm512_shuffle_f32x4(c2, c2, 0xB1)));
+    } else {  // acc[2p + h]: lanes 0-7 row 2p, lanes 8-15 row 2p + 1
+      const __m512 t0 = _mm512_add_ps(acc[0][m], acc[1][m]), t1 = _mm512_add_ps(acc[2][m], acc[3][m]);
+      // chunks [r0a r0b r1a r1b], [r2a r2b r3a r3b] -> [r0a r1a r2a r3a] + [r0b r1b r2b r3b]
+      __m512 rows = _mm512_add_ps(_mm512_shuffle_f32x4(t0, t1, 0x88), _mm512_shuffle_f32x4(t0, t1, 0xDD));
+      rows = _mm512_add_ps(rows, _mm512_permute_ps(rows, 0xB1));  // chunk r: its 4 lanes summed into lane 0
+      rows = _mm512_add_ps(rows, _mm512_permute_ps(rows, 0x4E));
+      out = _mm512_castps512_ps128(_mm512_permutexvar_ps(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12, 8, 4, 0), rows));
     }
+    if (MINS) {  // lane r * gps + j of macc: row r, group j
+      __m512 msum = _mm512_permutexvar_ps(_mm512_load_si512(L.mins_lanes[0]), macc[m]);
+      for (int64_t j = 1; j < L.gps; ++j)
+        msum = _mm512_add_ps(msum, _mm512_permutexvar_ps(_mm512_load_si512(L.mins_lanes[j]), macc[m]));
+      out = _mm_add_ps(out, _mm512_castps512_ps128(msum));
+    }
+    _mm_mask_storeu_ps(y + (m0 + m) * N, static_cast<__mmask8>((1u << valid) - 1), out);
   }
 }
 constexpr int kMaxBlockRows = 4;  // activation rows per pass over a tile
@@ -334,7 +409,7 @@ inline __m256i dot32(__m256i init, __m256i w, __m256i xq) {
 }
 
 template <int MB, int BITS, bool MINS, bool HALF>
-void tile_rows(const uint8_t* tile, const Layout& L, const ActRows& a, int64_t m0, float* y, int64_t N,
+inline void tile_rows(const uint8_t* tile, const Layout& L, const ActRows& a, int64_t m0, float* y, int64_t N,
                int64_t valid) {
   __m256 acc[kRows][MB], macc[MB][2];
   for (int m = 0; m < MB; ++m) {
@@ -409,7 +484,7 @@ constexpr int kMaxBlockRows = 2;  // 16 ymm registers: 4 x 2 accumulators
 #else  // plain C: the same arithmetic lane by lane
 
 template <int MB, int BITS, bool MINS, bool HALF>
-void tile_rows(const uint8_t* tile, const Layout& L, const ActRows& a, int64_t m0, float* y, int64_t N,
+inline void tile_rows(const uint8_t* tile, const Layout& L, const ActRows& a, int64_t m0, float* y, int64_t N,
                int64_t valid) {
   float acc[kRows][MB] = {}, macc[kRows][MB] = {};
   const int64_t steps = L.span / kStep;
@@ -456,57 +531,156 @@ int32_t init_multiplier(const Layout& L) {
   return mult;
 }
 
-using TileFn = void (*)(const uint8_t*, const Layout&, const ActRows&, int64_t, float*, int64_t, int64_t);
-
-template <int MB>
-TileFn pick_tile_fn(const Layout& L) {
-  const bool half = L.scale_bytes == 2;
-  if (L.bits == 4) {
-    if (L.has_mins) return half ? &tile_rows<MB, 4, true, true> : &tile_rows<MB, 4, true, false>;
-    return half ? &tile_rows<MB, 4, false, true> : &tile_rows<MB, 4, false, false>;
+// Activation rows in blocks as even as the register budget allows (6 rows: 3 + 3, not 4 + 2).
+struct RowBlocks {
+  int64_t count = 0, start[kMaxIntegerRows + 1] = {}, rows[kMaxIntegerRows] = {};
+  explicit RowBlocks(int64_t M) {
+    count = (M + kMaxBlockRows - 1) / kMaxBlockRows;
+    for (int64_t b = 0, m = 0; b < count; ++b) {
+      rows[b] = (M - m + (count - b) - 1) / (count - b);
+      start[b] = m;
+      m += rows[b];
+    }
   }
-  if (L.has_mins) return half ? &tile_rows<MB, 8, true, true> : &tile_rows<MB, 8, true, false>;
-  return half ? &tile_rows<MB, 8, false, true> : &tile_rows<MB, 8, false, false>;
+};
+
+// Tiles [begin, end) against every row block: the tile's bytes come from memory for the
+// first block and from L1 for the others.
+template <int BITS, bool MINS, bool HALF>
+void run_tiles(int64_t begin, int64_t end, const uint8_t* packed, const Layout& L, const ActRows& a,
+               const RowBlocks& blocks, float* y) {
+  for (int64_t t = begin; t < end; ++t) {
+    const uint8_t* tile = L.tile(packed, t);
+    const int64_t valid = std::min(kRows, L.N - t * kRows);
+    float* yt = y + t * kRows;
+    for (int64_t b = 0; b < blocks.count; ++b) {
+      const int64_t m0 = blocks.start[b];
+      switch (blocks.rows[b]) {
+        case 1: tile_rows<1, BITS, MINS, HALF>(tile, L, a, m0, yt, L.N, valid); break;
+        case 2: tile_rows<2, BITS, MINS, HALF>(tile, L, a, m0, yt, L.N, valid); break;
+#if defined(TM_QUANT_AVX512) || defined(TM_QUANT_SCALAR)
+        case 3: tile_rows<3, BITS, MINS, HALF>(tile, L, a, m0, yt, L.N, valid); break;
+        case 4: tile_rows<4, BITS, MINS, HALF>(tile, L, a, m0, yt, L.N, valid); break;
+#endif
+      }
+    }
+  }
 }
 
-TileFn pick_tile_fn(const Layout& L, int64_t rows) {
-  switch (rows) {
-    case 1: return pick_tile_fn<1>(L);
-    case 2: return pick_tile_fn<2>(L);
-#if defined(TM_QUANT_AVX512) || defined(TM_QUANT_SCALAR)
-    case 3: return pick_tile_fn<3>(L);
-    case 4: return pick_tile_fn<4>(L);
-#endif
-    default: TORCH_CHECK(false, "tile kernel for ", rows, " rows");
+using RunFn = void (*)(int64_t, int64_t, const uint8_t*, const Layout&, const ActRows&, const RowBlocks&, float*);
+
+RunFn pick_run_fn(const Layout& L) {
+  const bool half = L.scale_bytes == 2;
+  if (L.bits == 4) {
+    if (L.has_mins) return half ? &run_tiles<4, true, true> : &run_tiles<4, true, false>;
+    return half ? &run_tiles<4, false, true> : &run_tiles<4, false, false>;
   }
+  if (L.has_mins) return half ? &run_tiles<8, true, true> : &run_tiles<8, true, false>;
+  return half ? &run_tiles<8, false, true> : &run_tiles<8, false, false>;
 }
 
 // Few rows: integer dot products over every tile, tiles spread over the threads.
 void integer_linear(const float* x, int64_t M, const int64_t* perm, const Layout& L, const uint8_t* packed, float* y) {
   thread_local Scratch scratch;
   const ActRows a = quantize_activations(x, M, L.K, perm, L, init_multiplier(L), scratch);
-  // Row blocks as even as the register budget allows (6 rows: 3 + 3, not 4 + 2).
-  const int64_t blocks = (M + kMaxBlockRows - 1) / kMaxBlockRows;
-  TileFn fns[kMaxIntegerRows];
-  int64_t starts[kMaxIntegerRows + 1];
-  for (int64_t b = 0, m = 0; b < blocks; ++b) {
-    const int64_t rows = (M - m) / (blocks - b) + ((M - m) % (blocks - b) ? 1 : 0);
-    fns[b] = pick_tile_fn(L, rows);
-    starts[b] = m;
-    m += rows;
-    starts[b + 1] = m;
-  }
+  const RowBlocks blocks(M);
+  const RunFn run = pick_run_fn(L);
   // Several chunks per thread (uneven thread speed), each worth a hand-off.
   const int64_t grain = std::max<int64_t>(4, L.tiles / (4 * at::get_num_threads()));
-  at::parallel_for(0, L.tiles, grain, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t valid = std::min(kRows, L.N - t * kRows);
-      for (int64_t b = 0; b < blocks; ++b) fns[b](L.tile(packed, t), L, a, starts[b], y + t * kRows, L.N, valid);
-    }
-  });
+  at::parallel_for(0, L.tiles, grain, [&](int64_t begin, int64_t end) { run(begin, end, packed, L, a, blocks, y); });
 }
 
 // ----- dequantization (prefill's GEMM input, embedding rows, tests) ---------------------------
+
+#if defined(TM_QUANT_AVX512)
+inline void store16(float* o, __m512 v, __mmask16 mask) { _mm512_mask_storeu_ps(o, mask, v); }
+inline void store16(c10::BFloat16* o, __m512 v, __mmask16 mask) {
+#if defined(__AVX512BF16__)
+  _mm256_mask_storeu_epi16(o, mask, reinterpret_cast<__m256i>(_mm512_cvtneps_pbh(v)));
+#else
+  alignas(64) float f[16];
+  _mm512_store_ps(f, v);
+  for (int i = 0; i < 16; ++i)
+    if (mask >> i & 1) o[i] = c10::BFloat16(f[i]);
+#endif
+}
+
+// One row's 64 columns of a step: codes -> scale * u + min (a fused multiply-add: scale * u
+// is exact for every stored format, so it rounds like the reference's two operations).
+template <typename T>
+inline void dequantize_step(const uint8_t* cr, int64_t bits, const float* sc, const float* mn, int64_t gps,
+                            int64_t group, int64_t width, T* o) {
+#if defined(__AVX512BF16__)
+  if (std::is_same_v<T, c10::BFloat16> && bits == 4 && gps <= 2 && width == kStep) {
+    // 4-bit to bf16 by table: the 16 values of each of the step's (one or two) groups, in
+    // bf16, and vpermw picks one per code: ~11 operations per 64 values instead of ~20.
+    const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+    const int64_t j1 = gps > 1 ? 1 : 0;
+    const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(sc[0]), _mm512_set1_ps(mn[0]));
+    const __m512 t1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(sc[j1]), _mm512_set1_ps(mn[j1]));
+    const __m512i table = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(t1, t0));  // entries 0-15: group 0
+    const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cr));
+    const __m256i lo = _mm256_and_si256(t, _mm256_set1_epi8(0x0F));
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(t, 4), _mm256_set1_epi8(0x0F));
+    const __m512i idx_hi = _mm512_or_si512(_mm512_cvtepu8_epi16(hi), _mm512_set1_epi16(16));
+    _mm512_storeu_si512(o, _mm512_permutexvar_epi16(_mm512_cvtepu8_epi16(lo), table));
+    _mm512_storeu_si512(o + 32, _mm512_permutexvar_epi16(idx_hi, table));
+    return;
+  }
+  if (std::is_same_v<T, c10::BFloat16> && bits == 8 && width == kStep) {
+    for (int c = 0; c < 2; ++c) {  // 32 columns per pair of conversions
+      const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cr + 32 * c));
+      const int64_t j0 = gps > 1 ? 32 * c / group : 0, j1 = gps > 1 ? (32 * c + 16) / group : 0;
+      const __m512 u0 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_castsi256_si128(b)));
+      const __m512 u1 = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm256_extracti128_si256(b, 1)));
+      const __m512 v0 = _mm512_fmadd_ps(u0, _mm512_set1_ps(sc[j0]), _mm512_set1_ps(mn[j0]));
+      const __m512 v1 = _mm512_fmadd_ps(u1, _mm512_set1_ps(sc[j1]), _mm512_set1_ps(mn[j1]));
+      _mm512_storeu_si512(o + 32 * c, reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(v1, v0)));
+    }
+    return;
+  }
+#endif
+  __m128i chunk[4];
+  if (bits == 8) {
+    for (int c = 0; c < 4; ++c) chunk[c] = _mm_loadu_si128(reinterpret_cast<const __m128i*>(cr + 16 * c));
+  } else {
+    const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cr));
+    const __m256i lo = _mm256_and_si256(t, _mm256_set1_epi8(0x0F));
+    const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(t, 4), _mm256_set1_epi8(0x0F));
+    chunk[0] = _mm256_castsi256_si128(lo), chunk[1] = _mm256_extracti128_si256(lo, 1);
+    chunk[2] = _mm256_castsi256_si128(hi), chunk[3] = _mm256_extracti128_si256(hi, 1);
+  }
+  for (int c = 0; c < 4 && 16 * c < width; ++c) {
+    const int64_t j = gps > 1 ? 16 * c / group : 0;
+    const __m512 u = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(chunk[c]));
+    const int64_t n = std::min<int64_t>(16, width - 16 * c);
+    store16(o + 16 * c, _mm512_fmadd_ps(u, _mm512_set1_ps(sc[j]), _mm512_set1_ps(mn[j])),
+            static_cast<__mmask16>((1u << n) - 1));
+  }
+}
+#endif
+
+// A span's scales and mins (-offset * scale for symmetric formats) for the tile's rows.
+inline void load_span_scales(const uint8_t* p, const Layout& L, float* scale, float* minv) {
+  const int64_t n = kRows * L.gps;
+#if defined(__F16C__)
+  if (L.scale_bytes == 2) {  // 16-bit floats through the hardware conversion, 8 at a time
+    for (int64_t i = 0; i < n; i += 8) {
+      _mm256_storeu_ps(scale + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 2 * i))));
+      if (L.has_mins)
+        _mm256_storeu_ps(minv + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + L.scale_block + 2 * i))));
+    }
+  } else
+#endif
+  {
+    for (int64_t i = 0; i < n; ++i) {
+      scale[i] = load_scale(p, i, L.scale_bytes);
+      if (L.has_mins) minv[i] = load_scale(p + L.scale_block, i, L.scale_bytes);
+    }
+  }
+  if (!L.has_mins)
+    for (int64_t i = 0; i < n; ++i) minv[i] = -static_cast<float>(L.offset) * scale[i];
+}
 
 // Rows [row_begin, row_end) of W (stored column order) into out [rows, K], float or bf16.
 template <typename T>
@@ -514,15 +688,12 @@ void dequantize_rows(const uint8_t* packed, const Layout& L, int64_t row_begin, 
   const int64_t t_begin = row_begin / kRows, t_end = (row_end + kRows - 1) / kRows;
   const int64_t grain = std::max<int64_t>(1, 16384 / (kRows * L.Kp));
   at::parallel_for(t_begin, t_end, grain, [&](int64_t tb, int64_t te) {
-    float scale[kRows * 4], minv[kRows * 4];
+    float scale[kRows * 4 + 8], minv[kRows * 4 + 8];  // + 8: the 8-wide conversion's spill-over
     float vals[kStep];
     for (int64_t t = tb; t < te; ++t) {
       const uint8_t* p = L.tile(packed, t);
       for (int64_t s = 0; s < L.spans; ++s, p += L.span_bytes) {
-        for (int64_t i = 0; i < kRows * L.gps; ++i) {
-          scale[i] = load_scale(p, i, L.scale_bytes);
-          minv[i] = L.has_mins ? load_scale(p + L.scale_block, i, L.scale_bytes) : -static_cast<float>(L.offset) * scale[i];
-        }
+        load_span_scales(p, L, scale, minv);
         const uint8_t* c = p + L.scale_block * (L.has_mins ? 2 : 1);
         for (int64_t j = 0; j < L.span / kStep; ++j, c += L.step_bytes) {
           const int64_t col = s * L.span + j * kStep;
@@ -534,25 +705,19 @@ void dequantize_rows(const uint8_t* packed, const Layout& L, int64_t row_begin, 
             const uint8_t* cr = c + r * L.row_step_bytes;
             const float* sc = scale + r * L.gps;
             const float* mn = minv + r * L.gps;
+            T* o = out + (row - row_begin) * L.K + col;
+#if defined(TM_QUANT_AVX512)
+            dequantize_step(cr, L.bits, sc, mn, L.gps, L.group, width, o);
+            continue;
+#endif
             // scale * u + min: scale * u is exact for every stored format, so a fused
             // multiply-add rounds like the reference's two operations.
-            if (L.gps == 1) {
-              const float s0 = sc[0], m0 = mn[0];
-              if (L.bits == 8)
-                for (int i = 0; i < kStep; ++i) vals[i] = s0 * static_cast<float>(cr[i]) + m0;
-              else
-                for (int i = 0; i < 32; ++i) {
-                  vals[i] = s0 * static_cast<float>(cr[i] & 0x0F) + m0;
-                  vals[i + 32] = s0 * static_cast<float>(cr[i] >> 4) + m0;
-                }
-            } else {
-              const int64_t g = L.group;
-              for (int i = 0; i < kStep; ++i) {
-                const int u = L.bits == 8 ? cr[i] : (i < 32 ? cr[i] & 0x0F : cr[i - 32] >> 4);
-                vals[i] = sc[i / g] * static_cast<float>(u) + mn[i / g];
-              }
+            const int64_t g = L.group;
+            for (int i = 0; i < kStep; ++i) {
+              const int u = L.bits == 8 ? cr[i] : (i < 32 ? cr[i] & 0x0F : cr[i - 32] >> 4);
+              const int64_t j = L.gps > 1 ? i / g : 0;
+              vals[i] = sc[j] * static_cast<float>(u) + mn[j];
             }
-            T* o = out + (row - row_begin) * L.K + col;
             for (int64_t i = 0; i < width; ++i) o[i] = static_cast<T>(vals[i]);
           }
         }
@@ -572,22 +737,29 @@ at::Tensor dequantize_impl(const tokenmill::QuantWeight& w, const Layout& L, int
   return out;
 }
 
-// Many rows: each chunk of rows of W dequantized to bf16 (it stays in L2) and multiplied by
-// oneDNN's bf16 GEMM into y^T's rows; y^T is transposed once at the end.
-constexpr int64_t kGemmChunkRows = 512;
+// Many rows: W dequantized to bf16, up to 4 MiB of it at a time, into a reused buffer (a
+// fresh allocation per call cost more in page faults than the dequantization), and
+// multiplied by oneDNN's bf16 GEMM (AMX where the CPU has it). Chunks are large because a
+// GEMM call costs ~20 us however small.
+constexpr int64_t kGemmChunkBytes = int64_t{4} << 20;
 
 at::Tensor gemm_linear(const at::Tensor& x, const tokenmill::QuantWeight& w, const Layout& L) {
   at::Tensor xb = x;
   if (w.col_perm.has_value()) xb = xb.index_select(1, *w.col_perm);
   xb = xb.to(at::kBFloat16);
-  at::Tensor yt = at::empty({L.N, x.size(0)}, x.options().dtype(at::kBFloat16));
-  for (int64_t r = 0; r < L.N; r += kGemmChunkRows) {
-    const int64_t end = std::min(L.N, r + kGemmChunkRows);
-    at::Tensor wc = dequantize_impl(w, L, r, end, at::kBFloat16);
-    at::Tensor out = yt.narrow(0, r, end - r);
-    at::mm_out(out, wc, xb.t());
+  thread_local Scratch scratch;
+  const int64_t chunk = std::min(L.N, std::max<int64_t>(kRows, kGemmChunkBytes / (2 * L.K) / kRows * kRows));
+  auto* buffer = reinterpret_cast<c10::BFloat16*>(scratch.take(chunk * L.K * sizeof(c10::BFloat16)));
+  const uint8_t* p = w.packed.data_ptr<uint8_t>();
+  const bool transposed = x.size(0) <= kTransposedGemmRows;
+  at::Tensor y = at::empty({x.size(0), L.N}, x.options());
+  for (int64_t r = 0; r < L.N; r += chunk) {
+    const int64_t end = std::min(L.N, r + chunk);
+    dequantize_rows(p, L, r, end, buffer);
+    const at::Tensor wc = at::from_blob(buffer, {end - r, L.K}, xb.options());
+    y.narrow(1, r, end - r).copy_(transposed ? at::mm(wc, xb.t()).t() : at::mm(xb, wc.t()));
   }
-  return at::empty({x.size(0), L.N}, x.options()).copy_(yt.t());
+  return y;
 }
 
 }  // namespace
@@ -600,7 +772,7 @@ QuantWeight QuantWeight::from_format(at::Tensor packed, at::IntArrayRef format, 
                      std::move(col_perm)};
 }
 
-at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w) {
+at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w, int64_t max_integer_rows) {
   const Layout L(w);
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
   TORCH_CHECK(x.size(1) == L.K, "x has ", x.size(1), " columns but the quantized weight has K = ", L.K);
@@ -612,19 +784,29 @@ at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w) {
     perm = p.data_ptr<int64_t>();
   }
   const int64_t M = x.size(0);
-  // Measured (benchmarks/kernels.py --only quant): the integer kernel wins up to 16 rows;
-  // beyond, a bf16 GEMM on dequantized tiles is several times faster (AMX).
-  if (M > kMaxIntegerRows) return gemm_linear(x, w, L);
+  if (M > (max_integer_rows < 0 ? kDefaultIntegerRows : max_integer_rows)) return gemm_linear(x, w, L);
   at::Tensor y = at::empty({M, L.N}, x.options());
-  if (M == 0) return y;
-  integer_linear(x.data_ptr<float>(), M, perm, L, w.packed.data_ptr<uint8_t>(), y.data_ptr<float>());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const uint8_t* packed = w.packed.data_ptr<uint8_t>();
+  for (int64_t m = 0; m < M; m += kMaxIntegerRows)  // one pass over W per 16 rows
+    integer_linear(xp + m * L.K, std::min(kMaxIntegerRows, M - m), perm, L, packed, yp + m * L.N);
   return y;
 }
 
-at::Tensor quant_dequantize(const QuantWeight& w, at::ScalarType dtype) {
+at::Tensor quant_dequantize(const QuantWeight& w, at::ScalarType dtype, const std::optional<at::Tensor>& rows) {
   const Layout L(w);
   TORCH_CHECK(dtype == at::kFloat || dtype == at::kBFloat16, "quant_dequantize: dtype must be float32 or bfloat16");
-  return dequantize_impl(w, L, 0, L.N, dtype);
+  if (!rows.has_value()) return dequantize_impl(w, L, 0, L.N, dtype);
+  const at::Tensor index = rows->to(at::kLong).contiguous();
+  TORCH_CHECK(index.dim() == 1, "quant_dequantize: rows must be 1-D");
+  const int64_t* ip = index.data_ptr<int64_t>();
+  for (int64_t i = 0; i < index.numel(); ++i)
+    TORCH_CHECK(ip[i] >= 0 && ip[i] < L.N, "quant_dequantize: row ", ip[i], " is outside [0, ", L.N, ")");
+  std::vector<at::Tensor> out;
+  out.reserve(index.numel());
+  for (int64_t i = 0; i < index.numel(); ++i) out.push_back(dequantize_impl(w, L, ip[i], ip[i] + 1, dtype));
+  return index.numel() ? at::cat(out) : at::empty({0, L.K}, w.packed.options().dtype(dtype));
 }
 
 std::tuple<at::Tensor, at::Tensor> quantize_activations_q8(const at::Tensor& x) {
@@ -656,18 +838,19 @@ const char* quant_isa() {
 
 namespace {
 at::Tensor quant_linear_op(const at::Tensor& x, const at::Tensor& packed, at::IntArrayRef format,
-                           const std::optional<at::Tensor>& col_perm) {
-  return tokenmill::quant_linear(x, tokenmill::QuantWeight::from_format(packed, format, col_perm));
+                           const std::optional<at::Tensor>& col_perm, int64_t max_integer_rows) {
+  return tokenmill::quant_linear(x, tokenmill::QuantWeight::from_format(packed, format, col_perm), max_integer_rows);
 }
-at::Tensor quant_dequantize_op(const at::Tensor& packed, at::IntArrayRef format, at::ScalarType dtype) {
-  return tokenmill::quant_dequantize(tokenmill::QuantWeight::from_format(packed, format, std::nullopt), dtype);
+at::Tensor quant_dequantize_op(const at::Tensor& packed, at::IntArrayRef format, at::ScalarType dtype,
+                               const std::optional<at::Tensor>& rows) {
+  return tokenmill::quant_dequantize(tokenmill::QuantWeight::from_format(packed, format, std::nullopt), dtype, rows);
 }
 std::string quant_isa_op() { return tokenmill::quant_isa(); }
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(TOKENMILL_OPS_NS, m) {
-  m.def("quant_linear(Tensor x, Tensor packed, int[] format, Tensor? col_perm) -> Tensor");
-  m.def("quant_dequantize(Tensor packed, int[] format, ScalarType dtype) -> Tensor");
+  m.def("quant_linear(Tensor x, Tensor packed, int[] format, Tensor? col_perm, int max_integer_rows=-1) -> Tensor");
+  m.def("quant_dequantize(Tensor packed, int[] format, ScalarType dtype, Tensor? rows=None) -> Tensor");
   m.def("quantize_activations_q8(Tensor x) -> (Tensor, Tensor)");
   m.def("quant_isa() -> str", &quant_isa_op);
 }
