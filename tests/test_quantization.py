@@ -1,0 +1,455 @@
+"""Weight quantization: the QuantizedTensor representation, its converters (GGUF blocks,
+int8/int4 from float, GPTQ, AWQ) against independent references, and the native
+quant_linear / quant_dequantize kernels against their PyTorch references."""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill import kernels
+from tokenmill.quantization.checkpoints import AWQ_ORDER, from_awq, from_gptq
+from tokenmill.quantization.gguf_blocks import GGUF_BLOCK_TYPES, from_gguf_blocks
+from tokenmill.quantization.qtensor import QuantizedTensor
+from tokenmill.quantization.reference import (
+    dequantized_activations,
+    quant_linear_reference,
+    quantize_activations_reference,
+)
+from tokenmill.quantization.rtn import quantize_int4, quantize_int8
+
+GGUF_TYPES = {name: t for t, (name, _, _) in GGUF_BLOCK_TYPES.items()}
+ALL_ROWS = 1 << 20  # max_integer_rows that keeps every row count on the integer kernel
+
+
+@pytest.fixture(scope="module")
+def native() -> None:
+    if not kernels.cpu_kernels_available():
+        pytest.fail("the native CPU kernels did not build (python -m tokenmill.kernels -v shows why)")
+
+
+def _random_qtensor(n, k, bits, group, symmetric, scale_dtype=torch.float16, seed=0) -> QuantizedTensor:
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (n, k), generator=gen, dtype=torch.uint8)
+    scales = (torch.rand(n, k // group, generator=gen) * 0.02 + 0.001).to(scale_dtype).float()
+    mins = None if symmetric else (torch.randn(n, k // group, generator=gen) * 0.1).to(scale_dtype).float()
+    return QuantizedTensor.pack(codes, scales, mins, bits=bits, group_size=group,
+                                code_offset=2 ** (bits - 1) if symmetric else None, scale_dtype=scale_dtype)
+
+
+def _gguf_blocks(name: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
+    """Blocks of a GGUF type: gguf's own quantizer where it has one, else random bytes with
+    sane float16 super-block scales."""
+    qtype = gguf.GGMLQuantizationType[name]
+    rng = np.random.default_rng(seed)
+    if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+        return gguf.quants.quantize(rng.standard_normal((rows, k)).astype(np.float32), qtype)
+    block, size = gguf.GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, k // block, size), dtype=np.uint8)
+    sane = lambda: rng.uniform(0.001, 0.05, (rows, k // block, 1)).astype(np.float16).view(np.uint8)  # noqa: E731
+    if name in ("Q4_K", "Q5_K"):  # d, dmin lead the block
+        raw[..., 0:2], raw[..., 2:4] = sane(), sane()
+    else:  # Q6_K: d ends it
+        raw[..., -2:] = sane()
+    return raw.reshape(rows, -1)
+
+
+# ----- the representation ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "n,k,bits,group,symmetric,scale_dtype",
+    [(5, 96, 4, 32, False, torch.float16), (8, 128, 4, 64, True, torch.float32), (3, 256, 8, 128, True, torch.float16),
+     (9, 48, 8, 16, True, torch.float32), (6, 96, 8, 96, True, torch.float32), (4, 64, 4, 32, True, torch.float16)],
+    ids=["q4-g32-mins", "q4-g64-sym", "q8-g128", "q8-g16", "q8-per-channel-unaligned", "one-tile"],
+)
+def test_pack_round_trips_codes_scales_and_mins(n, k, bits, group, symmetric, scale_dtype) -> None:
+    gen = torch.Generator().manual_seed(n * k)
+    codes = torch.randint(0, 2**bits, (n, k), generator=gen, dtype=torch.uint8)
+    scales = torch.rand(n, k // group, generator=gen).to(scale_dtype).float()
+    mins = None if symmetric else torch.randn(n, k // group, generator=gen).to(scale_dtype).float()
+    offset = 2 ** (bits - 1) if symmetric else None
+    qt = QuantizedTensor.pack(codes, scales, mins, bits=bits, group_size=group, code_offset=offset, scale_dtype=scale_dtype)
+    assert torch.equal(qt.codes(), codes) and torch.equal(qt.scales(), scales)
+    expected_mins = -float(offset) * scales if symmetric else mins
+    assert torch.equal(qt.mins(), expected_mins)
+    s, m = scales.repeat_interleave(group, 1), expected_mins.repeat_interleave(group, 1)
+    torch.testing.assert_close(qt.dequantize(), s * codes.float() + m, rtol=1e-5, atol=1e-5)
+
+
+def test_q4_1_storage_is_exactly_five_bits_per_weight() -> None:
+    """The default model's shapes hold whole tiles and spans: nothing but GGUF's 5 bits."""
+    blocks = _gguf_blocks("Q4_1", 576, 576)
+    qt = from_gguf_blocks(blocks, GGUF_TYPES["Q4_1"])
+    assert qt.nbytes == blocks.nbytes and qt.bits_per_weight == 5.0
+    q8 = from_gguf_blocks(_gguf_blocks("Q8_0", 192, 576), GGUF_TYPES["Q8_0"])
+    assert q8.bits_per_weight == 8.5
+
+
+def test_rows_narrow_take_and_concatenate_without_dequantizing() -> None:
+    a, b, c = (_random_qtensor(n, 96, 4, 32, False, seed=s) for s, n in enumerate((12, 7, 5)))
+    dense = torch.cat([a.dequantize(), b.dequantize(), c.dequantize()])
+    fused = QuantizedTensor.cat_rows([a, b, c])  # b has a partial tile: repacked
+    assert fused.shape == (24, 96) and torch.equal(fused.dequantize(), dense)
+    aligned = QuantizedTensor.cat_rows([a, a])  # whole tiles: the streams are joined
+    assert torch.equal(aligned.dequantize(), torch.cat([a.dequantize()] * 2))
+    view = fused.narrow_rows(4, 10)  # tile-aligned start: a view of the same bytes
+    assert view.packed.data_ptr() == fused.packed.data_ptr() + fused.packed[0].numel()
+    assert torch.equal(view.dequantize(), dense[4:14])
+    assert torch.equal(fused.narrow_rows(3, 9).dequantize(), dense[3:12])  # unaligned: repacked
+    perm = torch.tensor([5, 0, 23, 11, 11])
+    assert torch.equal(fused.take_rows(perm).dequantize(), dense[perm])
+    with pytest.raises(ValueError, match="not inside"):
+        fused.narrow_rows(20, 5)
+    with pytest.raises(ValueError, match="same K, bits"):
+        QuantizedTensor.cat_rows([a, _random_qtensor(4, 96, 4, 32, True)])
+
+
+def test_columns_split_on_group_boundaries_only() -> None:
+    qt = _random_qtensor(6, 256, 4, 64, False)
+    dense = qt.dequantize()
+    assert torch.equal(qt.narrow_cols(64, 128).dequantize(), dense[:, 64:192])
+    with pytest.raises(ValueError, match="group boundaries"):
+        qt.narrow_cols(32, 64)
+    per_channel = quantize_int8(torch.randn(5, 96))  # one scale per row: any column range works
+    part = per_channel.narrow_cols(10, 50)
+    assert part.group_size == 50 and torch.equal(part.dequantize(), per_channel.dequantize()[:, 10:60])
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [(dict(bits=5, group_size=32), "bits must be 4 or 8"),
+     (dict(bits=4, group_size=48), "not divisible by the group size"),
+     (dict(bits=4, group_size=24, k=48), "group_size 24 is not supported"),
+     (dict(bits=4, group_size=32, both=True), "either mins"),
+     (dict(bits=4, group_size=32, big_codes=True), "below 16")],
+)
+def test_pack_rejects_what_it_cannot_hold(kwargs, match) -> None:
+    k = kwargs.pop("k", 64)
+    codes = torch.full((4, k), 20 if kwargs.pop("big_codes", False) else 3, dtype=torch.uint8)
+    both = kwargs.pop("both", False)
+    groups = max(1, k // kwargs["group_size"])
+    with pytest.raises(ValueError, match=match):
+        QuantizedTensor.pack(codes, torch.ones(4, groups), torch.zeros(4, groups), code_offset=8 if both else None,
+                             **kwargs)
+
+
+# ----- GGUF blocks ------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", list(GGUF_TYPES))
+def test_gguf_blocks_dequantize_exactly_as_gguf_does(name) -> None:
+    k = 512 if name.endswith("_K") else 96  # 96: K not a multiple of the kernel's 64-column step
+    blocks = _gguf_blocks(name, 37, k)
+    qt = from_gguf_blocks(blocks, GGUF_TYPES[name])
+    expected = torch.from_numpy(gguf.quants.dequantize(blocks, gguf.GGMLQuantizationType[name]))
+    assert qt.shape == (37, k)
+    torch.testing.assert_close(qt.dequantize(), expected, rtol=0, atol=0)
+
+
+def test_gguf_tensors_of_the_default_model_dequantize_as_the_loader_does() -> None:
+    from tokenmill.model.gguf_file import GGUFFile
+    from tokenmill.model.loader import default_model_path
+
+    file = GGUFFile(default_model_path())
+    infos = {t.name: t for t in file.tensors}
+    for name, rows in (("blk.0.attn_k.weight", None), ("token_embd.weight", 300)):
+        info = infos[name]
+        _, block, size = GGUF_BLOCK_TYPES[info.ggml_type]
+        n, row_bytes = rows or info.shape[1], info.shape[0] // block * size
+        raw = np.frombuffer(file._data, dtype=np.uint8, count=n * row_bytes, offset=info.offset).reshape(n, row_bytes)
+        expected = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(info.ggml_type))
+        assert torch.equal(from_gguf_blocks(raw, info.ggml_type).dequantize(), torch.from_numpy(expected))
+
+
+def test_unsupported_gguf_type_names_itself_and_the_supported_ones() -> None:
+    with pytest.raises(ValueError, match=r"Q2_K cannot be kept quantized; supported: Q4_0, Q4_1, .*Q6_K"):
+        from_gguf_blocks(np.zeros((2, 84), np.uint8), int(gguf.GGMLQuantizationType.Q2_K))
+    with pytest.raises(ValueError, match="whole 20-byte blocks"):
+        from_gguf_blocks(np.zeros((2, 30), np.uint8), GGUF_TYPES["Q4_1"])
+
+
+# ----- int8 / int4 from float weights -----------------------------------------------------------------
+
+
+def test_int8_per_channel_is_symmetric_round_to_nearest() -> None:
+    w = torch.randn(10, 96)
+    w[3] = 0  # a zero row stays zero
+    qt = quantize_int8(w)
+    scale = w.abs().amax(dim=1, keepdim=True) / 127
+    assert qt.group_size == 96 and qt.code_offset == 128 and int(qt.codes().min()) >= 1
+    assert torch.equal(qt.dequantize()[3], torch.zeros(96))
+    assert bool(((qt.dequantize() - w).abs() <= scale / 2 + 1e-7).all())
+    torch.testing.assert_close(qt.dequantize().abs().amax(dim=1), w.abs().amax(dim=1))  # max|w| exact
+
+
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_group_asymmetric_round_to_nearest(group) -> None:
+    w = torch.randn(12, 256)
+    qt = quantize_int4(w, group)
+    scales = qt.scales().repeat_interleave(group, 1)
+    err = (qt.dequantize() - w).abs()
+    assert qt.group_size == group and qt.scale_dtype == torch.float16 and int(qt.codes().max()) <= 15
+    # round to nearest against the stored (float16) scale and min: half a step, plus the
+    # rounding of the min to float16 at the ends of the range
+    assert bool((err <= scales * 0.5 + 2e-3).all())
+    # a step of (max - min) / 15 of a group of Gaussians (~4-5 sigma) rounds to ~0.08-0.1 sigma
+    assert float((qt.dequantize() - w).norm() / w.norm()) < (0.085 if group == 32 else 0.11)
+
+
+def test_int4_and_int8_refuse_bad_shapes() -> None:
+    with pytest.raises(ValueError, match="K divisible by it; this weight has K = 100"):
+        quantize_int4(torch.randn(4, 100), 32)
+    with pytest.raises(ValueError, match="group size must be one of"):
+        quantize_int4(torch.randn(4, 96), 48)
+    with pytest.raises(ValueError, match="2-D float"):
+        quantize_int8(torch.randn(8))
+    with pytest.raises(ValueError, match="inf or NaN"):
+        quantize_int8(torch.tensor([[1.0, float("nan")]]))
+
+
+# ----- GPTQ and AWQ checkpoints -------------------------------------------------------------------------
+
+
+def _pack_gptq(intweight: np.ndarray, zeros: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray]:
+    """AutoGPTQ's QuantLinear.pack loops: qweight along K, qzeros (stored as zero - 1 by the
+    caller) along N, little end first."""
+    per = 32 // bits
+    qweight = np.zeros((intweight.shape[0] // per, intweight.shape[1]), dtype=np.uint32)
+    for row in range(qweight.shape[0]):
+        for j in range(per):
+            qweight[row] |= intweight[row * per + j].astype(np.uint32) << (bits * j)
+    qzeros = np.zeros((zeros.shape[0], zeros.shape[1] // per), dtype=np.uint32)
+    for col in range(qzeros.shape[1]):
+        for j in range(per):
+            qzeros[:, col] |= zeros[:, col * per + j].astype(np.uint32) << (bits * j)
+    return qweight.view(np.int32), qzeros.view(np.int32)
+
+
+def _pack_awq(intweight: np.ndarray) -> np.ndarray:
+    """AutoAWQ's WQLinear_GEMM.from_linear loop: along N, nibble i <- column order_map[i]."""
+    packed = np.zeros((intweight.shape[0], intweight.shape[1] // 8), dtype=np.uint32)
+    for col in range(packed.shape[1]):
+        for i, c in enumerate(AWQ_ORDER):
+            packed[:, col] |= intweight[:, col * 8 + c].astype(np.uint32) << (4 * i)
+    return packed.view(np.int32)
+
+
+@pytest.mark.parametrize(
+    "bits,sym,act_order,fmt",
+    [(4, True, False, "gptq"), (4, False, False, "gptq"), (4, True, True, "gptq"), (4, False, True, "gptq_v2"),
+     (8, True, False, "gptq")],
+    ids=["sym", "asym", "sym-act-order", "asym-act-order-v2", "8bit"],
+)
+def test_gptq_tensors_dequantize_to_scale_times_code_minus_zero(bits, sym, act_order, fmt) -> None:
+    rng = np.random.default_rng(bits + 2 * sym + 4 * act_order)
+    k, n, group = 128, 24, 32
+    groups = k // group
+    q = rng.integers(0, 2**bits, (k, n))  # [in, out], as GPTQ stores it
+    zeros = np.full((groups, n), 2 ** (bits - 1)) if sym else rng.integers(1, 2**bits, (groups, n))
+    scales = rng.uniform(0.001, 0.02, (groups, n)).astype(np.float16)
+    order = rng.permutation(k) if act_order else np.arange(k)  # GPTQ's act order: columns by Hessian
+    g_idx = np.empty(k, dtype=np.int32)
+    g_idx[order] = np.arange(k) // group  # column order[i] is quantized i-th, into group i // group
+    stored_zeros = zeros - 1 if fmt == "gptq" else zeros
+    qweight, qzeros = _pack_gptq(q, stored_zeros, bits)
+    qt = from_gptq(torch.from_numpy(qweight), torch.from_numpy(qzeros), torch.from_numpy(scales),
+                   torch.from_numpy(g_idx), bits=bits, group_size=group, sym=sym, desc_act=act_order,
+                   checkpoint_format=fmt)
+    expected = scales.astype(np.float32)[g_idx] * (q - zeros[g_idx]).astype(np.float32)  # [in, out]
+    assert torch.equal(qt.dequantize(), torch.from_numpy(expected.T.copy()))
+    assert (qt.col_perm is not None) == act_order and (qt.code_offset is not None) == sym
+
+
+def test_awq_tensors_dequantize_to_scale_times_code_minus_zero() -> None:
+    rng = np.random.default_rng(7)
+    k, n, group = 128, 32, 64
+    q = rng.integers(0, 16, (k, n))
+    zeros = rng.integers(0, 16, (k // group, n))
+    scales = rng.uniform(0.001, 0.02, (k // group, n)).astype(np.float16)
+    qt = from_awq(torch.from_numpy(_pack_awq(q)), torch.from_numpy(_pack_awq(zeros)), torch.from_numpy(scales),
+                  group_size=group)
+    expected = np.repeat(scales.astype(np.float32), group, 0) * (q - np.repeat(zeros, group, 0)).astype(np.float32)
+    assert torch.equal(qt.dequantize(), torch.from_numpy(expected.T.copy()))
+
+
+def test_gptq_and_awq_errors_name_the_problem() -> None:
+    qweight, qzeros = torch.zeros(16, 8, dtype=torch.int32), torch.zeros(4, 1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="GPTQ with 3 bits is not supported; supported: 4, 8"):
+        from_gptq(qweight, qzeros, torch.ones(4, 8), bits=3, group_size=32)
+    with pytest.raises(ValueError, match="does not divide in_features 128"):
+        from_gptq(qweight, qzeros, torch.ones(4, 8), group_size=48)
+    with pytest.raises(ValueError, match="scales must be"):
+        from_gptq(qweight, qzeros, torch.ones(3, 8), group_size=32)
+    with pytest.raises(ValueError, match="qweight must be a 2-D int32"):
+        from_awq(qweight.float(), qzeros, torch.ones(2, 64), group_size=64)
+    with pytest.raises(ValueError, match="exactly group_size"):
+        from_gptq(qweight, qzeros, torch.ones(4, 8), torch.zeros(128, dtype=torch.int32), group_size=32)
+
+
+# ----- the native kernels --------------------------------------------------------------------------
+
+
+def _exact_case(bits, symmetric, m, k=256, n=13, seed=0):
+    """Inputs on which every float operation of the kernel and of the reference is exact:
+    scales 1 or 1/2, mins multiples of 1/16, activations small integers with one +-127 per
+    32 (so d = 1 and q = x). Their results must agree bit for bit."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 2**bits, (n, k), generator=gen, dtype=torch.uint8)
+    scales = torch.where(torch.rand(n, k // 32, generator=gen) < 0.5, 1.0, 0.5)
+    mins = None if symmetric else torch.randint(-64, 64, (n, k // 32), generator=gen) / 16
+    qt = QuantizedTensor.pack(codes, scales, mins, bits=bits, group_size=32,
+                              code_offset=2 ** (bits - 1) if symmetric else None)
+    x = torch.randint(-6, 7, (m, k), generator=gen).float()
+    x.view(m, k // 32, 32)[:, :, 5] = torch.where(torch.rand(m, k // 32, generator=gen) < 0.5, 127.0, -127.0)
+    return qt, x
+
+
+def test_activation_quantization_matches_the_reference_bit_for_bit(native) -> None:
+    x = torch.randn(7, 256) * torch.logspace(-3, 3, 256)
+    x[1, :32] = 0  # an all-zero block
+    x[2, 32:64] = 1e-35  # a block too small to invert
+    x[3, :32] = torch.tensor([127.0, 2.5, -2.5, 0.5, 1.5, -0.5, 3.5] + [0.0] * 25)  # ties: half to even
+    q, d = kernels.quantize_activations_q8(x)
+    q_ref, d_ref = quantize_activations_reference(x)
+    assert torch.equal(q, q_ref) and torch.equal(d, d_ref)
+    assert q[3, :7].tolist() == [127, 2, -2, 0, 2, 0, 4]
+    assert torch.equal(q[1, :32], torch.zeros(32, dtype=torch.int8)) and float(d[2, 1]) == 0.0
+
+
+@pytest.mark.parametrize("bits,symmetric", [(4, False), (4, True), (8, True), (8, False)])
+def test_integer_kernel_agrees_bit_for_bit_on_exact_inputs(native, bits, symmetric) -> None:
+    for m in range(1, 18):
+        qt, x = _exact_case(bits, symmetric, m, seed=m)
+        y = kernels.quant_linear(x, qt.packed, qt.format, None, ALL_ROWS)
+        assert torch.equal(y, quant_linear_reference(x, qt)), f"M = {m}"
+        assert torch.equal(dequantized_activations(x).float(), x)  # the inputs really are exact
+
+
+def _format_cases():
+    cases = {name: (lambda name=name, n=37: from_gguf_blocks(_gguf_blocks(name, n, 512 if name.endswith("_K") else 96),
+                                                             GGUF_TYPES[name]))
+             for name in GGUF_TYPES}
+    cases["int8"] = lambda: quantize_int8(torch.randn(37, 96))
+    for g in (32, 64, 128):
+        cases[f"int4-g{g}"] = lambda g=g: quantize_int4(torch.randn(37, 256), g)
+    cases["q4-g16"] = lambda: _random_qtensor(37, 96, 4, 16, False, torch.float32)
+    return cases
+
+
+FORMATS = _format_cases()
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_quant_linear_matches_its_reference_for_every_format(native, fmt) -> None:
+    """The integer path against the exact product of the same int8 activations with the
+    dequantized weight (float32 accumulation order is all that differs), and against float32
+    activations: within 2% (the activations' 8-bit rounding; ~0.5% on these inputs)."""
+    qt = FORMATS[fmt]()
+    gen = torch.Generator().manual_seed(1)
+    for m in (1, 2, 3, 5, 8, 16, 17):
+        x = torch.randn(m, qt.shape[1], generator=gen)
+        y = kernels.quant_linear(x, qt.packed, qt.format, None, ALL_ROWS)
+        ref = quant_linear_reference(x, qt)
+        assert float((y - ref).norm() / ref.norm()) < 2e-6, f"M = {m}"
+        exact = quant_linear_reference(x, qt, integer_path=False)
+        assert float((y - exact).norm() / exact.norm()) < 0.02
+
+
+def test_odd_shapes_partial_tiles_and_padded_columns(native) -> None:
+    for n, k in ((1, 32), (2, 96), (5, 160), (13, 544)):
+        qt = _random_qtensor(n, k, 4, 32, False, seed=n)
+        x = torch.randn(3, k)
+        y = kernels.quant_linear(x, qt.packed, qt.format)
+        assert y.shape == (3, n)
+        torch.testing.assert_close(y, quant_linear_reference(x, qt), rtol=1e-5, atol=1e-5)
+
+
+def test_gemm_path_for_many_rows_and_the_row_threshold(native) -> None:
+    """Above QUANT_INTEGER_ROWS rows W is dequantized to bf16 for a GEMM: bf16 rounding of x,
+    W and y (<1% here); max_integer_rows moves the switch either way."""
+    qt = from_gguf_blocks(_gguf_blocks("Q4_1", 70, 576), GGUF_TYPES["Q4_1"])
+    for m in (kernels.QUANT_INTEGER_ROWS + 1, 40, 130):
+        x = torch.randn(m, 576)
+        exact = quant_linear_reference(x, qt, integer_path=False)
+        y = kernels.quant_linear(x, qt.packed, qt.format)
+        assert float((y - exact).norm() / exact.norm()) < 0.01
+        torch.testing.assert_close(kernels.quant_linear(x, qt.packed, qt.format, None, ALL_ROWS),
+                                   quant_linear_reference(x, qt), rtol=1e-5, atol=1e-4)
+    x = torch.randn(2, 576)
+    y = kernels.quant_linear(x, qt.packed, qt.format, None, 0)  # GEMM even for 2 rows
+    assert float((y - quant_linear_reference(x, qt, integer_path=False)).norm() / y.norm()) < 0.01
+    assert kernels.quant_linear(torch.empty(0, 576), qt.packed, qt.format).shape == (0, 70)
+
+
+def test_act_order_weights_gather_the_activations(native) -> None:
+    rng = np.random.default_rng(3)
+    k, n, group = 128, 16, 32
+    q, scales = rng.integers(0, 16, (k, n)), rng.uniform(0.01, 0.02, (k // group, n)).astype(np.float16)
+    g_idx = np.empty(k, dtype=np.int32)
+    g_idx[rng.permutation(k)] = np.arange(k) // group
+    qweight, qzeros = _pack_gptq(q, np.full((k // group, n), 7), 4)
+    qt = from_gptq(torch.from_numpy(qweight), torch.from_numpy(qzeros), torch.from_numpy(scales),
+                   torch.from_numpy(g_idx), group_size=group, desc_act=True)
+    x = torch.randn(3, k)
+    dense = F.linear(x, qt.dequantize())
+    for rows in (ALL_ROWS, 0):
+        y = kernels.quant_linear(x, qt.packed, qt.format, qt.col_perm, rows)
+        assert float((y - dense).norm() / dense.norm()) < 0.02
+    torch.testing.assert_close(qt.linear(x), quant_linear_reference(x, qt), rtol=1e-5, atol=1e-5)
+
+
+def test_results_do_not_depend_on_the_thread_count(native) -> None:
+    qt = _random_qtensor(203, 256, 4, 32, False)
+    x = torch.randn(5, 256)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.quant_linear(x, qt.packed, qt.format)
+        torch.set_num_threads(2)
+        two = kernels.quant_linear(x, qt.packed, qt.format)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_native_dequantization_matches_the_reference(native) -> None:
+    for fmt in ("Q4_1", "Q8_0", "Q6_K", "int4-g128", "q4-g16"):
+        qt = FORMATS[fmt]()
+        ref = qt.dequantize()
+        if fmt == "q4-g16":  # arbitrary float32 scales: scale * u is rounded, and a fused multiply-add differs
+            torch.testing.assert_close(kernels.quant_dequantize(qt.packed, qt.format), ref, rtol=1e-6, atol=1e-7)
+            continue
+        # stored formats: scale * u is exact, so the kernel's fused multiply-add rounds as the reference
+        assert torch.equal(kernels.quant_dequantize(qt.packed, qt.format), ref)
+        assert torch.equal(kernels.quant_dequantize(qt.packed, qt.format, torch.bfloat16), ref.bfloat16())
+        rows = torch.tensor([36, 0, 5, 5])
+        assert torch.equal(kernels.quant_dequantize(qt.packed, qt.format, torch.float32, rows), ref[rows])
+    with pytest.raises(RuntimeError, match="outside"):
+        kernels.quant_dequantize(qt.packed, qt.format, torch.float32, torch.tensor([37]))
+
+
+def test_quant_linear_rejects_bad_inputs(native) -> None:
+    qt = _random_qtensor(8, 64, 4, 32, False)
+    with pytest.raises(RuntimeError, match="x has 32 columns but the quantized weight has K = 64"):
+        kernels.quant_linear(torch.randn(2, 32), qt.packed, qt.format)
+    with pytest.raises(RuntimeError, match="contiguous float32"):
+        kernels.quant_linear(torch.randn(2, 64).double(), qt.packed, qt.format)
+    with pytest.raises(RuntimeError, match="packed must be contiguous uint8 holding"):
+        kernels.quant_linear(torch.randn(2, 64), qt.packed[:1], qt.format)
+    with pytest.raises(RuntimeError, match="bits must be 4 or 8"):
+        kernels.quant_linear(torch.randn(2, 64), qt.packed, (8, 64, 2, 32, 2, -1))
+    with pytest.raises(RuntimeError, match="format must be"):
+        kernels.quant_linear(torch.randn(2, 64), qt.packed, (8, 64, 4))
+    with pytest.raises(RuntimeError, match="col_perm"):
+        kernels.quant_linear(torch.randn(2, 64), qt.packed, qt.format, torch.arange(32))
+
+
+def test_linear_falls_back_to_pytorch_without_the_kernels(monkeypatch) -> None:
+    qt = _random_qtensor(9, 96, 4, 32, False)
+    x = torch.randn(4, 96)
+    monkeypatch.setattr(kernels, "cpu_kernels_available", lambda: False)
+    torch.testing.assert_close(qt.linear(x), F.linear(x, qt.dequantize()))
