@@ -710,13 +710,13 @@ void dequantize_rows(const uint8_t* packed, const Layout& L, int64_t row_begin, 
             dequantize_step(cr, L.bits, sc, mn, L.gps, L.group, width, o);
             continue;
 #endif
-            // scale * u + min: scale * u is exact for every stored format, so a fused
-            // multiply-add rounds like the reference's two operations.
+            // As the reference: scale * (u - offset), or scale * u + min (scale * u is exact
+            // for every stored format, so a fused multiply-add rounds the same).
             const int64_t g = L.group;
             for (int i = 0; i < kStep; ++i) {
               const int u = L.bits == 8 ? cr[i] : (i < 32 ? cr[i] & 0x0F : cr[i - 32] >> 4);
               const int64_t j = L.gps > 1 ? i / g : 0;
-              vals[i] = sc[j] * static_cast<float>(u) + mn[j];
+              vals[i] = L.has_mins ? sc[j] * static_cast<float>(u) + mn[j] : sc[j] * static_cast<float>(u - L.offset);
             }
             for (int64_t i = 0; i < width; ++i) o[i] = static_cast<T>(vals[i]);
           }
