@@ -39,6 +39,7 @@ from tokenmill.kernels import (
     skinny_linear,
     tile_for_skinny,
 )
+from tokenmill.quantization.qtensor import QuantizedTensor
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 
@@ -177,10 +178,64 @@ def bench_quant(set_mib: int, rounds: int) -> None:
         del sets
 
 
+def default_model_weights() -> tuple[list[QuantizedTensor], QuantizedTensor]:
+    """The default GGUF's layer weights as stored (q/k/v and gate/up rows fused), and its
+    Q8_0 token embedding, the tied LM head."""
+    from tokenmill.model.gguf_file import GGUFFile
+    from tokenmill.model.loader import default_model_path
+    from tokenmill.quantization.gguf_blocks import GGUF_BLOCK_TYPES, from_gguf_blocks
+
+    file = GGUFFile(default_model_path())
+    infos = {t.name: t for t in file.tensors}
+
+    def load(name: str) -> QuantizedTensor:
+        info = infos[name]
+        _, block, size = GGUF_BLOCK_TYPES[info.ggml_type]
+        rows, row_bytes = info.shape[1], info.shape[0] // block * size
+        raw = np.frombuffer(file._data, dtype=np.uint8, count=rows * row_bytes, offset=info.offset)
+        return from_gguf_blocks(raw.reshape(rows, row_bytes), info.ggml_type)
+
+    layers = []
+    for i in range(file.metadata["llama.block_count"]):
+        b = f"blk.{i}."
+        layers.append(QuantizedTensor.cat_rows([load(b + "attn_q.weight"), load(b + "attn_k.weight"), load(b + "attn_v.weight")]))
+        layers.append(load(b + "attn_output.weight"))
+        layers.append(QuantizedTensor.cat_rows([load(b + "ffn_gate.weight"), load(b + "ffn_up.weight")]))
+        layers.append(load(b + "ffn_down.weight"))
+    return layers, load("token_embd.weight")
+
+
+def bench_decode_step(rounds: int) -> None:
+    """All matmuls of one decode step of the default model (30 x [qkv, o, gate_up, down] +
+    the LM head) on its GGUF weights as stored, against the bf16 skinny kernel on the same
+    weights dequantized: the weight stream of batch-1 decode, and its bound."""
+    layers, head = default_model_weights()
+    stored = sum(w.packed.numel() for w in layers) + head.packed.numel()
+    tiled = [tile_for_skinny(w.dequantize(), torch.bfloat16) for w in layers + [head]]
+    bf16_bytes = sum(t.numel() * 2 for t in tiled)
+    bandwidth = read_bandwidth()
+    print(f"\ndecode step of the default model ({len(layers)} layer matmuls + LM head), threads: "
+          f"{torch.get_num_threads()}; weights as stored {stored / 2**20:.1f} MiB, bf16 {bf16_bytes / 2**20:.1f} MiB; "
+          f"plain read {bandwidth:.1f} GB/s -> bound {stored / bandwidth / 1e6:.2f} ms (stored), "
+          f"{bf16_bytes / bandwidth / 1e6:.2f} ms (bf16)")
+    bound = stored / (bandwidth * 1e9)
+    for rows in (1, 2, 4, 8):
+        xs = {w.shape[1]: torch.randn(rows, w.shape[1]) for w in layers + [head]}
+        candidates = {
+            "GGUF as stored": lambda: [quant_linear(xs[w.shape[1]], w.packed, w.format) for w in layers + [head]],
+            "bf16 skinny": lambda: [skinny_linear(xs[w.shape[1]], t, w.shape[0]) for w, t in zip(layers + [head], tiled)],
+        }
+        med = interleaved_medians(candidates, rounds)
+        q, b = med["GGUF as stored"], med["bf16 skinny"]
+        print(f"  M={rows}: GGUF as stored {q * 1e3:.2f} ms ({stored / q / 1e9:.1f} GB/s, "
+              f"{bound / q:.0%} of the bound), bf16 skinny {b * 1e3:.2f} ms ({bf16_bytes / b / 1e9:.1f} GB/s); "
+              f"ratio {b / q:.2f}x", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--only", choices=("linear", "attention", "quant"))
+    parser.add_argument("--only", choices=("linear", "attention", "quant", "decode-step"))
     parser.add_argument("--quant-set-mib", type=int, default=256, help="distinct weights per candidate (quant)")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per candidate (quant)")
     args = parser.parse_args()
@@ -193,6 +248,8 @@ def main() -> None:
         bench_attention()
     if args.only in (None, "quant"):
         bench_quant(args.quant_set_mib, args.rounds)
+    if args.only in (None, "quant", "decode-step"):
+        bench_decode_step(args.rounds)
 
 
 if __name__ == "__main__":

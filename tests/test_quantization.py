@@ -400,6 +400,7 @@ def test_act_order_weights_gather_the_activations(native) -> None:
         y = kernels.quant_linear(x, qt.packed, qt.format, qt.col_perm, rows)
         assert float((y - dense).norm() / dense.norm()) < 0.02
     torch.testing.assert_close(qt.linear(x), quant_linear_reference(x, qt), rtol=1e-5, atol=1e-5)
+    assert torch.equal(qt.lookup_rows(torch.tensor([3, 0])), qt.dequantize()[[3, 0]])
 
 
 def test_results_do_not_depend_on_the_thread_count(native) -> None:
@@ -448,8 +449,11 @@ def test_quant_linear_rejects_bad_inputs(native) -> None:
         kernels.quant_linear(torch.randn(2, 64), qt.packed, qt.format, torch.arange(32))
 
 
-def test_linear_falls_back_to_pytorch_without_the_kernels(monkeypatch) -> None:
+def test_linear_and_row_lookup_with_and_without_the_kernels(native, monkeypatch) -> None:
     qt = _random_qtensor(9, 96, 4, 32, False)
-    x = torch.randn(4, 96)
+    x, ids = torch.randn(4, 96), torch.tensor([[8, 0], [3, 3]])
+    torch.testing.assert_close(qt.linear(x), quant_linear_reference(x, qt), rtol=1e-5, atol=1e-5)
+    assert torch.equal(qt.lookup_rows(ids), qt.dequantize()[ids.flatten()])
     monkeypatch.setattr(kernels, "cpu_kernels_available", lambda: False)
     torch.testing.assert_close(qt.linear(x), F.linear(x, qt.dequantize()))
+    assert torch.equal(qt.lookup_rows(ids), qt.dequantize()[ids.flatten()])

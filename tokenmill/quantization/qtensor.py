@@ -157,6 +157,23 @@ class QuantizedTensor:
             return quant_linear(x.contiguous(), self.packed, self.format, self.col_perm)
         return torch.nn.functional.linear(x, self.dequantize().to(x.dtype))
 
+    def lookup_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """Rows `index` of the weight as float32 [len(index), K] (an embedding lookup in a
+        quantized table, e.g. a tied Q8_0 token embedding), original column order."""
+        from tokenmill.kernels import cpu_kernels_available, quant_dequantize
+
+        index = torch.as_tensor(index, dtype=torch.long).reshape(-1)
+        if cpu_kernels_available():
+            rows = quant_dequantize(self.packed, self.format, torch.float32, index)
+        else:
+            rows = self.take_rows(index).dequantize() if index.numel() else torch.empty(0, self.shape[1])
+            return rows  # dequantize() already undid the column order
+        if self.col_perm is not None:
+            out = torch.empty_like(rows)
+            out[:, self.col_perm] = rows
+            rows = out
+        return rows
+
     # ----- rows and columns without dequantizing ----------------------------------------
 
     def take_rows(self, index: torch.Tensor | Sequence[int]) -> QuantizedTensor:

@@ -80,6 +80,9 @@ constexpr int64_t kTransposedGemmRows = 64;
 #define TM_PREFETCH_BYTES 2048
 #endif
 constexpr int64_t kPrefetchBytes = TM_PREFETCH_BYTES;
+#ifndef TM_PREFETCH_HINT
+#define TM_PREFETCH_HINT _MM_HINT_T0
+#endif
 
 // Where things sit in `packed` (qtensor.py's _Layout, the same arithmetic).
 struct Layout {
@@ -310,7 +313,7 @@ __attribute__((always_inline)) inline void tile_rows(const uint8_t* tile, const 
   const uint8_t* p = tile;
   for (int64_t s = 0; s < L.spans; ++s, p += L.span_bytes) {
     for (int64_t o = 0; o < L.span_bytes; o += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + o), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + o), TM_PREFETCH_HINT);
     const __m512 sv = load_scale_lanes<HALF>(p, smask);
     __m512 sw[kRows];
     for (int v = 0; v < kRows; ++v) sw[v] = _mm512_permutexvar_ps(idx[v], sv);
