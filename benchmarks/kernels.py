@@ -132,7 +132,8 @@ def bench_quant(set_mib: int, rounds: int) -> None:
           f"{set_mib} MiB of distinct copies (M >= 64: the first 16 copies)")
     names = ("Q4_1 int", "Q4_1 gemm", "Q8_0 int", "Q8_0 gemm", "bf16 skinny", "int4pack bf16", "F.linear bf16")
     print("  Q4_1/Q8_0 int: quant_linear's integer path; gemm: its dequantize + bf16 GEMM path (default: int up to "
-          f"{QUANT_INTEGER_ROWS} rows); bf16 skinny: skinny_linear on bf16 tiles; int4pack bf16: "
+          f"{QUANT_INTEGER_ROWS[4]} rows for Q4_1, {QUANT_INTEGER_ROWS[8]} for Q8_0); bf16 skinny: skinny_linear on "
+          "bf16 tiles; int4pack bf16: "
           "aten._weight_int4pack_mm_for_cpu, group 32, bf16 x; F.linear bf16: bf16 x and W")
     print(f"{'shape':>8} {'N x K':>11} {'M':>4} " + " ".join(f"{n:>19}" for n in names))
     rng = np.random.default_rng(0)

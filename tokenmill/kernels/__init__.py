@@ -116,7 +116,8 @@ def skinny_linear(x: torch.Tensor, tiled: torch.Tensor, n: int) -> torch.Tensor:
     return torch.ops.tokenmill.skinny_linear(x, tiled, n)
 
 
-QUANT_INTEGER_ROWS = 8  # quant_linear's default: integer dot products up to here, a bf16 GEMM beyond
+# quant_linear's default by code width: integer dot products up to here, a bf16 GEMM beyond
+QUANT_INTEGER_ROWS = {4: 8, 8: 12}
 
 
 def quant_linear(
@@ -128,7 +129,7 @@ def quant_linear(
 ) -> torch.Tensor:
     """x [M, K] float32 (contiguous) @ W^T for a quantized W given as a QuantizedTensor's
     `packed`, `format` and `col_perm` (tokenmill/quantization/qtensor.py): float32 [M, N].
-    Up to `max_integer_rows` rows (-1: QUANT_INTEGER_ROWS) x is quantized to int8 per 32
+    Up to `max_integer_rows` rows (-1: QUANT_INTEGER_ROWS[bits]) x is quantized to int8 per 32
     (llama.cpp's Q8_1) and multiplied on integers; beyond, W is dequantized to bf16 for a GEMM."""
     return torch.ops.tokenmill.quant_linear(x, packed, format, col_perm, max_integer_rows)
 

@@ -26,7 +26,7 @@ struct QuantWeight {
 };
 
 // cpu_quant.cpp. y [M, N] float32 = x [M, K] (contiguous float32) . W^T for any M. Up to
-// max_integer_rows rows (-1: the measured default, 8) x is quantized to int8 per 32 columns
+// max_integer_rows rows (-1: the measured default, 8 for 4-bit codes, 12 for 8-bit) x is quantized to int8 per 32 columns
 // (d = max|x| / 127, llama.cpp's Q8_1) and multiplied with integer dot products, W read once
 // per 16 rows; beyond, W is dequantized to bf16 in L2-sized chunks for oneDNN's bf16 GEMM.
 // Pass a large max_integer_rows to keep every row count on the integer arithmetic (e.g. so

@@ -2,7 +2,7 @@
 // W a QuantizedTensor (tokenmill/quantization/qtensor.py): unsigned codes u with
 // w = scale * u + min per (row, group), or scale * (u - code_offset) for symmetric formats.
 //
-// Few rows (decode, M <= kDefaultIntegerRows): the activations are quantized on the fly, per
+// Few rows (decode, M <= 8 for 4-bit codes, 12 for 8-bit): the activations are quantized on the fly, per
 // 32 values, to int8 with d = max|x| / 127 (llama.cpp's Q8_1 form: q = round(x / d)), and
 // the products run on integers: per 4 columns an int32 lane gets the dot product of the
 // codes with q (AVX512-VNNI vpdpbusd on 64 columns at a time; AVX-VNNI, or AVX2 maddubs +
@@ -68,8 +68,10 @@ constexpr int64_t kBlock = 32;   // columns per activation scale
 constexpr int64_t kLanes = 16;   // int32 lanes per step (4 columns each)
 constexpr int64_t kMaxIntegerRows = 16;  // rows per pass of the integer kernel over W
 // Up to this many rows quant_linear uses the integer kernel by default, beyond it the bf16
-// GEMM on dequantized weights (measured crossover, benchmarks/kernels.py --only quant).
-constexpr int64_t kDefaultIntegerRows = 8;
+// GEMM on dequantized weights. Measured crossover (1 thread, 960x576 .. 3072x576): 4-bit
+// codes at 8 rows (integer 128 us vs GEMM 113 us at 8 rows of 960x576), 8-bit at ~12 (their
+// dequantization has no table, so the GEMM path costs ~40% more).
+int64_t default_integer_rows(int64_t bits) { return bits == 4 ? 8 : 12; }
 // Up to this many rows the GEMM path computes y^T = W x^T: oneDNN then packs the small x^T
 // rather than W (half the time at 17-64 rows); beyond, y = x W^T saves the transpose.
 constexpr int64_t kTransposedGemmRows = 64;
@@ -787,7 +789,7 @@ at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w, int64_t max_i
     perm = p.data_ptr<int64_t>();
   }
   const int64_t M = x.size(0);
-  if (M > (max_integer_rows < 0 ? kDefaultIntegerRows : max_integer_rows)) return gemm_linear(x, w, L);
+  if (M > (max_integer_rows < 0 ? default_integer_rows(L.bits) : max_integer_rows)) return gemm_linear(x, w, L);
   at::Tensor y = at::empty({M, L.N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
