@@ -2,26 +2,28 @@
 // W a QuantizedTensor (tokenmill/quantization/qtensor.py): unsigned codes u with
 // w = scale * u + min per (row, group), or scale * (u - code_offset) for symmetric formats.
 //
-// Few rows (decode, M <= 8 for 4-bit codes, 12 for 8-bit): the activations are quantized on the fly, per
-// 32 values, to int8 with d = max|x| / 127 (llama.cpp's Q8_1 form: q = round(x / d)), and
-// the products run on integers: per 4 columns an int32 lane gets the dot product of the
-// codes with q (AVX512-VNNI vpdpbusd on 64 columns at a time; AVX-VNNI, or AVX2 maddubs +
-// madd, on 32; plain C otherwise: chosen by the compiler's target macros, the build being
-// -march=native), then lane * (scale * d) is accumulated in float32. The min term
-// sum_g min[g] * sum_{k in g} d q_k is one fused multiply-add per span for all four rows of a
-// tile; a symmetric format's -code_offset * scale * sum(q) is folded into the integer dot
-// as its starting value. Why: decode reads every weight once per token, so its speed is
-// bytes per weight; Q4_1 is 5 bits, and integer dot products keep the arithmetic well
-// under the memory time.
+// Few rows (decode; up to 8 rows for 4-bit codes, 12 for 8-bit): the activations are
+// quantized on the fly, per 32 values, to int8 with d = max|x| / 127 (llama.cpp's Q8_1
+// form, q = round(x / d)), and the products run on integers: per 4 columns an int32 lane
+// gets the dot product of the codes with q (AVX512-VNNI vpdpbusd on 64 columns at a time;
+// AVX-VNNI, or AVX2 maddubs + madd, on 32; plain C otherwise: chosen by the compiler's
+// target macros, the build being -march=native), then lane * (scale * d) is accumulated in
+// float32. The min term sum_g min[g] * sum_{k in g} d q_k is one fused multiply-add per span
+// for all four rows of a tile; a symmetric format's -code_offset * scale * sum(q) is folded
+// into the integer dot as its starting value. Why: decode reads every weight once per
+// token, so its speed is bytes per weight (Q4_1: 5 bits, bf16: 16), and the integer dot
+// products keep the arithmetic near the memory time.
 //
 // The weight is one byte stream (qtensor.py's `packed`): tiles of 4 rows, each a run of
 // spans [scales][mins][codes], read strictly in memory order: the hardware prefetchers
-// follow one stream well and several interleaved ones badly (see cpu_linear.cpp). A tile's
-// codes are unpacked once per group of up to 4 activation rows, from L1 after the first.
+// follow one stream well and several interleaved ones badly (see cpu_linear.cpp). A tile is
+// read from memory once per 16 activation rows; it is unpacked once per 4 rows (from L1
+// after the first).
 //
-// Many rows (prefill): tiles of rows are dequantized to bfloat16 and multiplied by a bf16
-// GEMM (oneDNN, AMX/AVX512-BF16 where the CPU has them); see quant_linear below for the
-// measured reason.
+// Many rows (prefill, large batches): W is dequantized to bf16 in chunks of up to 4 MiB
+// (4-bit codes through a 16-entry table per group) and multiplied by oneDNN's bf16 GEMM,
+// AMX where the CPU has it. Past 8-12 rows that beats the integer kernel, whose cost grows
+// by about half its one-row time with every row (benchmarks/kernels.py --only quant).
 
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
