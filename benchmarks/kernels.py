@@ -131,7 +131,8 @@ def bench_quant(set_mib: int, rounds: int) -> None:
     print("us per matrix (GB/s of weight bytes as stored); each candidate streams its own "
           f"{set_mib} MiB of distinct copies (M >= 64: the first 16 copies)")
     names = ("Q4_1 int", "Q4_1 gemm", "Q8_0 int", "Q8_0 gemm", "bf16 skinny", "int4pack bf16", "F.linear bf16")
-    print("  Q4_1/Q8_0 int: quant_linear's integer path; gemm: its dequantize + bf16 GEMM path (default: int up to "
+    print("  Q4_1/Q8_0 int: quant_linear's integer path (float32 x); gemm: its dequantize + bf16 GEMM path (bf16 x "
+          "and y, as F.linear bf16; default: int up to "
           f"{QUANT_INTEGER_ROWS[4]} rows for Q4_1, {QUANT_INTEGER_ROWS[8]} for Q8_0); bf16 skinny: skinny_linear on "
           "bf16 tiles; int4pack bf16: "
           "aten._weight_int4pack_mm_for_cpu, group 32, bf16 x; F.linear bf16: bf16 x and W")
@@ -162,9 +163,9 @@ def bench_quant(set_mib: int, rounds: int) -> None:
             big = 1 << 30
             candidates = {
                 "Q4_1 int": each("Q4_1", lambda t: quant_linear(x, t, q41.format, None, big)),
-                "Q4_1 gemm": each("Q4_1", lambda t: quant_linear(x, t, q41.format, None, 0)),
+                "Q4_1 gemm": each("Q4_1", lambda t: quant_linear(xb, t, q41.format, None, 0)),
                 "Q8_0 int": each("Q8_0", lambda t: quant_linear(x, t, q80.format, None, big)),
-                "Q8_0 gemm": each("Q8_0", lambda t: quant_linear(x, t, q80.format, None, 0)),
+                "Q8_0 gemm": each("Q8_0", lambda t: quant_linear(xb, t, q80.format, None, 0)),
                 "bf16 skinny": each("bf16 skinny", lambda t: skinny_linear(x, t, n)),
                 "int4pack bf16": each("int4pack bf16", lambda t, s: torch.ops.aten._weight_int4pack_mm_for_cpu(xb, t, 32, s)),
                 "F.linear bf16": each("F.linear bf16", lambda t: F.linear(xb, t)),

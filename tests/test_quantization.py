@@ -379,6 +379,11 @@ def test_gemm_path_for_many_rows_and_the_row_threshold(native) -> None:
         assert float((y - exact).norm() / exact.norm()) < 0.01
         torch.testing.assert_close(kernels.quant_linear(x, qt.packed, qt.format, None, ALL_ROWS),
                                    quant_linear_reference(x, qt), rtol=1e-5, atol=1e-4)
+    for m in (3, 40, 130):  # bf16 activations: a bf16 result, the integer path through float32
+        x = torch.randn(m, 576).bfloat16()
+        y = kernels.quant_linear(x, qt.packed, qt.format)
+        exact = quant_linear_reference(x.float(), qt, integer_path=False)
+        assert y.dtype == torch.bfloat16 and float((y.float() - exact).norm() / exact.norm()) < 0.01
     x = torch.randn(2, 576)
     y = kernels.quant_linear(x, qt.packed, qt.format, None, 0)  # GEMM even for 2 rows
     assert float((y - quant_linear_reference(x, qt, integer_path=False)).norm() / y.norm()) < 0.01
@@ -437,7 +442,7 @@ def test_quant_linear_rejects_bad_inputs(native) -> None:
     qt = _random_qtensor(8, 64, 4, 32, False)
     with pytest.raises(RuntimeError, match="x has 32 columns but the quantized weight has K = 64"):
         kernels.quant_linear(torch.randn(2, 32), qt.packed, qt.format)
-    with pytest.raises(RuntimeError, match="contiguous float32"):
+    with pytest.raises(RuntimeError, match="contiguous float32 or bfloat16"):
         kernels.quant_linear(torch.randn(2, 64).double(), qt.packed, qt.format)
     with pytest.raises(RuntimeError, match="packed must be contiguous uint8 holding"):
         kernels.quant_linear(torch.randn(2, 64), qt.packed[:1], qt.format)

@@ -127,8 +127,9 @@ def quant_linear(
     col_perm: torch.Tensor | None = None,
     max_integer_rows: int = -1,
 ) -> torch.Tensor:
-    """x [M, K] float32 (contiguous) @ W^T for a quantized W given as a QuantizedTensor's
-    `packed`, `format` and `col_perm` (tokenmill/quantization/qtensor.py): float32 [M, N].
+    """x [M, K] float32 or bfloat16 (contiguous) @ W^T for a quantized W given as a
+    QuantizedTensor's `packed`, `format` and `col_perm` (tokenmill/quantization/qtensor.py):
+    [M, N] in x's dtype.
     Up to `max_integer_rows` rows (-1: QUANT_INTEGER_ROWS[bits]) x is quantized to int8 per 32
     (llama.cpp's Q8_1) and multiplied on integers; beyond, W is dequantized to bf16 for a GEMM."""
     return torch.ops.tokenmill.quant_linear(x, packed, format, col_perm, max_integer_rows)

@@ -148,12 +148,12 @@ class QuantizedTensor:
         return 8 * self.packed.numel() / (self.shape[0] * self.shape[1])
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """y = x W^T for float32 x [M, K]: the native kernel (activations quantized to int8
-        per 32 for up to 16 rows, a dequantized bf16 GEMM for more), or, without the
-        kernels, the PyTorch reference (dequantize + F.linear)."""
+        """y = x W^T for x [M, K] float32 or bfloat16: the native kernel (activations quantized
+        to int8 per 32 for a few rows, a bf16 GEMM on the dequantized weight for more; see
+        kernels.quant_linear), or, without the kernels, dequantize + F.linear."""
         from tokenmill.kernels import cpu_kernels_available, quant_linear
 
-        if x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and cpu_kernels_available():
+        if x.is_cpu and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and cpu_kernels_available():
             return quant_linear(x.contiguous(), self.packed, self.format, self.col_perm)
         return torch.nn.functional.linear(x, self.dequantize().to(x.dtype))
 

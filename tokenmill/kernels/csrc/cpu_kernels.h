@@ -25,7 +25,8 @@ struct QuantWeight {
   static QuantWeight from_format(at::Tensor packed, at::IntArrayRef format, std::optional<at::Tensor> col_perm);
 };
 
-// cpu_quant.cpp. y [M, N] float32 = x [M, K] (contiguous float32) . W^T for any M. Up to
+// cpu_quant.cpp. y [M, N] = x [M, K] . W^T for any M, x contiguous float32 or bfloat16 (y
+// in x's dtype; bf16 x saves the GEMM path two conversions, the integer path takes float32). Up to
 // max_integer_rows rows (-1: the measured default, 8 for 4-bit codes, 12 for 8-bit) x is quantized to int8 per 32 columns
 // (d = max|x| / 127, llama.cpp's Q8_1) and multiplied with integer dot products, W read once
 // per 16 rows; beyond, W is dequantized to bf16 in L2-sized chunks for oneDNN's bf16 GEMM.

@@ -759,12 +759,16 @@ at::Tensor gemm_linear(const at::Tensor& x, const tokenmill::QuantWeight& w, con
   auto* buffer = reinterpret_cast<c10::BFloat16*>(scratch.take(chunk * L.K * sizeof(c10::BFloat16)));
   const uint8_t* p = w.packed.data_ptr<uint8_t>();
   const bool transposed = x.size(0) <= kTransposedGemmRows;
+  auto product = [&](const at::Tensor& wc) { return transposed ? at::mm(wc, xb.t()).t() : at::mm(xb, wc.t()); };
+  if (chunk == L.N && !transposed && x.scalar_type() == at::kBFloat16) {  // nothing to copy
+    dequantize_rows(p, L, 0, L.N, buffer);
+    return product(at::from_blob(buffer, {L.N, L.K}, xb.options()));
+  }
   at::Tensor y = at::empty({x.size(0), L.N}, x.options());
   for (int64_t r = 0; r < L.N; r += chunk) {
     const int64_t end = std::min(L.N, r + chunk);
     dequantize_rows(p, L, r, end, buffer);
-    const at::Tensor wc = at::from_blob(buffer, {end - r, L.K}, xb.options());
-    y.narrow(1, r, end - r).copy_(transposed ? at::mm(wc, xb.t()).t() : at::mm(xb, wc.t()));
+    y.narrow(1, r, end - r).copy_(product(at::from_blob(buffer, {end - r, L.K}, xb.options())));
   }
   return y;
 }
@@ -781,7 +785,8 @@ QuantWeight QuantWeight::from_format(at::Tensor packed, at::IntArrayRef format, 
 
 at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w, int64_t max_integer_rows) {
   const Layout L(w);
-  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous(),
+              "x: contiguous float32 or bfloat16 [M, K]");
   TORCH_CHECK(x.size(1) == L.K, "x has ", x.size(1), " columns but the quantized weight has K = ", L.K);
   const int64_t* perm = nullptr;
   if (w.col_perm.has_value()) {
@@ -792,6 +797,7 @@ at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w, int64_t max_i
   }
   const int64_t M = x.size(0);
   if (M > (max_integer_rows < 0 ? default_integer_rows(L.bits) : max_integer_rows)) return gemm_linear(x, w, L);
+  if (x.scalar_type() == at::kBFloat16) return quant_linear(x.to(at::kFloat), w, max_integer_rows).to(at::kBFloat16);
   at::Tensor y = at::empty({M, L.N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
