@@ -689,6 +689,45 @@ inline void load_span_scales(const uint8_t* p, const Layout& L, float* scale, fl
     for (int64_t i = 0; i < n; ++i) minv[i] = -static_cast<float>(L.offset) * scale[i];
 }
 
+#if defined(TM_QUANT_AVX512) && defined(__AVX512BF16__)
+// The GEMM path's common case, a whole tile of 4-bit codes (group >= 32) to bf16: per span
+// and row, the bf16 values of the row's (one or two) groups as a 32-entry table, which
+// vpermw indexes with the codes (the second group's codes offset by 16).
+template <bool HALF, bool MINS>
+void dequantize_tile_q4_bf16(const uint8_t* tile, const Layout& L, c10::BFloat16* out) {
+  const __m512 iota = _mm512_set_ps(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0);
+  const __mmask16 smask = static_cast<__mmask16>((1u << (kRows * L.gps)) - 1);
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m512i second = _mm512_set1_epi16(16);
+  alignas(64) float sc[kLanes], mn[kLanes];
+  const uint8_t* p = tile;
+  for (int64_t s = 0; s < L.spans; ++s, p += L.span_bytes) {
+    const __m512 sv = load_scale_lanes<HALF>(p, smask);
+    _mm512_store_ps(sc, sv);
+    _mm512_store_ps(mn, MINS ? load_scale_lanes<HALF>(p + L.scale_block, smask)
+                             : _mm512_mul_ps(sv, _mm512_set1_ps(-static_cast<float>(L.offset))));
+    __m512i table[kRows];
+    for (int r = 0; r < kRows; ++r) {
+      const int64_t j0 = r * L.gps, j1 = j0 + L.gps - 1;
+      const __m512 t0 = _mm512_fmadd_ps(iota, _mm512_set1_ps(sc[j0]), _mm512_set1_ps(mn[j0]));
+      const __m512 t1 = _mm512_fmadd_ps(iota, _mm512_set1_ps(sc[j1]), _mm512_set1_ps(mn[j1]));
+      table[r] = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(t1, t0));
+    }
+    const uint8_t* c = p + L.scale_block * (MINS ? 2 : 1);
+    for (int64_t j = 0; j < L.span / kStep; ++j, c += L.step_bytes) {
+      c10::BFloat16* o = out + s * L.span + j * kStep;
+      for (int r = 0; r < kRows; ++r, o += L.K) {
+        const __m256i t = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + r * L.row_step_bytes));
+        const __m512i lo = _mm512_cvtepu8_epi16(_mm256_and_si256(t, nibble));
+        const __m512i hi = _mm512_or_si512(_mm512_cvtepu8_epi16(_mm256_and_si256(_mm256_srli_epi16(t, 4), nibble)), second);
+        _mm512_storeu_si512(o, _mm512_permutexvar_epi16(lo, table[r]));
+        _mm512_storeu_si512(o + 32, _mm512_permutexvar_epi16(hi, table[r]));
+      }
+    }
+  }
+}
+#endif
+
 // Rows [row_begin, row_end) of W (stored column order) into out [rows, K], float or bf16.
 template <typename T>
 void dequantize_rows(const uint8_t* packed, const Layout& L, int64_t row_begin, int64_t row_end, T* out) {
@@ -698,6 +737,20 @@ void dequantize_rows(const uint8_t* packed, const Layout& L, int64_t row_begin, 
     float scale[kRows * 4 + 8], minv[kRows * 4 + 8];  // + 8: the 8-wide conversion's spill-over
     float vals[kStep];
     for (int64_t t = tb; t < te; ++t) {
+#if defined(TM_QUANT_AVX512) && defined(__AVX512BF16__)
+      if constexpr (std::is_same_v<T, c10::BFloat16>) {
+        const bool whole = t * kRows >= row_begin && (t + 1) * kRows <= row_end;
+        if (whole && L.bits == 4 && L.gps <= 2 && L.K == L.Kp) {
+          T* o = out + (t * kRows - row_begin) * L.K;
+          const uint8_t* tile = L.tile(packed, t);
+          if (L.scale_bytes == 2)
+            L.has_mins ? dequantize_tile_q4_bf16<true, true>(tile, L, o) : dequantize_tile_q4_bf16<true, false>(tile, L, o);
+          else
+            L.has_mins ? dequantize_tile_q4_bf16<false, true>(tile, L, o) : dequantize_tile_q4_bf16<false, false>(tile, L, o);
+          continue;
+        }
+      }
+#endif
       const uint8_t* p = L.tile(packed, t);
       for (int64_t s = 0; s < L.spans; ++s, p += L.span_bytes) {
         load_span_scales(p, L, scale, minv);
