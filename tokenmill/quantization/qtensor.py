@@ -5,11 +5,11 @@ with one affine map per (row, group of `group_size` consecutive columns):
 
     w[n, k] = scale[n, g] * u[n, k] + min[n, g],        g = k // group_size
 
-This one form covers every format tokenmill reads (convert.py): GGUF Q4_0 (min = -8 d),
-Q4_1, Q8_0 (u = q + 128, min = -128 d), Q5_0/Q5_1 and Q6_K (codes held in 8 bits), the
-K-quants Q4_K/Q5_K (per-32 sub-block scale d * sc and min -dmin * m in float32), int8
-per-channel, int4 group-wise, GPTQ and AWQ int4. Symmetric formats store no mins: their
-min is -code_offset * scale, which the kernel folds into its integer dot products.
+This one form covers every format tokenmill reads (gguf_blocks.py, rtn.py, checkpoints.py):
+GGUF Q4_0 (min = -8 d), Q4_1, Q8_0 (u = q + 128, min = -128 d), Q5_0/Q5_1 and Q6_K (codes
+held in 8 bits), the K-quants Q4_K/Q5_K (per-32 sub-block scale d * sc and min -dmin * m in
+float32), int8 per-channel, int4 group-wise, GPTQ and AWQ. Symmetric formats store no mins:
+their min is -code_offset * scale, which the kernel folds into its integer dot products.
 
 The codes, scales and mins live in one uint8 buffer, `packed`, in the order the native
 kernel reads them (cpu_quant.cpp), so a decode matmul is one sequential stream per tile:
@@ -44,7 +44,8 @@ SCALE_DTYPES = (torch.float16, torch.float32)
 
 @dataclass(frozen=True, eq=False)
 class QuantizedTensor:
-    """A quantized weight [N, K]; build it with `QuantizedTensor.pack` or convert.py."""
+    """A quantized weight [N, K]; build it with `QuantizedTensor.pack` or the converters
+    (gguf_blocks.from_gguf_blocks, rtn.quantize_int8/int4, checkpoints.from_gptq/from_awq)."""
 
     packed: torch.Tensor  # uint8 [tiles, spans, span_bytes], the kernel's stream
     shape: tuple[int, int]  # (N, K)
