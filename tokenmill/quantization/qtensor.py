@@ -352,24 +352,37 @@ class _Layout:
         return self.scale_block * (2 if self.has_mins else 1) + self.code_bytes
 
     def pack(self, codes: torch.Tensor, scales: torch.Tensor, mins: torch.Tensor | None) -> torch.Tensor:
-        rows, cols = self.tiles * TILE_ROWS, self.spans * self.span
-        padded = codes.new_zeros(rows, cols)
-        padded[: self.n, : self.k] = codes
-        steps = self.span // STEP
-        c = padded.view(self.tiles, TILE_ROWS, self.spans, steps, STEP)
+        # Each part is copied once, straight into its place in the stream (loading a model
+        # packs every weight: whole-tensor temporaries and concatenations tripled that time).
+        packed = torch.empty(self.tiles, self.spans, self.span_bytes, dtype=torch.uint8)
+        self._place_scales(packed, 0, scales)
+        if mins is not None:
+            self._place_scales(packed, self.scale_block, mins)
+        start = self.scale_block * (2 if mins is not None else 1)
+        steps, width = self.span // STEP, STEP * self.bits // 8
+        c = self._padded(codes.contiguous(), self.spans * self.span).view(self.tiles, TILE_ROWS, self.spans, steps, STEP)
         if self.bits == 4:
-            c = c[..., :32] | (c[..., 32:] << 4)
-        c = c.permute(0, 2, 3, 1, 4).reshape(self.tiles, self.spans, self.code_bytes)
-        parts = [self._pack_scales(scales)] + ([self._pack_scales(mins)] if mins is not None else []) + [c]
-        return torch.cat(parts, dim=2).contiguous()
+            c = torch.bitwise_left_shift(c[..., 32:], 4).bitwise_or_(c[..., :32])
+        dst = packed[:, :, start:].view(self.tiles, self.spans, steps, TILE_ROWS, width)
+        dst.permute(0, 3, 1, 2, 4).copy_(c)
+        return packed
 
-    def _pack_scales(self, s: torch.Tensor) -> torch.Tensor:
+    def _padded(self, t: torch.Tensor, cols: int) -> torch.Tensor:
+        """t [n, <= cols] zero-padded to whole tiles of rows and `cols` columns (t itself when
+        it already has that shape)."""
+        rows = self.tiles * TILE_ROWS
+        if tuple(t.shape) == (rows, cols):
+            return t
+        padded = t.new_zeros(rows, cols)
+        padded[: t.shape[0], : t.shape[1]] = t
+        return padded
+
+    def _place_scales(self, packed: torch.Tensor, start: int, s: torch.Tensor) -> None:
         # Per-channel formats whose K is padded keep their one group; others pad groups with zeros.
-        gp = self.spans * self.groups_per_span
-        padded = s.new_zeros(self.tiles * TILE_ROWS, gp)
-        padded[: self.n, : s.shape[1]] = s
-        raw = padded.view(self.tiles, TILE_ROWS, self.spans, self.groups_per_span).permute(0, 2, 1, 3).contiguous()
-        return raw.view(torch.uint8).reshape(self.tiles, self.spans, self.scale_block)
+        gps = self.groups_per_span
+        raw = self._padded(s.contiguous(), self.spans * gps).view(self.tiles, TILE_ROWS, self.spans, gps)
+        dst = packed[:, :, start : start + self.scale_block].view(self.scale_dtype)  # [tiles, spans, 4 * gps]
+        dst.view(self.tiles, self.spans, TILE_ROWS, gps).permute(0, 2, 1, 3).copy_(raw)
 
     def _region(self, packed: torch.Tensor, start: int, size: int) -> torch.Tensor:
         return packed.reshape(-1, self.spans, self.span_bytes)[:, :, start : start + size]
