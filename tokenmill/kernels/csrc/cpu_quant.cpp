@@ -496,14 +496,17 @@ inline void tile_rows(const uint8_t* tile, const Layout& L, const ActRows& a, in
   float acc[kRows][MB] = {}, macc[kRows][MB] = {};
   const int64_t steps = L.span / kStep;
   const uint8_t* p = tile;
+  float sc[kLanes], mn[kLanes];  // the span's scales and mins, converted once
   for (int64_t s = 0; s < L.spans; ++s, p += L.span_bytes) {
     const uint8_t* c = p + L.scale_block * (MINS ? 2 : 1);
+    for (int64_t i = 0; i < kRows * L.gps; ++i) {
+      sc[i] = load_scale(p, i, L.scale_bytes);
+      if (MINS) mn[i] = load_scale(p + L.scale_block, i, L.scale_bytes);
+    }
     for (int r = 0; r < kRows; ++r)
       for (int m = 0; m < MB; ++m)
         if (MINS)
-          for (int64_t j = 0; j < L.gps; ++j)
-            macc[r][m] += load_scale(p + L.scale_block, r * L.gps + j, L.scale_bytes) *
-                          a.gsum_span(m0 + m, s)[r * L.gps + j];
+          for (int64_t j = 0; j < L.gps; ++j) macc[r][m] += mn[r * L.gps + j] * a.gsum_span(m0 + m, s)[r * L.gps + j];
     for (int64_t j = 0; j < steps; ++j, c += L.step_bytes) {
       const int64_t col = s * L.span + j * kStep;
       for (int r = 0; r < kRows; ++r) {
@@ -515,8 +518,7 @@ inline void tile_rows(const uint8_t* tile, const Layout& L, const ActRows& a, in
           for (int l = 0; l < kLanes; ++l) {
             int32_t dot = a.init ? a.init_row(m0 + m)[col / 4 + l] : 0;
             for (int i = 4 * l; i < 4 * l + 4; ++i) dot += int32_t{u[i]} * xq[i];
-            const float sw = load_scale(p, L.lane16[r][l], L.scale_bytes);
-            acc[r][m] += static_cast<float>(dot) * (sw * a.d_row(m0 + m)[col / 4 + l]);
+            acc[r][m] += static_cast<float>(dot) * (sc[L.lane16[r][l]] * a.d_row(m0 + m)[col / 4 + l]);
           }
         }
       }
