@@ -39,6 +39,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.hardware import cpu_info
+
 SCHEMA = "tokenmill.bench.offline/1"
 WORKLOADS = ("W1", "W2", "W3", "W4")
 
@@ -486,27 +488,12 @@ def _mkldnn_bf16(torch: Any) -> bool | None:
 
 
 def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+    return cpu_info().model_name
 
 
 def _cpu_flags() -> list[str]:
     """The SIMD extensions that decide CPU matmul speed (bf16 needs avx512_bf16/amx to be native)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = line.split(":", 1)[1].split()
-                    return sorted(f for f in flags if f.startswith(("avx", "amx", "fma")) or "vnni" in f)
-    except OSError:
-        pass
-    return []
+    return cpu_info().simd_flags
 
 
 def _git_dirty() -> bool | None:

@@ -3,8 +3,10 @@
 The sources live in `csrc/`. `make setup` builds them once (`python -m tokenmill.kernels`)
 into torch's extension cache (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions),
 so an engine start only loads the built library. They are compiled with
-`-march=native`: the cache is per machine, and a build for this CPU's vector units is
-the point.
+`-march=native`, so the build is named by a digest of the sources, the CPU's SIMD flags
+and the torch version (`build_name()`): a cache copied to a CPU with other vector units
+rebuilds instead of dying of an illegal instruction, and two checkouts with different
+sources keep a build each instead of evicting each other.
 
 Every kernel has a pure-PyTorch fallback that the tests compare it against; the engine
 uses the fallback when the build fails (no compiler) or when `TOKENMILL_KERNELS=0`.
@@ -13,6 +15,7 @@ uses the fallback when the build fails (no compiler) or when `TOKENMILL_KERNELS=
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 import time
@@ -27,6 +30,20 @@ _SOURCES = [_CSRC / name for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cp
 _OPS = ("paged_decode_attention", "skinny_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary_",
         "llama_decode_layer")
 _NAME = "tokenmill_cpu_kernels"
+
+
+@functools.cache
+def build_name() -> str:
+    """`tokenmill_cpu_kernels_<digest>` of what the binary depends on: sources, CPU flags, torch."""
+    from tokenmill.hardware import cpu_info
+
+    digest = hashlib.sha256()
+    for path in sorted(_CSRC.iterdir()):
+        if path.suffix in (".cpp", ".h"):
+            digest.update(path.name.encode() + path.read_bytes())
+    digest.update(" ".join(sorted(cpu_info().flags)).encode())
+    digest.update(torch.__version__.encode())
+    return f"{_NAME}_{digest.hexdigest()[:12]}"
 
 
 def kernels_enabled() -> bool:
@@ -51,7 +68,7 @@ def build_cpu_kernels(verbose: bool = False) -> None:
 
     start = time.perf_counter()
     load(
-        name=_NAME,
+        name=build_name(),
         sources=[str(s) for s in _SOURCES],
         # -fopenmp: at::parallel_for is OpenMP in the header, so without it the kernels run
         # on one thread. The libgomp.so.1 they need is the one torch already loaded.
@@ -63,7 +80,7 @@ def build_cpu_kernels(verbose: bool = False) -> None:
     )
     missing = [op for op in _OPS if not hasattr(torch.ops.tokenmill, op)]
     if missing:  # a stale build in the extension cache
-        raise RuntimeError(f"the built kernels lack {missing}; delete {_NAME} under TORCH_EXTENSIONS_DIR and rebuild")
+        raise RuntimeError(f"the built kernels lack {missing}; delete {build_name()} under TORCH_EXTENSIONS_DIR and rebuild")
     logger.info("native CPU kernels ready in %.1f s", time.perf_counter() - start)
 
 

@@ -13,6 +13,7 @@ from tokenmill.attention.backend import AttentionBackend
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
 from tokenmill.config import EngineConfig
 from tokenmill.model.loader import load_model
+from tokenmill.hardware import cpu_info
 from tokenmill.runner.model_runner import ModelRunner, kv_bytes_per_block
 from tokenmill.tokenizer import Tokenizer
 
@@ -35,14 +36,7 @@ def resolve_device(device: str) -> torch.device:
 
 
 def cpu_has_native_bf16() -> bool:
-    """AVX-512 BF16 or AMX: without them CPU bf16 matmuls are emulated and run
-    several times slower than float32 (measured 10-20x on an AVX2-only EPYC)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    return cpu_info().native_bf16
 
 
 @dataclass(frozen=True)
