@@ -63,7 +63,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench.offline import (
+from tokenmill.bench.report import machine_info
+from tokenmill.bench.workloads import (
     FULL,
     METRICS,
     QUICK,
@@ -73,7 +74,6 @@ from tokenmill.bench.offline import (
     Sizes,
     build_requests,
     describe,
-    machine_info,
     medians,
     ordinary_token_ids,
     parse_workloads,

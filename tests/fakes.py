@@ -123,23 +123,38 @@ class FakeRunner:
         # Then read the whole context back through the block table, and sample from it.
         sampled: dict[str, list[int]] = {}
         for item in items:
-            tokens = [*item.prompt_token_ids, *item.output_token_ids][: item.context_len]
+            known = item.start_pos + item.item.num_new_tokens
+            tokens = [*item.prompt_token_ids, *item.output_token_ids][:known] + item.spec_token_ids
             read = [self.memory[b][s] for b, s in (self._slot(item.block_ids, p) for p in range(item.context_len))]
             expected = list(enumerate(tokens))
             assert read == expected, (
                 f"{item.request_id}: KV read through block table {item.block_ids} is wrong: "
                 f"first bad position {next(p for p in range(item.context_len) if read[p] != expected[p])}"
             )
-            if not item.sample:
-                continue
-            token = next_token(tokens)
-            if self.policy is not None:
-                wanted = self.policy(item.request_id, len(item.output_token_ids), tokens)
-                if wanted is not None and wanted not in item.banned_token_ids:
-                    token = wanted
-            assert token not in item.banned_token_ids
-            sampled[item.request_id] = [token]
+            if item.sample:
+                sampled[item.request_id] = self._verify(item, tokens[:known])
         return RunnerOutput(sampled_token_ids=sampled)
+
+    def _verify(self, item: StepRequest, context: list[int]) -> list[int]:
+        """The model's token after `context`; with proposals, greedy verification: each
+        proposal the model agrees with is accepted, then the model's own next token."""
+        emitted: list[int] = []
+        for proposal in [*item.spec_token_ids, None]:
+            token = self._next(item, context + emitted)
+            emitted.append(token)
+            if token != proposal:
+                break
+        return emitted
+
+    def _next(self, item: StepRequest, context: list[int]) -> int:
+        token = next_token(context)
+        if self.policy is not None:
+            output_index = len(context) - len(item.prompt_token_ids)
+            wanted = self.policy(item.request_id, output_index, context)
+            if wanted is not None and wanted not in item.banned_token_ids:
+                token = wanted
+        assert token not in item.banned_token_ids
+        return token
 
 
 class Harness:
@@ -154,13 +169,19 @@ class Harness:
         max_model_len: int = 64,
         enable_caching: bool = True,
         policy: Policy | None = None,
+        proposer: Callable[[Request], list[int]] | None = None,
     ) -> None:
         self.config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len)
         self.kv = KVBlockManager(num_blocks, block_size, enable_caching)
         self.sched = Scheduler(self.config, self.kv)
         self.runner = FakeRunner(num_blocks, block_size, policy)
+        self.proposer = proposer  # sets each running request's proposals after every step
         self.finished: dict[str, Request] = {}
         self.num_steps = 0
+        self.num_accepted = 0  # proposals accepted, over all steps
+        # The furthest position a running request's KV ever reached since its admission:
+        # the slots of rejected proposals stay allocated (the request grows into them).
+        self.high_water: dict[str, int] = {}
 
     def add(self, request_id: str, prompt: Sequence[int], cache_salt: str | None = None, **params: object) -> Request:
         request = make_request(request_id, prompt, self.config.max_model_len, cache_salt, **params)
@@ -183,6 +204,7 @@ class Harness:
         running_before = [r.request_id for r in self.sched.running]
         waiting_before = [r.request_id for r in self.sched.waiting]
         computed_before = {rid: r.num_computed_tokens for rid, r in self.sched.requests.items()}
+        proposed = {rid: list(r.spec_token_ids) for rid, r in self.sched.requests.items()}
         out = with_views(self.sched.schedule(), self.runner.requests)
         self.kv.check_integrity()
         cfg, kv = self.config, self.kv
@@ -209,6 +231,7 @@ class Harness:
         # Victims are the most recently admitted running requests, newest first.
         assert out.preempted_ids == running_before[::-1][: len(out.preempted_ids)]
         for rid in out.preempted_ids:
+            self.high_water.pop(rid, None)
             request = self.sched.requests[rid]
             assert request.status == RequestStatus.WAITING and request.num_computed_tokens == 0
             assert kv.get_block_ids(rid) == []
@@ -221,18 +244,25 @@ class Harness:
             request = self.sched.requests[item.request_id]
             assert request.status == RequestStatus.RUNNING
             assert item.num_tokens >= 1
-            assert item.token_ids == request.all_token_ids[item.start_pos : item.context_len]
+            known_end = item.start_pos + item.num_new_tokens
+            assert item.token_ids == request.all_token_ids[item.start_pos : known_end] + item.spec_token_ids
             assert request.num_computed_tokens == item.context_len
-            assert item.context_len <= request.num_tokens
-            assert item.sample == (item.context_len == request.num_tokens)
+            assert known_end <= request.num_tokens
+            assert item.sample == (known_end == request.num_tokens)
+            if item.spec_token_ids:  # a prefix of the proposals, verified after the last known token
+                assert item.spec_token_ids == proposed[item.request_id][: len(item.spec_token_ids)]
+                assert item.num_new_tokens == 1 and item.sample
+                assert request.num_prompt_tokens + request.max_tokens - 1 >= item.context_len
+            assert not request.spec_token_ids, "proposals must be consumed by the step"
             if item.request_id in running_before:
                 assert item.start_pos == computed_before[item.request_id], "a running request skipped tokens"
             else:  # admission: only whole cached blocks may be skipped
                 assert item.start_pos % kv.block_size == 0
                 assert item.start_pos < request.num_tokens, "a cache hit covered the last token"
             assert item.block_ids == kv.get_block_ids(item.request_id)
-            assert len(item.block_ids) == kv.blocks_needed(item.context_len), (
-                f"{item.request_id}: {len(item.block_ids)} blocks for {item.context_len} tokens"
+            reach = self.high_water[item.request_id] = max(item.context_len, self.high_water.get(item.request_id, 0))
+            assert len(item.block_ids) == kv.blocks_needed(reach), (
+                f"{item.request_id}: {len(item.block_ids)} blocks for {reach} tokens"
             )
         self.check_queues()
         return out
@@ -247,8 +277,13 @@ class Harness:
         self.kv.check_integrity()
         sampled = [item.request_id for item in out.scheduled if item.sample]
         assert [r.request_id for r in updated] == [rid for rid in sampled if rid in before]
+        spec = {item.request_id: len(item.spec_token_ids) for item in out.scheduled}
         for request in updated:
-            assert request.num_output_tokens == before[request.request_id] + 1
+            gained = request.num_output_tokens - before[request.request_id]
+            assert gained == request.num_new_output_tokens and 1 <= gained <= spec[request.request_id] + 1
+            self.num_accepted += gained - 1
+            if not request.is_finished:  # every accepted token's KV is computed; the last one's comes next
+                assert request.num_computed_tokens == request.num_tokens - 1
             if request.is_finished:
                 assert request.request_id not in self.sched.requests
                 assert self.kv.get_block_ids(request.request_id) == [], "finished request still holds blocks"
@@ -258,6 +293,9 @@ class Harness:
                 assert rid in self.sched.requests, f"{rid} finished without sampling"
         self.check_queues()
         self.num_steps += 1
+        if self.proposer is not None:
+            for request in self.sched.running:
+                request.spec_token_ids = self.proposer(request)
         return out
 
     def check_queues(self) -> None:
@@ -266,7 +304,8 @@ class Harness:
         assert len(sched.requests) == len(sched.running) + len(sched.waiting)
         for request in sched.running:
             assert request.status == RequestStatus.RUNNING
-            assert len(kv.get_block_ids(request.request_id)) == kv.blocks_needed(request.num_computed_tokens)
+            reach = max(request.num_computed_tokens, self.high_water.get(request.request_id, 0))
+            assert len(kv.get_block_ids(request.request_id)) == kv.blocks_needed(reach)
         for request in sched.waiting:
             assert request.status == RequestStatus.WAITING
             assert request.num_computed_tokens == 0

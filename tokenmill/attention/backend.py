@@ -44,6 +44,12 @@ class BatchLayout:
         return all(n == 1 for n in self.query_lens)
 
 
+def padded_block_tables(tables: list[list[int]], width: int) -> list[list[int]]:
+    """Each table cut or padded to `width` blocks; padding points at block 0, real (finite)
+    cache memory that the context lengths keep out of reach."""
+    return [t[:width] + [0] * (width - len(t[:width])) for t in tables]
+
+
 class AttentionBackend(ABC):
     """Peers behind one interface: the CPU backends now, CUDA ones beside them later."""
 
@@ -77,10 +83,10 @@ class PagedDecode:
     @classmethod
     def from_layout(cls, layout: BatchLayout, device: torch.device) -> PagedDecode:
         width = -(-max(layout.context_lens) // layout.block_size)
-        tables = [t[:width] + [0] * (width - len(t[:width])) for t in layout.block_tables]
         return cls(
             slots=torch.tensor(layout.slot_mapping, dtype=torch.long, device=device),
-            block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+            block_tables=torch.tensor(padded_block_tables(layout.block_tables, width), dtype=torch.int32,
+                                      device=device),
             context_lens=torch.tensor(layout.context_lens, dtype=torch.int32, device=device),
         )
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.attention.backend import AttentionBackend, BatchLayout
+from tokenmill.attention.backend import AttentionBackend, BatchLayout, padded_block_tables
 from tokenmill.attention.paged_sdpa import PrefillSpan, attend_prefills, prefill_spans, write_kv
 from tokenmill.kernels import paged_decode_attention
 
@@ -68,11 +68,11 @@ def _native_decode(layout: BatchLayout, decodes: list[int], device: torch.device
     size, starts = layout.block_size, layout.query_starts
     lens = [layout.context_lens[i] for i in decodes]
     width = -(-max(lens) // size)
-    tables = [layout.block_tables[i][:width] for i in decodes]
+    tables = padded_block_tables([layout.block_tables[i] for i in decodes], width)
     rows = [starts[i] for i in decodes]
     contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
     return NativeDecode(
         rows=slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows, device=device),
-        block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
         context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
     )

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.attention.backend import AttentionBackend, BatchLayout
+from tokenmill.attention.backend import AttentionBackend, BatchLayout, padded_block_tables
 from tokenmill.attention.paged_sdpa import PrefillSpan, attend_prefills, flat_cache, prefill_spans, sdpa, write_kv
 
 
@@ -59,10 +59,9 @@ def _padded_decode(layout: BatchLayout, decodes: list[int], device: torch.device
     lens = [layout.context_lens[i] for i in decodes]
     max_ctx = max(lens)
     num_blocks = -(-max_ctx // size)
-    # One padded block table for all decodes; padding points at block 0, real (finite)
-    # cache memory that the mask hides.
-    tables = [layout.block_tables[i][:num_blocks] for i in decodes]
-    table = torch.tensor([t + [0] * (num_blocks - len(t)) for t in tables], dtype=torch.long, device=device)
+    # One padded block table for all decodes; the mask hides the padding.
+    tables = padded_block_tables([layout.block_tables[i] for i in decodes], num_blocks)
+    table = torch.tensor(tables, dtype=torch.long, device=device)
     gather = (table.unsqueeze(2) * size + torch.arange(size, device=device)).flatten(1)[:, :max_ctx]
     lens_t = torch.tensor(lens, device=device)
     mask = torch.arange(max_ctx, device=device).unsqueeze(0) < lens_t.unsqueeze(1)

@@ -14,7 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.sampling.logprobs import TokenLogprobs
 from tokenmill.sampling.params import SamplingParams
+
+__all__ = ["NewRequestData", "ScheduledRequest", "SchedulerOutput", "TokenLogprobs", "PromptLogprobsChunk",
+           "RunnerOutput", "RequestState", "StepRequest", "RequestTable"]
 
 
 @dataclass
@@ -64,18 +68,6 @@ class SchedulerOutput:
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
-
-
-@dataclass
-class TokenLogprobs:
-    """The logprob of one chosen token (sampled, or the actual next prompt token)
-    and the top-N alternatives at that position."""
-
-    token_id: int
-    logprob: float
-    rank: int  # 1-based rank of token_id in the distribution
-    top_ids: list[int] = field(default_factory=list)
-    top_logprobs: list[float] = field(default_factory=list)
 
 
 @dataclass

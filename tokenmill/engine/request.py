@@ -42,6 +42,9 @@ class Request:
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
     num_new_output_tokens: int = 0  # output tokens appended by the latest step
+    # Tokens a proposer guessed to follow (speculative decoding); the next step verifies
+    # them. Never part of the request's tokens until accepted.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -96,7 +96,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_known = request.num_tokens - request.num_computed_tokens
+            num_new = min(num_known + len(self._proposals(request)), budget)
             if not self._allocate_or_preempt(request, num_new, preempted):
                 break  # the request preempted itself: it was the last running one
             scheduled.append(self._schedule(request, num_new))
@@ -133,6 +134,7 @@ class Scheduler:
             rejected = len(item.spec_token_ids) - (len(tokens) - 1)
             if rejected < 0:
                 raise RuntimeError(f"{item.request_id}: {len(tokens)} tokens for {len(item.spec_token_ids)} proposals")
+            # Their slots stay allocated (the request grows into them) and are overwritten.
             request.num_computed_tokens -= rejected
             request.num_new_output_tokens = 0
             for token_id in tokens:
@@ -195,16 +197,34 @@ class Scheduler:
         kept and recomputed (from whatever prefix is still cached) on re-admission."""
         self.kv.free(request)
         self._sent.pop(request.request_id, None)
+        request.spec_token_ids = []
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    @staticmethod
+    def _proposals(request: Request) -> list[int]:
+        """The request's proposed tokens that may be verified now: only once its known
+        tokens are all computed but the last, not while min_tokens still bans EOS/stop ids
+        (the ban changes with every accepted token), and no more than could ever become
+        output (its final token needs no KV slot), which keeps it within max_model_len and
+        within the KV slots admission counted on."""
+        if not request.spec_token_ids or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        if request.num_output_tokens < request.params.min_tokens:
+            return []
+        room = request.num_prompt_tokens + request.max_tokens - 1 - request.num_tokens
+        return request.spec_token_ids[: max(room, 0)]
+
     def _schedule(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
-        end = start + num_new
-        request.num_computed_tokens = end
+        num_known = min(num_new, request.num_tokens - start)
+        spec = self._proposals(request)[: num_new - num_known]
+        request.spec_token_ids = []  # consumed: verified in this step, or dropped
+        end = start + num_known
+        request.num_computed_tokens = end + len(spec)
         rid = request.request_id
         block_ids = self.kv.get_block_ids(rid)
         sent = self._sent.get(rid)
@@ -216,11 +236,12 @@ class Scheduler:
         return ScheduledRequest(
             request_id=rid,
             start_pos=start,
-            num_new_tokens=num_new,
+            num_new_tokens=num_known,
             appended_token_ids=request.all_token_ids[sent[0]:],
             new_block_ids=block_ids[sent[1]:],
             sample=end == request.num_tokens,
             new=new,
+            spec_token_ids=spec,
             banned_token_ids=request.banned_token_ids(),
             prompt_logprobs_targets=self._prompt_logprob_targets(request, start, end),
         )

@@ -18,7 +18,7 @@ import torch
 from tqdm import tqdm
 
 from tokenmill.model.config import ModelArchConfig
-from tokenmill.model.gguf_file import GGUFFile
+from tokenmill.gguf_file import GGUFFile
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.tokenizer import Tokenizer
 
