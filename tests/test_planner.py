@@ -418,3 +418,101 @@ def test_plan_help_and_list(capsys) -> None:
     assert rc == 0
     for name in ("llama-3.1-70b", "deepseek-v3", "h100-sxm", "mi300x", "epyc-9654", "xeon-8480+", "q6_k", "int4-g32"):
         assert name in out
+
+
+def test_planner_modules_do_not_import_torch() -> None:
+    import subprocess
+    import sys
+
+    modules = ["roofline", "shape", "presets", "catalog", "machine", "plan", "cli", "costmodel"]
+    code = "import sys\n" + "".join(f"import tokenmill.planner.{m}\n" for m in modules) + "print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == "False"
+
+
+def test_arch_config_and_planner_read_a_config_json_alike() -> None:
+    from tokenmill.model.config import ModelArchConfig
+    from tokenmill.planner.shape import ModelShape, shape_from_hf_config
+
+    cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584,
+           "intermediate_size": 18944, "num_hidden_layers": 28, "num_attention_heads": 28,
+           "num_key_value_heads": 4, "max_position_embeddings": 32768, "tie_word_embeddings": False,
+           "use_sliding_window": False, "sliding_window": 131072}
+    from_arch = ModelShape.from_arch_config(ModelArchConfig.from_hf_config(cfg), "Qwen2.5-7B")
+    assert param_counts(from_arch) == param_counts(shape_from_hf_config(cfg, "Qwen2.5-7B"))
+    assert param_counts(from_arch) == param_counts(presets.preset("qwen2.5-7b"))
+
+
+# ----- the step cost model (for the simulator) ------------------------------------------------------
+
+
+def synthetic_steps(truth, noise: float = 0.0, seed: int = 0):
+    import random
+
+    from tokenmill.planner.costmodel import StepFeatures
+
+    rng = random.Random(seed)
+    steps = []
+    for prefill in (0, 16, 128, 512):
+        for decode in (0, 1, 8, 32):
+            if prefill == decode == 0:
+                continue
+            context = decode * rng.randrange(16, 2048)
+            step = StepFeatures(prefill, decode, context)
+            steps.append((step, truth.predict(step) * (1 + rng.uniform(-noise, noise))))
+    return steps
+
+
+def test_cost_model_fit_recovers_known_coefficients() -> None:
+    from tokenmill.planner.costmodel import StepCostModel, fit_step_cost_model
+
+    truth = StepCostModel(0.012, 0.0009, 0.0004, 2.5e-7)
+    fit = fit_step_cost_model(synthetic_steps(truth))
+    for name, value in truth.to_dict().items():
+        assert getattr(fit.model, name) == pytest.approx(value, rel=1e-9), name
+    assert fit.max_relative_error < 1e-9
+    noisy = fit_step_cost_model(synthetic_steps(truth, noise=0.05, seed=1))
+    assert noisy.max_relative_error <= 0.11  # the fit is at most the noise off, both ways
+    assert noisy.model.intercept_s == pytest.approx(truth.intercept_s, rel=0.15)
+    assert noisy.model.per_prefill_token_s == pytest.approx(truth.per_prefill_token_s, rel=0.1)
+    assert StepCostModel.from_dict(noisy.model.to_dict()) == noisy.model
+
+
+def test_cost_model_fit_keeps_coefficients_non_negative() -> None:
+    from tokenmill.planner.costmodel import StepCostModel, fit_step_cost_model
+
+    import numpy as np
+
+    from tokenmill.planner.costmodel import _nonnegative_least_squares
+
+    # min (x1 - 1)^2 + (x2 + 1)^2 + (x1 + x2)^2: unconstrained (1, -1), with x >= 0 (0.5, 0).
+    a, b = np.array([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]]), np.array([1.0, -1.0, 0.0])
+    assert np.allclose(np.linalg.lstsq(a, b, rcond=None)[0], [1.0, -1.0])
+    assert np.allclose(_nonnegative_least_squares(a, b), [0.5, 0.0])
+    # No context term, and noise that pulls an unconstrained fit below zero (seed 0).
+    truth = StepCostModel(0.010, 0.001, 0.0005, 0.0)
+    samples = synthetic_steps(truth, noise=0.08, seed=0)
+    x = np.array([step.vector() for step, _ in samples]) / np.array([[t] for _, t in samples])
+    assert np.linalg.lstsq(x, np.ones(len(samples)), rcond=None)[0][3] < 0
+    fit = fit_step_cost_model(samples)
+    assert fit.model.per_context_token_s == 0.0
+    assert all(value >= 0 for value in fit.model.to_dict().values())
+    assert fit.median_relative_error < 0.08
+
+
+def test_cost_model_fit_refuses_samples_that_cannot_fit_it() -> None:
+    from tokenmill.planner.costmodel import StepCostModel, StepFeatures, fit_step_cost_model
+
+    with pytest.raises(ValueError, match="at least 4 samples"):
+        fit_step_cost_model([(StepFeatures(1, 1, 1), 0.1)])
+    decode_only = [(StepFeatures(0, b, 100 * b), 0.01 * b) for b in range(1, 9)]
+    with pytest.raises(ValueError, match="no sample has prefill tokens"):
+        fit_step_cost_model(decode_only)
+    fixed_context = [(StepFeatures(p, b, 64 * b), 0.01 + 0.001 * p + 0.002 * b) for p in (0, 8) for b in (1, 2, 3)]
+    with pytest.raises(ValueError, match="cannot tell the 4 coefficients apart"):
+        fit_step_cost_model(fixed_context)
+    with pytest.raises(ValueError, match="positive and finite"):
+        fit_step_cost_model(synthetic_steps(StepCostModel(0.0, 0.0, 0.0, 0.0)))
+    with pytest.raises(ValueError, match="missing per_context_token_s"):
+        StepCostModel.from_dict({"intercept_s": 1, "per_prefill_token_s": 1, "per_decode_token_s": 1})

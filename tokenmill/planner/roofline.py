@@ -475,8 +475,8 @@ def allreduce_seconds(message_bytes: float, devices: int, bandwidth: float, late
 def decode_step(dep: Deployment, batch: int, context: int) -> StepTime:
     """One decode step of `batch` sequences, each with `context` tokens in its KV cache:
     bytes = weights read (`weights_read_per_step`) + batch x KV bytes per request;
-    FLOPs = batch x [2 x active layer params + attention at context) x stage share / TP
-            + 2 x vocab x h / TP];
+    FLOPs = batch x [(2 x active layer params + attention at context) x stage share
+            + 2 x vocab x h] / TP;
     time = PP x max(bytes / bandwidth, FLOPs / FLOP/s) + communication."""
     shape, par = dep.shape, dep.parallel
     stage = stage_layers(shape, par) / shape.num_layers
