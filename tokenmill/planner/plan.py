@@ -261,12 +261,16 @@ def plot_plan(plan: dict[str, Any], path: str) -> None:
         raise ValueError("--plot needs matplotlib: pip install 'tokenmill[bench]'") from None
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
     rows = plan["batches"]
     batches = [r["batch"] for r in rows]
     fits = [r["kv_fits"] for r in rows]
     fig, (rate_ax, tpot_ax, mem_ax) = plt.subplots(1, 3, figsize=(15, 4.5))
-    title = (f"{plan['model']['name']} on {plan['device']['count']} x {plan['device']['name']}: "
+    settings = plan["settings"]
+    split = "".join(f", {label} {settings[key]}" for label, key in (("TP", "tensor_parallel_size"),
+                                                                   ("PP", "pipeline_parallel_size")) if settings[key] > 1)
+    title = (f"{plan['model']['name']} on {plan['device']['count']} x {plan['device']['name']}{split}: "
              f"{plan['settings']['weights']} weights, {plan['settings']['kv_cache_dtype']} KV, "
              f"context {plan['kv']['context_len']:,}")
     fig.suptitle(title)
@@ -282,6 +286,7 @@ def plot_plan(plan: dict[str, Any], path: str) -> None:
         if bound and bound <= batches[-1]:
             ax.axvline(bound, color="gray", linestyle="--", label=f"compute-bound from {bound:,}")
         ax.set_xscale("log", base=2)
+        ax.xaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda x, _: f"{x:,.0f}"))
         ax.set_xlabel("batch size (sequences per decode step)")
         ax.set_ylabel(label)
         ax.grid(True, alpha=0.3)
@@ -292,7 +297,7 @@ def plot_plan(plan: dict[str, Any], path: str) -> None:
     used_kv = kv["max_concurrent_requests"] * kv["bytes_per_request_per_device"]
     free = max(device_memory - weights - used_kv, 0)
     parts = [("weights", weights, "tab:blue"),
-             (f"KV: {kv['max_concurrent_requests']:,} requests", used_kv, "tab:orange"),
+             (f"KV: {kv['max_concurrent_requests']:,} requests x {kv['context_len']:,} tokens", used_kv, "tab:orange"),
              ("other / free", free, "tab:gray")]
     left = 0.0
     for label, size, color in parts:
