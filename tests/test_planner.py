@@ -125,6 +125,98 @@ def test_gguf_stored_bytes_agree_with_the_gguf_package() -> None:
     assert stored.bytes.total == sum(int(t.n_bytes) for t in gguf.GGUFReader(path).tensors)
 
 
+def write_gguf(path, arch: str, meta: dict, tensors: dict[str, tuple[int, ...]]) -> None:
+    """A GGUF with llama.cpp's metadata keys and float32 tensors of the given (numpy) shapes."""
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), arch)
+    for key, value in meta.items():
+        if isinstance(value, list):
+            writer.add_array(f"{arch}.{key}", value)
+        else:
+            writer.add_uint32(f"{arch}.{key}", value)
+    for name, shape in tensors.items():
+        writer.add_tensor(name, np.zeros(shape, dtype=np.float32))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+def test_gguf_header_of_a_moe_model_with_qk_norms(tmp_path) -> None:
+    h, vocab, heads, kv, d, experts, width = 64, 100, 4, 2, 16, 4, 32
+    tensors = {"token_embd.weight": (vocab, h), "output_norm.weight": (h,), "output.weight": (vocab, h)}
+    for i in range(2):
+        tensors |= {f"blk.{i}.attn_norm.weight": (h,), f"blk.{i}.ffn_norm.weight": (h,),
+                    f"blk.{i}.attn_q.weight": (heads * d, h), f"blk.{i}.attn_k.weight": (kv * d, h),
+                    f"blk.{i}.attn_v.weight": (kv * d, h), f"blk.{i}.attn_output.weight": (h, heads * d),
+                    f"blk.{i}.attn_q_norm.weight": (d,), f"blk.{i}.attn_k_norm.weight": (d,),
+                    f"blk.{i}.ffn_gate_inp.weight": (experts, h),
+                    f"blk.{i}.ffn_gate_exps.weight": (experts, width, h),
+                    f"blk.{i}.ffn_up_exps.weight": (experts, width, h),
+                    f"blk.{i}.ffn_down_exps.weight": (experts, h, width)}
+    meta = {"block_count": 2, "embedding_length": h, "feed_forward_length": 96, "attention.head_count": heads,
+            "attention.head_count_kv": kv, "attention.key_length": d, "context_length": 256,
+            "expert_count": experts, "expert_used_count": 2, "expert_feed_forward_length": width}
+    write_gguf(tmp_path / "moe.gguf", "qwen3moe", meta, tensors)
+    shape, stored = read_gguf(tmp_path / "moe.gguf")
+    assert (shape.num_experts, shape.num_experts_per_tok, shape.moe_intermediate_size) == (experts, 2, width)
+    assert shape.qk_norm and not shape.tie_word_embeddings and shape.head_dim == d
+    assert stored.params == param_counts(shape)
+    assert stored.params.experts == 2 * experts * 3 * h * width
+    assert stored.bytes.total == 4 * stored.params.total
+
+
+def test_gguf_header_of_an_mla_model_with_a_leading_dense_layer(tmp_path) -> None:
+    h, vocab, heads, q_lora, kv_lora, rope, nope, v, experts, width = 64, 100, 4, 32, 16, 8, 16, 16, 4, 32
+    tensors = {"token_embd.weight": (vocab, h), "output_norm.weight": (h,), "output.weight": (vocab, h)}
+    for i in range(2):
+        tensors |= {f"blk.{i}.attn_norm.weight": (h,), f"blk.{i}.ffn_norm.weight": (h,),
+                    f"blk.{i}.attn_q_a.weight": (q_lora, h), f"blk.{i}.attn_q_a_norm.weight": (q_lora,),
+                    f"blk.{i}.attn_q_b.weight": (heads * (nope + rope), q_lora),
+                    f"blk.{i}.attn_kv_a_mqa.weight": (kv_lora + rope, h), f"blk.{i}.attn_kv_a_norm.weight": (kv_lora,),
+                    f"blk.{i}.attn_kv_b.weight": (heads * (nope + v), kv_lora),
+                    f"blk.{i}.attn_output.weight": (h, heads * v)}
+    tensors |= {"blk.0.ffn_gate.weight": (96, h), "blk.0.ffn_up.weight": (96, h), "blk.0.ffn_down.weight": (h, 96),
+                "blk.1.ffn_gate_inp.weight": (experts, h), "blk.1.ffn_gate_exps.weight": (experts, width, h),
+                "blk.1.ffn_up_exps.weight": (experts, width, h), "blk.1.ffn_down_exps.weight": (experts, h, width),
+                "blk.1.ffn_gate_shexp.weight": (width, h), "blk.1.ffn_up_shexp.weight": (width, h),
+                "blk.1.ffn_down_shexp.weight": (h, width)}
+    meta = {"block_count": 2, "embedding_length": h, "feed_forward_length": 96, "attention.head_count": heads,
+            "attention.head_count_kv": heads, "attention.key_length": kv_lora + rope,
+            "attention.value_length": kv_lora, "attention.key_length_mla": nope + rope,
+            "attention.value_length_mla": v, "attention.q_lora_rank": q_lora, "attention.kv_lora_rank": kv_lora,
+            "rope.dimension_count": rope, "expert_count": experts, "expert_used_count": 2,
+            "expert_feed_forward_length": width, "expert_shared_count": 1, "leading_dense_block_count": 1}
+    write_gguf(tmp_path / "mla.gguf", "deepseek2", meta, tensors)
+    shape, stored = read_gguf(tmp_path / "mla.gguf")
+    assert shape.is_mla and (shape.qk_nope_head_dim, shape.qk_rope_head_dim, shape.v_head_dim) == (nope, rope, v)
+    assert (shape.first_dense_layers, shape.shared_expert_intermediate_size) == (1, width)
+    assert stored.params == param_counts(shape)
+    assert kv_bytes_per_token(shape, BF16) == 2 * (kv_lora + rope) * 2
+
+
+def test_gguf_sliding_window_pattern_flags(tmp_path) -> None:
+    h, vocab = 32, 50
+    tensors = {"token_embd.weight": (vocab, h), "output_norm.weight": (h,)}
+    for i in range(4):
+        tensors |= {f"blk.{i}.attn_q.weight": (h, h), f"blk.{i}.attn_k.weight": (h, h),
+                    f"blk.{i}.attn_v.weight": (h, h), f"blk.{i}.attn_output.weight": (h, h),
+                    f"blk.{i}.attn_norm.weight": (h,), f"blk.{i}.ffn_norm.weight": (h,),
+                    f"blk.{i}.post_attention_norm.weight": (h,), f"blk.{i}.post_ffw_norm.weight": (h,),
+                    f"blk.{i}.ffn_gate.weight": (64, h), f"blk.{i}.ffn_up.weight": (64, h),
+                    f"blk.{i}.ffn_down.weight": (h, 64)}
+    meta = {"block_count": 4, "embedding_length": h, "feed_forward_length": 64, "attention.head_count": 2,
+            "attention.head_count_kv": 2, "attention.sliding_window": 8,
+            "attention.sliding_window_pattern": [True, True, True, False]}
+    write_gguf(tmp_path / "swa.gguf", "gemma3", meta, tensors)
+    shape, stored = read_gguf(tmp_path / "swa.gguf")
+    assert (shape.num_sliding_layers, shape.sliding_window, shape.norms_per_layer) == (3, 8, 4)
+    assert shape.tie_word_embeddings and stored.params == param_counts(shape)
+    assert kv_bytes_per_request(shape, BF16, 100) == (1 * 100 + 3 * 8) * 2 * 2 * 16 * 2
+
+
 def test_gguf_block_bits_match_ggml_block_sizes() -> None:
     import gguf
 

@@ -224,13 +224,14 @@ def _gguf_group(name: str) -> str:
         return "final_norm"
     if not name.startswith("blk."):
         return "other"
-    base = name.split(".")[2]
+    parts = name.split(".")
+    base = parts[2]
     if base in _GGUF_LAYER_NORMS:
         return "layer_norms"
     if base.startswith("attn_"):
         return "attention"
-    if base.endswith("_exps"):
-        return "experts"
+    if base.endswith("_exps") or (base.startswith("ffn_") and len(parts) > 4 and parts[3].isdigit()):
+        return "experts"  # merged (ffn_up_exps) or, in old Mixtral files, one tensor per expert
     if base.startswith(("ffn_gate_inp", "exp_probs")):
         return "router"
     if base.startswith("ffn_"):
@@ -282,11 +283,14 @@ def _gguf_shape(file: Any, name: str, names: set[str]) -> ModelShape:
     embedding = next((t for t in file.tensors if t.name == "token_embd.weight"), None)
     vocab = embedding.shape[1] if embedding else get("vocab_size") or len(meta.get("tokenizer.ggml.tokens", []))
     key_length = get("attention.key_length") or hidden // heads
+    value_length = get("attention.value_length") or key_length
     kv_lora = get("attention.kv_lora_rank") or 0
     rope_dim = get("rope.dimension_count") or 0
+    if kv_lora:  # newer files store the absorbed MLA sizes in key/value_length, the real ones in *_mla
+        key_length = get("attention.key_length_mla") or key_length
+        value_length = get("attention.value_length_mla") or value_length
     window = get("attention.sliding_window")
-    global_every = {"gemma2": 2, "gemma3": 6}.get(arch, 0)  # llama.cpp's fixed patterns
-    sliding = layers - layers // global_every if window and global_every else 0
+    sliding = _gguf_sliding_layers(meta.get(f"{arch}.attention.sliding_window_pattern"), arch, layers) if window else 0
     layer0_norms = sum(1 for n in names if n.startswith("blk.0.") and n.split(".")[2] in _GGUF_LAYER_NORMS
                        and n.endswith(".weight"))
     experts = get("expert_count") or 0
@@ -295,19 +299,29 @@ def _gguf_shape(file: Any, name: str, names: set[str]) -> ModelShape:
         name=name, architecture=arch, vocab_size=int(vocab), hidden_size=hidden,
         intermediate_size=get("feed_forward_length") or 0, num_layers=layers, num_heads=heads,
         num_kv_heads=get("attention.head_count_kv") or heads,
-        head_dim=key_length if not kv_lora else (get("attention.value_length") or key_length),
+        head_dim=key_length if not kv_lora else value_length,
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names, qk_norm="blk.0.attn_q_norm.weight" in names,
         norms_per_layer=layer0_norms or 2, max_position_embeddings=get("context_length") or 4096,
         num_experts=experts, num_experts_per_tok=(get("expert_used_count") or 0) if experts else 0,
         moe_intermediate_size=moe_width or 0,
-        shared_expert_intermediate_size=(get("expert_shared_count") or 0) * (moe_width or 0),
+        shared_expert_intermediate_size=get("expert_shared_feed_forward_length")
+        or (get("expert_shared_count") or 0) * (moe_width or 0),
         first_dense_layers=(get("leading_dense_block_count") or 0) if experts else 0,
         q_lora_rank=get("attention.q_lora_rank") or 0, kv_lora_rank=kv_lora,
         qk_nope_head_dim=key_length - rope_dim if kv_lora else 0, qk_rope_head_dim=rope_dim if kv_lora else 0,
-        v_head_dim=(get("attention.value_length") or 0) if kv_lora else 0,
+        v_head_dim=value_length if kv_lora else 0,
         sliding_window=window if sliding else None, num_sliding_layers=sliding,
     )
+
+
+def _gguf_sliding_layers(pattern: Any, arch: str, layers: int) -> int:
+    """Layers that attend through the window: a per-layer list of flags, a period (every
+    n-th layer global), or llama.cpp's fixed pattern for Gemma 2/3; 0 where none is known."""
+    if isinstance(pattern, list):
+        return sum(1 for flag in pattern[:layers] if flag)
+    every = pattern if isinstance(pattern, int) and pattern > 0 else {"gemma2": 2, "gemma3": 6}.get(arch, 0)
+    return layers - layers // every if every else 0
 
 
 # ----- a model named on the command line -----------------------------------------------------
