@@ -80,10 +80,11 @@ from tokenmill.bench.offline import (
     run_entry,
     speedup,
 )
-from tokenmill.model.config import ModelArchConfig
 from tokenmill.model.loader import default_model_path
 from tokenmill.planner.machine import format_probe
 from tokenmill.planner.machine import probe as measure_with_bounds
+from tokenmill.planner.shape import ModelShape, read_gguf
+from tokenmill.tokenizer import Tokenizer
 
 SCHEMA = "tokenmill.benchmarks.compare/1"
 SYSTEMS = ("tokenmill", "vllm", "llamacpp-q4_1", "llamacpp-bf16", "hf")
@@ -260,12 +261,10 @@ def _check_tcmalloc() -> None:
 # ----- the model's shape; the machine's limits are tokenmill.planner.machine's -----------
 
 
-def model_spec(gguf: str) -> tuple[ModelArchConfig, Any]:
-    """The architecture and tokenizer of a GGUF file, without loading its weights."""
-    from tokenmill.model.loader import _open_gguf
-
-    arch, tokenizer, _, _ = _open_gguf(gguf)
-    return arch, tokenizer
+def model_spec(gguf: str) -> tuple[ModelShape, Tokenizer]:
+    """The shape and tokenizer of a GGUF file, from its header (no weight is read)."""
+    shape, _ = read_gguf(gguf)
+    return shape, Tokenizer.from_gguf(gguf)
 
 
 def probe(threads: int, gguf: str) -> dict[str, Any]:
