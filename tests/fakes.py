@@ -14,9 +14,12 @@ scheduler's contract after every `schedule()` and every `update_from_output()`.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
-from tokenmill.engine.batch import RunnerOutput, SchedulerOutput
+from tokenmill.engine.batch import RequestTable, RunnerOutput, ScheduledRequest, SchedulerOutput, StepRequest
 from tokenmill.engine.block_manager import KVBlockManager
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
@@ -67,20 +70,49 @@ def reference_outputs(prompt: Sequence[int], num_outputs: int) -> list[int]:
 Policy = Callable[[str, int, list[int]], "int | None"]
 
 
+@dataclass
+class ScheduledView(ScheduledRequest):
+    """A scheduled request plus what the runner side rebuilds of it from the step's
+    diffs, copied at that step: tests read both, and the runner takes it as the plain
+    ScheduledRequest it is."""
+
+    token_ids: list[int] = field(default_factory=list)  # the tokens computed now
+    block_ids: list[int] = field(default_factory=list)  # the whole block table
+    params: SamplingParams | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, view: StepRequest) -> ScheduledView:
+        plain = {f.name: getattr(view.item, f.name) for f in dataclasses.fields(ScheduledRequest)}
+        return cls(**plain, token_ids=list(view.token_ids), block_ids=list(view.block_ids), params=view.params,
+                   prompt_token_ids=list(view.prompt_token_ids), output_token_ids=list(view.output_token_ids))
+
+
+def with_views(out: SchedulerOutput, table: RequestTable) -> SchedulerOutput:
+    """`out` with every scheduled request as a ScheduledView (table: the runner side's
+    state before this step; it is not changed)."""
+    views = RequestTable()
+    views.states = {rid: copy.deepcopy(state) for rid, state in table.states.items()}
+    return dataclasses.replace(out, scheduled=[ScheduledView.of(v) for v in views.apply(out)])
+
+
 class FakeRunner:
     def __init__(self, num_blocks: int, block_size: int, policy: Policy | None = None) -> None:
         self.block_size = block_size
         self.memory: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.policy = policy
         self.num_executes = 0
+        self.requests = RequestTable()  # the runner side's view, rebuilt from the step diffs
 
     def _slot(self, block_ids: list[int], position: int) -> tuple[int, int]:
         return block_ids[position // self.block_size], position % self.block_size
 
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
         self.num_executes += 1
+        items = self.requests.apply(batch)
         # Write the KV of every scheduled token first (as each layer does before attention).
-        for item in batch.scheduled:
+        for item in items:
             assert item.num_tokens >= 1, f"{item.request_id}: empty chunk scheduled"
             assert len(item.block_ids) * self.block_size >= item.context_len, (
                 f"{item.request_id}: block table {item.block_ids} too short for {item.context_len} tokens"
@@ -89,8 +121,8 @@ class FakeRunner:
                 block, slot = self._slot(item.block_ids, item.start_pos + offset)
                 self.memory[block][slot] = (item.start_pos + offset, token)
         # Then read the whole context back through the block table, and sample from it.
-        sampled: dict[str, int] = {}
-        for item in batch.scheduled:
+        sampled: dict[str, list[int]] = {}
+        for item in items:
             tokens = [*item.prompt_token_ids, *item.output_token_ids][: item.context_len]
             read = [self.memory[b][s] for b, s in (self._slot(item.block_ids, p) for p in range(item.context_len))]
             expected = list(enumerate(tokens))
@@ -106,7 +138,7 @@ class FakeRunner:
                 if wanted is not None and wanted not in item.banned_token_ids:
                     token = wanted
             assert token not in item.banned_token_ids
-            sampled[item.request_id] = token
+            sampled[item.request_id] = [token]
         return RunnerOutput(sampled_token_ids=sampled)
 
 
@@ -151,7 +183,7 @@ class Harness:
         running_before = [r.request_id for r in self.sched.running]
         waiting_before = [r.request_id for r in self.sched.waiting]
         computed_before = {rid: r.num_computed_tokens for rid, r in self.sched.requests.items()}
-        out = self.sched.schedule()
+        out = with_views(self.sched.schedule(), self.runner.requests)
         self.kv.check_integrity()
         cfg, kv = self.config, self.kv
 
@@ -184,6 +216,7 @@ class Harness:
             head = [r.request_id for r in list(self.sched.waiting)[: len(out.preempted_ids)]]
             assert head == out.preempted_ids[::-1], "preempted requests go back to the head of waiting"
 
+        # What the runner side rebuilds from the step's diffs is the request as it stands.
         for item in out.scheduled:
             request = self.sched.requests[item.request_id]
             assert request.status == RequestStatus.RUNNING
@@ -282,5 +315,16 @@ def make_engine(num_blocks: int = 12, block_size: int = 4, max_model_len: int = 
     from tokenmill.engine.engine import LLMEngine
 
     runner = FakeRunner(num_blocks, block_size, policy)
-    runner.vocab_size = VOCAB_SIZE  # type: ignore[attr-defined]
-    return LLMEngine(EngineConfig(block_size=block_size, **config), runner, FakeTokenizer(), num_blocks, max_model_len)
+    config = EngineConfig.from_kwargs(block_size=block_size, **config)
+    return LLMEngine(config, runner, FakeTokenizer(), fake_facts(num_blocks, block_size, max_model_len))
+
+
+def fake_facts(num_blocks: int, block_size: int, max_model_len: int):
+    """What a builder would have found for the fake model."""
+    from tokenmill.config import EngineFacts
+
+    return EngineFacts(
+        model_name="fake", model_path="", architecture="fake", vocab_size=VOCAB_SIZE, max_model_len=max_model_len,
+        device="cpu", compute_dtype="float32", weight_format="none", kv_cache_dtype="none", num_blocks=num_blocks,
+        block_size=block_size, kv_bytes_per_token=0, attention_backend="fake", execution_plan="fake",
+    )

@@ -10,11 +10,9 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 
-AddEngineArgs = Callable[[argparse.ArgumentParser], None]
-
-
-def _register_offline(parser: argparse.ArgumentParser, add_engine_args: AddEngineArgs) -> None:
+def _register_offline(parser: argparse.ArgumentParser) -> None:
     from tokenmill.bench import offline
+    from tokenmill.config import add_engine_args
 
     offline.add_offline_args(parser)
     add_engine_args(parser)
@@ -28,7 +26,7 @@ def _run_offline(args: argparse.Namespace) -> int:
 
 
 # name -> (help, registration) of the benchmarks that build an engine in-process.
-BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser, AddEngineArgs], None]]] = {
+BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "offline": (
         "throughput and latency of fixed workloads (W1-W4) through the offline API, "
         "optionally against Hugging Face transformers",
@@ -37,14 +35,14 @@ BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser, AddEngineArg
 }
 
 
-def register(sub, add_engine_args: AddEngineArgs) -> None:
+def register(sub) -> None:
     """Add `bench` to the top-level sub-parsers, with one sub-command per benchmark."""
     bench = sub.add_parser("bench", help="benchmarks", description=__doc__.splitlines()[0])
     names = [*BENCHMARKS, "serve", "sweep"]
     kinds = bench.add_subparsers(dest="bench_command", required=True, metavar="{" + ",".join(names) + "}")
     for name, (help_text, add) in BENCHMARKS.items():
         parser = kinds.add_parser(name, help=help_text, description=help_text)
-        add(parser, add_engine_args)
+        add(parser)
     # The serving load client (`serve`, `sweep`) talks HTTP to any server: no engine flags.
     from tokenmill.bench import serve_cli
 

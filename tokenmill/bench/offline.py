@@ -239,7 +239,7 @@ class TokenmillSystem:
 
     def __init__(self, llm: Any) -> None:
         self.default = llm  # W1-W3 run on the engine as configured
-        self.engines = {bool(llm.engine.config.enable_prefix_caching): llm}
+        self.engines = {bool(llm.engine.config.cache.enable_prefix_caching): llm}
         self._last: Any = llm
 
     def llm(self, prefix_caching: bool | None = None) -> Any:
@@ -280,20 +280,10 @@ class TokenmillSystem:
 
 
 def _sibling_llm(llm: Any, enable_prefix_caching: bool) -> Any:
-    """An LLM on `llm`'s runner (model and KV tensors) with prefix caching switched."""
+    """An LLM on `llm`'s executor (model and KV tensors) with prefix caching switched."""
     import copy
 
-    from tokenmill.engine.engine import LLMEngine
-
-    base = llm.engine
-    engine = LLMEngine(
-        dataclasses.replace(base.config, enable_prefix_caching=enable_prefix_caching),
-        base.executor,
-        base.tokenizer,
-        num_blocks=base.scheduler.kv.num_blocks,
-        max_model_len=base.max_model_len,
-        model_name=base.model_name,
-    )
+    engine = llm.engine.sibling(enable_prefix_caching=enable_prefix_caching)
     from_engine = getattr(type(llm), "from_engine", None)
     if from_engine is not None:
         return from_engine(engine)
@@ -543,7 +533,7 @@ def parse_workloads(text: str) -> list[str]:
 
 
 def cmd_offline(args: argparse.Namespace) -> int:
-    from tokenmill.cli import engine_kwargs
+    from tokenmill.config import config_from_args
     from tokenmill.llm import LLM
     from tokenmill.model.loader import resolve_model_path
 
@@ -555,7 +545,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
         if args.hf_batch_size < 1:
             raise ValueError("--hf-batch-size must be at least 1")
         sizes = dataclasses.replace(sizes, hf_batch_size=args.hf_batch_size)
-    kwargs = engine_kwargs(args)
+    kwargs = config_from_args(args).flat()
     model_path = resolve_model_path(kwargs["model"])
     started = time.time()
 
@@ -571,7 +561,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
 
     threads = torch.get_num_threads()
     dtype = _engine_dtype(llm, args.dtype)
-    vocab = min(llm.engine.vocab_size, llm.tokenizer.vocab_size)
+    vocab = min(llm.engine.facts.vocab_size, llm.tokenizer.vocab_size)
     pool = ordinary_token_ids(llm.tokenizer, vocab)
     hf = None
     if args.baseline == "hf":
@@ -624,19 +614,19 @@ def cmd_offline(args: argparse.Namespace) -> int:
 
 def _engine_dtype(llm: Any, requested: str) -> str:
     """The dtype the engine really computes in (`--dtype auto` resolves per machine)."""
-    dtype = getattr(llm.engine.executor, "dtype", None)
-    return str(dtype).removeprefix("torch.") if dtype is not None else requested
+    facts = getattr(llm.engine, "facts", None)
+    return facts.compute_dtype if facts is not None else requested
 
 
 def _engine_weight_dtype(llm: Any, requested: str) -> str:
-    """How the engine stores its weights (bfloat16 on a float32-computing CPU with --dtype bfloat16)."""
-    dtype = getattr(llm.engine.executor, "weight_dtype", None)
-    return str(dtype).removeprefix("torch.") if dtype is not None else _engine_dtype(llm, requested)
+    """How the engine stores its weights (e.g. bfloat16 tiles on a float32-computing CPU)."""
+    facts = getattr(llm.engine, "facts", None)
+    return facts.weight_format.split("-")[0] if facts is not None else _engine_dtype(llm, requested)
 
 
 def _engine_device(llm: Any) -> str:
-    device = getattr(llm.engine.executor, "device", None)
-    return str(device) if device is not None else "cpu"
+    facts = getattr(llm.engine, "facts", None)
+    return facts.device if facts is not None else "cpu"
 
 
 # ----- output ---------------------------------------------------------------------------

@@ -9,7 +9,8 @@ rebuilds instead of dying of an illegal instruction, and two checkouts with diff
 sources keep a build each instead of evicting each other.
 
 Every kernel has a pure-PyTorch fallback that the tests compare it against; the engine
-uses the fallback when the build fails (no compiler) or when `TOKENMILL_KERNELS=0`.
+uses the fallback when the build fails (no compiler) or when its config says so
+(`native_kernels`, default from `TOKENMILL_KERNELS`).
 """
 
 from __future__ import annotations
@@ -17,7 +18,6 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
-import os
 import time
 from pathlib import Path
 
@@ -46,15 +46,9 @@ def build_name() -> str:
     return f"{_NAME}_{digest.hexdigest()[:12]}"
 
 
-def kernels_enabled() -> bool:
-    return os.environ.get("TOKENMILL_KERNELS", "1") not in ("0", "false", "no")
-
-
 @functools.cache
 def cpu_kernels_available() -> bool:
     """Builds (first time) or loads the CPU kernels; False, with a warning, if that fails."""
-    if not kernels_enabled():
-        return False
     try:
         build_cpu_kernels()
     except Exception as exc:  # a missing compiler must not stop the engine

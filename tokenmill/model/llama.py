@@ -15,9 +15,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill import kernels
-from tokenmill.attention.backend import DecodeOnly, get_forward_context
+from tokenmill.attention.backend import PagedDecode, get_forward_context
+from tokenmill.attention.kv_cache import LayerKVCache
 from tokenmill.model.config import ModelArchConfig
-from tokenmill.model.layers import SKINNY_MAX_ROWS, Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from tokenmill.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
 
 
 class Attention(nn.Module):
@@ -36,14 +37,14 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         tokens, qk_size = qkv.shape[0], self.q_size + self.kv_size
         # Q and K heads side by side, rotated in one go.
-        qk = apply_rotary(qkv[:, :qk_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        qk = self.rotary.rotate(qkv[:, :qk_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_size:].view(tokens, self.num_kv_heads, self.head_dim)
         ctx = get_forward_context()
         if ctx is None:
             out = self._dense_causal(q, k, v)
         else:
-            out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale)
+            out = ctx.backend.forward(q, k, v, ctx.kv_cache[self.layer_idx], ctx.metadata, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
     def _dense_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -73,24 +74,29 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(self.self_attn(rope, x), residual)
         return self.mlp(x), residual
 
+    def _linears(self) -> tuple[Linear, Linear, Linear, Linear]:
+        return self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj
+
     def can_fuse_decode(self) -> bool:
-        """Whether kernels.llama_decode_layer can run this layer: weights tiled (CPU,
-        prepared), no biases, SiLU MLP."""
-        linears = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
-        return all(lin.tiled is not None and lin.bias is None for lin in linears)
+        """Whether kernels.llama_decode_layer can run this layer: every weight in a format
+        with a fused-decode operand, no biases (SiLU MLP is the only kind here)."""
+        return all(
+            lin.weights is not None and lin.weights.fused_decode_operand() is not None and lin.bias is None
+            for lin in self._linears()
+        )
 
     def fused_decode(
         self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, residual: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor], decode: DecodeOnly,
+        kv_cache: LayerKVCache, decode: PagedDecode,
     ) -> torch.Tensor:
         """forward() for an all-decode step as one native op (same kernels, no Python
         between them); adds h into residual in place and returns the MLP output."""
         attn, mlp = self.self_attn, self.mlp
+        weights = tuple(lin.weights.fused_decode_operand() for lin in self._linears())
         return kernels.llama_decode_layer(
             h, residual, self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
-            (attn.qkv_proj.tiled, attn.o_proj.tiled, mlp.gate_up_proj.tiled, mlp.down_proj.tiled), rope, kv_cache,
-            decode.slots, decode.block_tables, decode.context_lens, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            mlp.down_proj.in_features, attn.scale,
+            weights, rope, (kv_cache.k, kv_cache.v), decode.slots, decode.block_tables, decode.context_lens,
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.down_proj.in_features, attn.scale,
         )
 
 
@@ -125,30 +131,31 @@ class LlamaForCausalLM(nn.Module):
     @property
     def dtype(self) -> torch.dtype:
         """What activations (and the KV cache) are computed in. Linear and embedding
-        weights may be stored narrower (layers.prepare_for_cpu)."""
+        weights may be stored narrower (their weight formats)."""
         return self.norm.weight.dtype
+
+    def can_fuse_decode(self) -> bool:
+        return all(layer.can_fuse_decode() for layer in self.layers)
+
+    def use_native_ops(self, enabled: bool) -> None:
+        """The execution plan's choice of the fused native element-wise ops (float32 CPU)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, RotaryEmbedding, SwiGLU)):
+                module.native = enabled
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(input_ids).to(self.dtype)
         rope = self.layers[0].self_attn.rotary.table(positions)
         ctx = get_forward_context()
-        decode = ctx.backend.decode_only(ctx.metadata) if ctx is not None else None
-        if decode is not None and self._can_fuse_decode(h):
+        if ctx is not None and ctx.decode is not None:  # the plan runs this step fused
             residual, h = h, torch.zeros_like(h)  # the first layer adds nothing to the embeddings
-            for layer, kv_cache in zip(self.layers, ctx.kv_caches):
-                h = layer.fused_decode(rope, h, residual, kv_cache, decode)
+            for layer, kv_cache in zip(self.layers, ctx.kv_cache):
+                h = layer.fused_decode(rope, h, residual, kv_cache, ctx.decode)
             return self.norm(h, residual)[0]
         residual = None
         for layer in self.layers:
             h, residual = layer(rope, h, residual)
         return self.norm(h) if residual is None else self.norm(h, residual)[0]
-
-    def _can_fuse_decode(self, h: torch.Tensor) -> bool:
-        # Past SKINNY_MAX_ROWS tokens the per-op path is faster (oneDNN for the linears).
-        return (
-            h.shape[0] <= SKINNY_MAX_ROWS and h.dtype is torch.float32 and h.is_cpu and not torch.is_grad_enabled()
-            and all(layer.can_fuse_decode() for layer in self.layers)
-        )
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()

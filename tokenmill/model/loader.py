@@ -37,6 +37,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     name: str  # what /v1/models and logs call it
     context_len: int
+    path: str = ""
 
 
 def default_model_path() -> str:
@@ -94,7 +95,7 @@ def load_model(model: str | None, dtype: str, device: torch.device, max_position
     net.load_weights(tqdm(weights, total=num_tensors, desc=desc, unit="tensor", leave=False, mininterval=0.5))
     net.eval()
     name = os.path.basename(path.rstrip("/")).removesuffix(".gguf")
-    return LoadedModel(net, arch, tokenizer, name, arch.max_position_embeddings)
+    return LoadedModel(net, arch, tokenizer, name, arch.max_position_embeddings, path)
 
 
 # ----- GGUF -------------------------------------------------------------------------
