@@ -608,3 +608,14 @@ def test_cost_model_fit_refuses_samples_that_cannot_fit_it() -> None:
         fit_step_cost_model(synthetic_steps(StepCostModel(0.0, 0.0, 0.0, 0.0)))
     with pytest.raises(ValueError, match="missing per_context_token_s"):
         StepCostModel.from_dict({"intercept_s": 1, "per_prefill_token_s": 1, "per_decode_token_s": 1})
+
+
+def test_planner_kv_bytes_match_the_engines_kv_cache_spec() -> None:
+    import torch
+
+    from tokenmill.attention.kv_cache import KVCacheSpec
+
+    shape, _ = read_gguf(default_model_path())
+    for dtype, name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
+        spec = KVCacheSpec(shape.num_layers, shape.num_kv_heads, shape.head_dim, 16, dtype)
+        assert spec.bytes_per_token == kv_bytes_per_token(shape, KV_CACHE_DTYPES[name])
