@@ -18,9 +18,9 @@ import argparse
 import random
 
 import torch
-from compare import median_seconds  # this directory's harness: one timing helper for both
 
 from tokenmill.kernels import cpu_kernels_available, paged_decode_attention, skinny_linear, tile_for_skinny
+from tokenmill.planner.machine import median_seconds
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
 
