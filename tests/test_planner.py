@@ -9,7 +9,7 @@ import math
 import pytest
 
 from tokenmill.cli import main
-from tokenmill.model.gguf_file import read_gguf_metadata
+from tokenmill.gguf_file import read_gguf_metadata
 from tokenmill.model.loader import default_model_path
 from tokenmill.planner import catalog, presets, roofline
 from tokenmill.planner.machine import device_from_probe, measure, model_bounds

@@ -243,7 +243,7 @@ def read_gguf(path: str | os.PathLike[str]) -> tuple[ModelShape, StoredWeights]:
     """The shape and stored weights of a GGUF file, from its header only."""
     import gguf
 
-    from tokenmill.model.gguf_file import GGUFFile
+    from tokenmill.gguf_file import GGUFFile
 
     file = GGUFFile(path)
     params: dict[str, int] = {}
