@@ -23,7 +23,10 @@ from tokenmill.engine.engine import LLMEngine
 from tokenmill.hardware import cpu_info
 from tokenmill.model.loader import LoadedModel, load_model
 from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.quantization.dense import CPUMatmulChoice
+from tokenmill.runner import tune
 from tokenmill.runner.plan import ExecutionPlan, apply_plan, cpu_native_plan, reference_plan
+from tokenmill.runner.threads import ThreadGovernor
 from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -46,13 +49,13 @@ def build_engine(config: EngineConfig) -> LLMEngine:
 def build_executor(config: EngineConfig) -> BuiltExecutor:
     start = time.perf_counter()
     device = resolve_device(config.device.device)
-    threads = set_compute_threads(config, device)
-    dtype = resolve_dtype(config.model.dtype, device)
+    governor = compute_threads(config, device)
+    kernels_ok = device.type == "cpu" and config.device.native_kernels and _cpu_kernels_build()
+    dtype = resolve_dtype(config.model.dtype, device, kernels_ok)
     loaded = load_model(config.model.model, dtype.compute, device, max_positions=config.model.max_model_len)
     max_model_len = resolve_max_model_len(config, loaded)
-    kernels_ok = device.type == "cpu" and config.device.native_kernels and _cpu_kernels_build()
     backend = select_attention_backend(config.device.attention_backend, device, kernels_ok)
-    plan = apply_plan(loaded.model, choose_plan(config, device, dtype, kernels_ok, backend))
+    plan = apply_plan(loaded.model, choose_plan(config, device, dtype, kernels_ok, backend, loaded))
     spec = KVCacheSpec(loaded.arch.num_layers, loaded.arch.num_kv_heads, loaded.arch.head_dim,
                        config.cache.block_size, _DTYPES[dtype.kv_cache])
     memory = config.cache.kv_cache_memory or default_kv_cache_memory(device)
@@ -60,13 +63,13 @@ def build_executor(config: EngineConfig) -> BuiltExecutor:
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory {memory} bytes is less than one KV block ({spec.bytes_per_block} bytes)")
     kv_cache = PagedKVCache(spec, num_blocks, device)
-    runner = ModelRunner(loaded.model, kv_cache, backend, plan, device, seed=config.model.seed)
+    runner = ModelRunner(loaded.model, kv_cache, backend, plan, device, seed=config.model.seed, threads=governor)
     facts = EngineFacts(
         model_name=loaded.name, model_path=loaded.path, architecture=loaded.arch.architecture,
         vocab_size=loaded.arch.vocab_size, max_model_len=max_model_len, device=str(device),
         compute_dtype=dtype.compute, weight_format=plan.weight_format.name, kv_cache_dtype=dtype.kv_cache,
         num_blocks=num_blocks, block_size=config.cache.block_size, kv_bytes_per_token=spec.bytes_per_token,
-        attention_backend=backend.name, execution_plan=plan.describe(), num_threads=threads,
+        attention_backend=backend.name, execution_plan=plan.describe(), num_threads=torch.get_num_threads(),
         load_seconds=time.perf_counter() - start,
     )
     logger.info(
@@ -87,10 +90,15 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def set_compute_threads(config: EngineConfig, device: torch.device) -> int:
-    if device.type == "cpu":
-        torch.set_num_threads(config.device.num_threads or cpu_info().num_cores)
-    return torch.get_num_threads()
+def compute_threads(config: EngineConfig, device: torch.device) -> ThreadGovernor | None:
+    """On the CPU: a fixed `num_threads`, or (the default) a governor that uses the cores
+    other work leaves free (runner/threads.py)."""
+    if device.type != "cpu":
+        return None
+    if config.device.num_threads is not None:
+        torch.set_num_threads(config.device.num_threads)
+        return None
+    return ThreadGovernor(cpu_info().num_cores, torch.set_num_threads)
 
 
 def cpu_has_native_bf16() -> bool:
@@ -114,12 +122,19 @@ class DtypePlan:
         return f"{self.weights} {stored}, {self.compute} compute"
 
 
-def resolve_dtype(dtype: str, device: torch.device) -> DtypePlan:
-    """`auto`: bfloat16 on GPUs and on CPUs with bf16 arithmetic, float32 elsewhere.
-    `bfloat16` on a CPU without bf16 arithmetic stores the weights in bfloat16 (half the
-    bytes each decode step streams) and computes in float32, as llama.cpp does with a
-    BF16 file there: bf16 matmuls would be emulated, several times slower. The KV cache is
-    then bfloat16 too (as vLLM keeps it): batched decode attention streams half the bytes."""
+def resolve_dtype(dtype: str, device: torch.device, native_kernels: bool = False) -> DtypePlan:
+    """On a CPU with tokenmill's kernels, activations stay float32 and `dtype` is how the
+    weights and the KV cache are stored: `auto` and `bfloat16` store them in bfloat16 (half
+    the bytes a decode step streams; matmuls then take whichever kernels measure fastest
+    here, bf16 GEMMs included where the CPU has them), `float32` keeps the checkpoint exact.
+    Elsewhere `dtype` is the compute dtype: `auto` is bfloat16 on GPUs and on CPUs with
+    bf16 arithmetic, float32 on other CPUs, where bf16 matmuls would be emulated (10-20x
+    slower) and `bfloat16` then stores bf16 weights and KV computing in float32."""
+    if device.type == "cpu" and native_kernels:
+        if dtype == "float16":
+            raise ValueError("float16 is for GPUs; on the CPU use bfloat16 or float32")
+        stored = "float32" if dtype == "float32" else "bfloat16"
+        return DtypePlan(compute="float32", weights=stored, kv=stored)
     if dtype == "auto":
         dtype = "bfloat16" if device.type == "cuda" or cpu_has_native_bf16() else "float32"
     if dtype == "bfloat16" and device.type == "cpu" and not cpu_has_native_bf16():
@@ -128,15 +143,40 @@ def resolve_dtype(dtype: str, device: torch.device) -> DtypePlan:
 
 
 def choose_plan(config: EngineConfig, device: torch.device, dtype: DtypePlan, kernels_ok: bool,
-                backend: AttentionBackend) -> ExecutionPlan:
+                backend: AttentionBackend, loaded: LoadedModel | None = None) -> ExecutionPlan:
     """On a float32-computing CPU with the native kernels: weights tiled for the decode
-    kernels (plus oneDNN copies for many rows unless `pack_weights` is off), the native
-    element-wise ops, and the fused decode layer when attention reads the cache natively.
-    Elsewhere plain weights and PyTorch ops."""
+    kernels and packed for oneDNN (unless `pack_weights` is off), the matmul kernels per
+    row range measured on this machine (`runner/tune.py`), the native element-wise ops,
+    and the fused decode layer where attention reads the cache natively. Elsewhere plain
+    weights and PyTorch ops."""
     weights = _DTYPES[dtype.weights]
-    if device.type == "cpu" and dtype.compute == "float32" and kernels_ok:
-        return cpu_native_plan(weights, onednn=config.device.pack_weights, fused_decode=backend.name == "cpu_native")
-    return reference_plan(weights)
+    if not (device.type == "cpu" and dtype.compute == "float32" and kernels_ok):
+        return reference_plan(weights)
+    choice = cpu_matmul_choice(config, weights, loaded)
+    return cpu_native_plan(weights, onednn=config.device.pack_weights, choice=choice,
+                           fused_decode=backend.name == "cpu_native")
+
+
+def cpu_matmul_choice(config: EngineConfig, weights: torch.dtype, loaded: LoadedModel | None) -> CPUMatmulChoice:
+    """The measured (or cached) kernel choice, unless the config fixes both parts of it."""
+    fixed_gemm = config.device.cpu_gemm != "auto"
+    if config.device.cpu_gemm == "onednn_bf16" and weights != torch.bfloat16:
+        raise ValueError("cpu_gemm onednn_bf16 rounds inputs to bf16: it needs bfloat16 weights (--dtype bfloat16)")
+    if fixed_gemm and config.device.skinny_max_rows is not None:
+        return CPUMatmulChoice(config.device.skinny_max_rows, config.device.cpu_gemm)
+    shapes = layer_shapes(loaded) if loaded is not None else [(576, 576)]
+    choice, timings, source = tune.choose(shapes, weights, allowed=[config.device.cpu_gemm] if fixed_gemm else None)
+    if config.device.skinny_max_rows is not None:
+        choice = CPUMatmulChoice(config.device.skinny_max_rows, choice.gemm)
+    logger.info("CPU matmul kernels (%s): %s", source, choice.describe())
+    return choice
+
+
+def layer_shapes(loaded: LoadedModel) -> list[tuple[int, int]]:
+    """(out, in) of one decoder layer's linear weights."""
+    layer = loaded.model.layers[0]
+    linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+    return [(lin.out_features, lin.in_features) for lin in linears]
 
 
 def select_attention_backend(name: str, device: torch.device, kernels_ok: bool) -> AttentionBackend:

