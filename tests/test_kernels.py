@@ -206,7 +206,9 @@ def test_bfloat16_weights_compute_in_float32_like_a_rounded_float32_model() -> N
     ids = torch.randint(0, 300, (12,))
     with torch.inference_mode():
         apply_plan(model, cpu_native_plan(torch.bfloat16, onednn=False))
-        assert model.dtype == torch.float32 and model.embed_tokens.weight.dtype == torch.bfloat16
+        # The tied embedding is served by the head's bf16 tiles (no table of its own).
+        assert model.dtype == torch.float32 and model.embed_tokens.weight is None
+        assert model.lm_head.weights.tiled.dtype == torch.bfloat16
         got = model.compute_logits(model(ids, torch.arange(12)))
         expected = rounded.compute_logits(rounded(ids, torch.arange(12)))
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
@@ -315,3 +317,50 @@ def test_fused_decode_layer_rejects_bad_slots_and_caches() -> None:
     assert fresh[0].abs().sum() == 0 and fresh[1].abs().sum() == 0
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         run(tuple(c.half() for c in cache), 0)
+
+
+def test_tiled_rows_are_the_weight_rows() -> None:
+    weight = torch.randn(37, 48)
+    tiled = tile_for_skinny(weight, torch.bfloat16)
+    ids = torch.tensor([0, 36, 5, 5, 17])
+    torch.testing.assert_close(kernels.tiled_rows(tiled, ids).float(), weight.bfloat16().float()[ids])
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_loading_straight_into_a_weight_format_equals_formatting_afterwards(tie) -> None:
+    """load_weights(fmt): each linear goes into the format as soon as its parts are in (no
+    float copy of the whole model); the result equals loading plain and formatting after."""
+    from tokenmill.runner.plan import apply_plan, cpu_native_plan
+
+    source = _tiny_llama(tie)
+    state = _checkpoint_of(source)
+    plan = cpu_native_plan(torch.bfloat16)
+    streamed, after = _tiny_llama(tie), _tiny_llama(tie)
+    streamed.load_weights(iter(state), plan.weight_format)
+    assert all(lin.weight is None for lin in (streamed.layers[0].self_attn.qkv_proj, streamed.layers[1].mlp.down_proj))
+    apply_plan(streamed, plan)
+    after.load_weights(iter(state))
+    apply_plan(after, plan)
+    ids = torch.randint(0, 300, (9,))
+    with torch.inference_mode():
+        torch.testing.assert_close(streamed.compute_logits(streamed(ids, torch.arange(9))),
+                                   after.compute_logits(after(ids, torch.arange(9))))
+    assert (streamed.embed_tokens.weight is None) == tie  # a tied head serves the embedding
+
+
+def _checkpoint_of(model) -> list[tuple[str, torch.Tensor]]:
+    """The model's parameters under Hugging Face names (q/k/v and gate/up unfused)."""
+    cfg = model.cfg
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    out = []
+    for name, param in model.named_parameters():
+        p = param.detach().clone()
+        if "qkv_proj" in name:
+            out += [(name.replace("qkv_proj", part), t) for part, t in zip(("q_proj", "k_proj", "v_proj"),
+                                                                            p.split([q, kv, kv]))]
+        elif "gate_up_proj" in name:
+            out += [(name.replace("gate_up_proj", part), t) for part, t in zip(("gate_proj", "up_proj"),
+                                                                                p.split([inter, inter]))]
+        else:
+            out.append((name, p))
+    return out

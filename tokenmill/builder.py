@@ -21,7 +21,8 @@ from tokenmill.attention.torch_sdpa import TorchSDPABackend
 from tokenmill.config import EngineConfig, EngineFacts
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.hardware import cpu_info
-from tokenmill.model.loader import LoadedModel, load_model
+from tokenmill.model.config import ModelArchConfig
+from tokenmill.model.loader import LoadedModel, load_model, open_checkpoint
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.quantization.dense import CPUMatmulChoice
 from tokenmill.runner import tune
@@ -52,10 +53,12 @@ def build_executor(config: EngineConfig) -> BuiltExecutor:
     governor = compute_threads(config, device)
     kernels_ok = device.type == "cpu" and config.device.native_kernels and _cpu_kernels_build()
     dtype = resolve_dtype(config.model.dtype, device, kernels_ok)
-    loaded = load_model(config.model.model, dtype.compute, device, max_positions=config.model.max_model_len)
-    max_model_len = resolve_max_model_len(config, loaded)
+    checkpoint = open_checkpoint(config.model.model)
     backend = select_attention_backend(config.device.attention_backend, device, kernels_ok)
-    plan = apply_plan(loaded.model, choose_plan(config, device, dtype, kernels_ok, backend, loaded))
+    plan = choose_plan(config, device, dtype, kernels_ok, backend, checkpoint.arch)
+    loaded = load_model(checkpoint, dtype.compute, device, config.model.max_model_len, plan.weight_format)
+    max_model_len = resolve_max_model_len(config, loaded)
+    plan = apply_plan(loaded.model, plan)
     spec = KVCacheSpec(loaded.arch.num_layers, loaded.arch.num_kv_heads, loaded.arch.head_dim,
                        config.cache.block_size, _DTYPES[dtype.kv_cache])
     memory = config.cache.kv_cache_memory or default_kv_cache_memory(device)
@@ -143,7 +146,7 @@ def resolve_dtype(dtype: str, device: torch.device, native_kernels: bool = False
 
 
 def choose_plan(config: EngineConfig, device: torch.device, dtype: DtypePlan, kernels_ok: bool,
-                backend: AttentionBackend, loaded: LoadedModel | None = None) -> ExecutionPlan:
+                backend: AttentionBackend, arch: ModelArchConfig | None = None) -> ExecutionPlan:
     """On a float32-computing CPU with the native kernels: weights tiled for the decode
     kernels and packed for oneDNN (unless `pack_weights` is off), the matmul kernels per
     row range measured on this machine (`runner/tune.py`), the native element-wise ops,
@@ -152,19 +155,19 @@ def choose_plan(config: EngineConfig, device: torch.device, dtype: DtypePlan, ke
     weights = _DTYPES[dtype.weights]
     if not (device.type == "cpu" and dtype.compute == "float32" and kernels_ok):
         return reference_plan(weights)
-    choice = cpu_matmul_choice(config, weights, loaded)
+    choice = cpu_matmul_choice(config, weights, arch)
     return cpu_native_plan(weights, onednn=config.device.pack_weights, choice=choice,
                            fused_decode=backend.name == "cpu_native")
 
 
-def cpu_matmul_choice(config: EngineConfig, weights: torch.dtype, loaded: LoadedModel | None) -> CPUMatmulChoice:
+def cpu_matmul_choice(config: EngineConfig, weights: torch.dtype, arch: ModelArchConfig | None) -> CPUMatmulChoice:
     """The measured (or cached) kernel choice, unless the config fixes both parts of it."""
     fixed_gemm = config.device.cpu_gemm != "auto"
     if config.device.cpu_gemm == "onednn_bf16" and weights != torch.bfloat16:
         raise ValueError("cpu_gemm onednn_bf16 rounds inputs to bf16: it needs bfloat16 weights (--dtype bfloat16)")
     if fixed_gemm and config.device.skinny_max_rows is not None:
         return CPUMatmulChoice(config.device.skinny_max_rows, config.device.cpu_gemm)
-    shapes = layer_shapes(loaded) if loaded is not None else [(576, 576)]
+    shapes = layer_shapes(arch) if arch is not None else [(576, 576)]
     choice, timings, source = tune.choose(shapes, weights, allowed=[config.device.cpu_gemm] if fixed_gemm else None)
     if config.device.skinny_max_rows is not None:
         choice = CPUMatmulChoice(config.device.skinny_max_rows, choice.gemm)
@@ -172,11 +175,11 @@ def cpu_matmul_choice(config: EngineConfig, weights: torch.dtype, loaded: Loaded
     return choice
 
 
-def layer_shapes(loaded: LoadedModel) -> list[tuple[int, int]]:
-    """(out, in) of one decoder layer's linear weights."""
-    layer = loaded.model.layers[0]
-    linears = (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-    return [(lin.out_features, lin.in_features) for lin in linears]
+def layer_shapes(arch: ModelArchConfig) -> list[tuple[int, int]]:
+    """(out, in) of one decoder layer's linear weights: qkv, o, gate_up, down."""
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    h, i = arch.hidden_size, arch.intermediate_size
+    return [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]
 
 
 def select_attention_backend(name: str, device: torch.device, kernels_ok: bool) -> AttentionBackend:

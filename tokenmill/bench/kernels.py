@@ -18,6 +18,7 @@ def add_kernels_args(parser: argparse.ArgumentParser) -> None:
 def cmd_kernels(args: argparse.Namespace) -> int:
     import torch
 
+    from tokenmill.builder import layer_shapes
     from tokenmill.hardware import cpu_info
     from tokenmill.kernels import cpu_kernels_available
     from tokenmill.model.loader import resolve_model_path
@@ -28,9 +29,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     if not cpu_kernels_available():
         raise ValueError("the native CPU kernels did not build; `python -m tokenmill.kernels -v` shows why")
     shape = read_model(args.model or resolve_model_path(None)).shape
-    h, i = shape.hidden_size, shape.intermediate_size
-    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
-    shapes = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]
+    shapes = layer_shapes(shape)  # the planner's shape has the architecture's field names
     dtype = getattr(torch, args.dtype)
     choice, timings, source = tune.choose(shapes, dtype, refresh=True)
     print(f"{cpu_info().describe()}; torch {torch.__version__}, {torch.get_num_threads()} threads; "

@@ -118,6 +118,14 @@ def untile_skinny(tiled: torch.Tensor, n: int) -> torch.Tensor:
     return tiled.transpose(1, 2).reshape(tiles * SKINNY_TILE_ROWS, blocks * SKINNY_K_BLOCK)[:n]
 
 
+def tiled_rows(tiled: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the weight a tile_for_skinny layout holds: [len(ids), K] (same dtype)."""
+    ids = ids.reshape(-1)
+    tiles, blocks = tiled.shape[:2]
+    picked = tiled[ids // SKINNY_TILE_ROWS, :, ids % SKINNY_TILE_ROWS]  # [n, K / 16, 16]
+    return picked.reshape(ids.shape[0], blocks * SKINNY_K_BLOCK)
+
+
 def skinny_linear(x: torch.Tensor, tiled: torch.Tensor, n: int) -> torch.Tensor:
     """x [M, K] float32 (contiguous) @ W[n, K]^T with W given by tile_for_skinny (float32
     or bfloat16). Built for few rows; any M works."""

@@ -21,9 +21,10 @@ class Linear(nn.Module):
     parameter is dropped. Unformatted, the layer is a reference F.linear.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, many_rows: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
+        self.many_rows = many_rows  # False: only ever a few rows (an LM head), see WeightFormat.make
         self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.weights: LinearWeights | None = None
@@ -34,8 +35,16 @@ class Linear(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def set_format(self, fmt: WeightFormat) -> None:
-        self.weights = fmt.make(self.weight.detach())
+        self.weights = fmt.make(self.weight.detach(), many_rows=self.many_rows)
         self.weight = None
+
+    def load_weight(self, weight: torch.Tensor, fmt: WeightFormat | None = None) -> None:
+        """Take a whole checkpoint weight: into `fmt` at once, or as the plain parameter."""
+        if fmt is not None:
+            self.weights = fmt.make(weight.detach(), many_rows=self.many_rows)
+            self.weight = None
+        else:
+            self.weight = nn.Parameter(weight.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weights is None:
@@ -48,14 +57,19 @@ class Linear(nn.Module):
 
 
 def set_weight_format(model: nn.Module, fmt: WeightFormat, embedding_dtype: torch.dtype | None = None) -> int:
-    """Put every `Linear` of a loaded model into `fmt`, and store embeddings in
-    `embedding_dtype` (the model casts looked-up rows back). Returns how many linears."""
+    """Put every `Linear` of a loaded model into `fmt` (those not formatted while loading),
+    and store embeddings in `embedding_dtype` (the model casts looked-up rows back); a model
+    whose tied head now serves the embedding drops its own table. Returns how many linears
+    this call formatted."""
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.weight is not None]
     for linear in linears:  # before the embeddings: a tied head reads the float32 weight here
         linear.set_format(fmt)
+    release = getattr(model, "release_tied_embedding", None)
+    if release is not None:
+        release()
     if embedding_dtype is not None:
         for module in model.modules():
-            if isinstance(module, nn.Embedding) and module.weight.dtype != embedding_dtype:
+            if isinstance(module, nn.Embedding) and module.weight is not None and module.weight.dtype != embedding_dtype:
                 module.weight = nn.Parameter(module.weight.detach().to(embedding_dtype), requires_grad=False)
     return len(linears)
 

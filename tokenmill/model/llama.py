@@ -19,6 +19,7 @@ from tokenmill.attention.backend import PagedDecode, get_forward_context
 from tokenmill.attention.kv_cache import LayerKVCache
 from tokenmill.model.config import ModelArchConfig
 from tokenmill.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
+from tokenmill.quantization import WeightFormat
 
 
 class Attention(nn.Module):
@@ -119,7 +120,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, many_rows=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -127,6 +128,17 @@ class LlamaForCausalLM(nn.Module):
         may untie them)."""
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def release_tied_embedding(self) -> None:
+        """Once a tied head is in its weight format, it serves the embedding lookup (its
+        `rows`): the table is not kept a second time."""
+        if self.cfg.tie_word_embeddings and self.lm_head.weights is not None:
+            self.embed_tokens.weight = None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens.weight is None:
+            return self.lm_head.weights.rows(input_ids).to(self.dtype)
+        return self.embed_tokens(input_ids).to(self.dtype)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -144,7 +156,7 @@ class LlamaForCausalLM(nn.Module):
                 module.native = enabled
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids).to(self.dtype)
+        h = self.embed(input_ids)
         rope = self.layers[0].self_attn.rotary.table(positions)
         ctx = get_forward_context()
         if ctx is not None and ctx.decode is not None:  # the plan runs this step fused
@@ -162,10 +174,19 @@ class LlamaForCausalLM(nn.Module):
 
     # ----- weights -------------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names, any float dtype) into the
-        parameters, fusing q/k/v and gate/up. Raises if a parameter stays unset."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], fmt: WeightFormat | None = None) -> None:
+        """Read checkpoint tensors (Hugging Face names) into the model, fusing q/k/v and
+        gate/up. Raises if a parameter stays unset.
+
+        A linear weight is assembled from its parts as they arrive and, once complete,
+        handed to the linear as a whole (`Linear.load_weight`; with `fmt` it goes straight
+        into that weight format), so the float weights of the whole model never live at
+        once and linear weights need not be allocated before loading. Other parameters
+        (norms, embeddings, biases) are copied into place."""
         params = dict(self.named_parameters())
+        linears = {f"{name}.weight": m for name, m in self.named_modules() if isinstance(m, Linear)}
+        expected = {f"{n}#{s}" for n, s in self._expected_shards(params, linears)}
+        parts: dict[str, dict[int | None, torch.Tensor]] = {}
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
@@ -174,20 +195,47 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
             target, shard = self._target(name)
-            if target not in params:
+            if target not in params and target not in linears:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the {self.cfg.architecture} model")
-            param = params[target]
-            with torch.no_grad():
-                if shard is None:
-                    _copy(param.data, tensor, name)
-                else:
-                    offset, size = self._shard_range(target, shard)
-                    _copy(param.data.narrow(0, offset, size), tensor, name)
             loaded.add(f"{target}#{shard}")
-        expected = {f"{n}#{s}" for n, s in self._expected_shards(params)}
+            if target in linears:
+                got = parts.setdefault(target, {})
+                got[shard] = tensor
+                if all(f"{target}#{k}" in loaded for k in self._shards_of(target)):
+                    self._load_linear(target, linears[target], parts.pop(target), fmt)
+                continue
+            param = params[target].data  # a norm, an embedding, or a (fused) bias
+            if shard is not None:
+                param = param.narrow(0, *self._shard_range(target, shard))
+            with torch.no_grad():
+                _copy(param, tensor, name)
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"the checkpoint lacks weights for: {', '.join(m.split('#')[0] for m in missing[:8])}")
+
+    def _load_linear(self, target: str, linear: Linear, parts: dict[int | None, torch.Tensor],
+                     fmt: WeightFormat | None) -> None:
+        shards = self._shards_of(target)
+        for shard in shards:
+            if shard is not None:
+                size = self._shard_range(target, shard)[1]
+                if parts[shard].shape[0] != size:
+                    raise ValueError(f"checkpoint tensor for {target} (part {shard}) has {parts[shard].shape[0]} rows, "
+                                     f"the model expects {size}")
+        full = parts[None] if shards == [None] else torch.cat([parts[k] for k in shards])
+        if tuple(full.shape) != (linear.out_features, linear.in_features):
+            raise ValueError(f"checkpoint tensor {target!r} has shape {tuple(full.shape)}, the model expects "
+                             f"{(linear.out_features, linear.in_features)}")
+        # Unformatted, the weight lives as the model's other parameters do (compute dtype).
+        norm = self.norm.weight
+        linear.load_weight(full if fmt is not None else full.to(device=norm.device, dtype=norm.dtype), fmt)
+
+    def _shards_of(self, target: str) -> list[int | None]:
+        if "qkv_proj" in target:
+            return [0, 1, 2]
+        if "gate_up_proj" in target:
+            return [0, 1]
+        return [None]
 
     def _target(self, name: str) -> tuple[str, int | None]:
         for part, (fused, shard) in self.packed_modules.items():
@@ -203,17 +251,12 @@ class LlamaForCausalLM(nn.Module):
             sizes = [cfg.intermediate_size, cfg.intermediate_size]
         return sum(sizes[:shard]), sizes[shard]
 
-    def _expected_shards(self, params: dict) -> Iterable[tuple[str, int | None]]:
-        for name in params:
+    def _expected_shards(self, params: dict, linears: dict) -> Iterable[tuple[str, int | None]]:
+        for name in [*params, *(n for n in linears if n not in params)]:
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
-            if "qkv_proj" in name:
-                yield from ((name, s) for s in range(3))
-            elif "gate_up_proj" in name:
-                yield from ((name, s) for s in range(2))
-            else:
-                yield name, None
-
+            for shard in self._shards_of(name):
+                yield name, shard
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if tuple(dst.shape) != tuple(src.shape):

@@ -41,6 +41,11 @@ class LinearWeights(ABC):
         """Bytes a decode step streams from this weight (one copy)."""
         return self.nbytes
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W as float32 [len(ids), in_features]: a tied LM head serves the
+        embedding lookup from its own storage, so the table is not kept twice."""
+        return self.dequantize()[ids]
+
     def fused_decode_operand(self) -> torch.Tensor | None:
         """What the native fused decode layer reads for this weight, or None when the
         format has no such path (the execution plan then runs the layer op by op)."""
@@ -53,8 +58,10 @@ class WeightFormat(ABC):
     name: str
 
     @abstractmethod
-    def make(self, weight: torch.Tensor) -> LinearWeights:
-        """A float checkpoint weight [N, K] in this format."""
+    def make(self, weight: torch.Tensor, many_rows: bool = True) -> LinearWeights:
+        """A float checkpoint weight [N, K] in this format. `many_rows=False`: the layer
+        only ever multiplies a few rows (an LM head samples from the last positions), so
+        a format need not keep what serves many rows."""
 
     def describe(self) -> str:
         return self.name

@@ -32,6 +32,9 @@ class PlainWeights(LinearWeights):
     def dequantize(self) -> torch.Tensor:
         return self.weight.float()
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids].float()
+
     @property
     def nbytes(self) -> int:
         return self.weight.numel() * self.weight.element_size()
@@ -97,6 +100,9 @@ class CPUDenseWeights(LinearWeights):
     def dequantize(self) -> torch.Tensor:
         return kernels.untile_skinny(self.tiled, self.out_features).float()
 
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return kernels.tiled_rows(self.tiled, ids).float()
+
     @property
     def nbytes(self) -> int:
         packed = 0 if self.packed is None else self.out_features * self.in_features * self.packed.element_size()
@@ -127,9 +133,9 @@ class DenseFormat(WeightFormat):
         self.choice = choice or CPUMatmulChoice()
         self.name = _NAMES.get(weight_dtype, str(weight_dtype))
 
-    def make(self, weight: torch.Tensor) -> LinearWeights:
+    def make(self, weight: torch.Tensor, many_rows: bool = True) -> LinearWeights:
         if self.cpu_layout and kernels.can_tile_for_skinny(weight):
-            return CPUDenseWeights(weight, self.weight_dtype, self.choice, self.onednn)
+            return CPUDenseWeights(weight, self.weight_dtype, self.choice, self.onednn and many_rows)
         return PlainWeights(weight.detach().to(self.weight_dtype))
 
     def describe(self) -> str:
