@@ -51,19 +51,19 @@ import argparse
 import dataclasses
 import glob
 import json
-import math
 import os
 import select
 import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench.offline import (
+from tokenmill.bench.report import machine_info
+from tokenmill.bench.workloads import (
     FULL,
     METRICS,
     QUICK,
@@ -73,7 +73,6 @@ from tokenmill.bench.offline import (
     Sizes,
     build_requests,
     describe,
-    machine_info,
     medians,
     ordinary_token_ids,
     parse_workloads,
@@ -81,8 +80,11 @@ from tokenmill.bench.offline import (
     run_entry,
     speedup,
 )
-from tokenmill.model.config import ModelArchConfig
 from tokenmill.model.loader import default_model_path
+from tokenmill.planner.machine import format_probe
+from tokenmill.planner.machine import probe as measure_with_bounds
+from tokenmill.planner.shape import ModelShape, read_gguf
+from tokenmill.tokenizer import Tokenizer
 
 SCHEMA = "tokenmill.benchmarks.compare/1"
 SYSTEMS = ("tokenmill", "vllm", "llamacpp-q4_1", "llamacpp-bf16", "hf")
@@ -256,139 +258,18 @@ def _check_tcmalloc() -> None:
                  "(apt-get install libtcmalloc-minimal4)")
 
 
-# ----- the model's shape and the machine's limits ---------------------------------------
+# ----- the model's shape; the machine's limits are tokenmill.planner.machine's -----------
 
 
-def model_spec(gguf: str) -> tuple[ModelArchConfig, Any]:
-    """The architecture and tokenizer of a GGUF file, without loading its weights."""
-    from tokenmill.model.loader import _open_gguf
-
-    arch, tokenizer, _, _ = _open_gguf(gguf)
-    return arch, tokenizer
+def model_spec(gguf: str) -> tuple[ModelShape, Tokenizer]:
+    """The shape and tokenizer of a GGUF file, from its header (no weight is read)."""
+    shape, _ = read_gguf(gguf)
+    return shape, Tokenizer.from_gguf(gguf)
 
 
-def weight_counts(arch: ModelArchConfig) -> dict[str, int]:
-    """Parameters of the transformer layers, of the LM head, and of the final norm."""
-    h, q_dim, kv_dim = arch.hidden_size, arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
-    attention = h * q_dim + 2 * h * kv_dim + q_dim * h + (q_dim + 2 * kv_dim if arch.attention_bias else 0)
-    mlp = 3 * h * arch.intermediate_size
-    per_layer = attention + mlp + 2 * h  # + the two RMSNorm weights
-    return {"layers": arch.num_layers * per_layer, "lm_head": arch.vocab_size * h, "final_norm": h,
-            "embedding": arch.vocab_size * h, "tied": int(arch.tie_word_embeddings)}
-
-
-def gguf_decode_bytes(path: str) -> int:
-    """Bytes one decode step reads from a GGUF's tensors as stored (quantized): all of
-    them, but the embedding table only where it is also the (tied) LM head."""
-    import gguf
-
-    tensors = gguf.GGUFReader(path).tensors
-    names = {t.name for t in tensors}
-    tied = "output.weight" not in names
-    return sum(int(t.n_bytes) for t in tensors if tied or t.name != "token_embd.weight")
-
-
-def median_seconds(fn: Callable[[], Any], reps: int, budget_s: float = 4.0) -> float:
-    """Median wall time of `fn` after one warm-up call; fewer reps when a call is slow."""
-    t0 = time.perf_counter()
-    fn()
-    first = time.perf_counter() - t0
-    reps = max(1, min(reps, int(budget_s / max(first, 1e-6))))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def probe(threads: int, gguf: str, mem_mib: int = 1024, gemm_n: int = 2048, reps: int = 5) -> dict[str, Any]:
-    """Memory bandwidth and GEMM throughput with `threads` threads, and the model's bounds."""
-    import torch
-
-    torch.set_num_threads(threads)
-    progress(f"probe: {threads} threads, {mem_mib} MiB for bandwidth, {gemm_n}^2 GEMM")
-    out: dict[str, Any] = {"threads": torch.get_num_threads(), "buffer_mib": mem_mib, "gemm_n": gemm_n}
-    with torch.inference_mode():
-        n = mem_mib * 2**20 // 4
-        x = torch.ones(n, dtype=torch.float32)
-        out["sum_gb_s"] = x.nbytes / median_seconds(lambda: x.sum(), reps) / 1e9
-        del x
-        m = int(math.isqrt(n))
-        a, v = torch.ones(m, m, dtype=torch.float32), torch.ones(m, dtype=torch.float32)
-        out["gemv_gb_s"] = a.nbytes / median_seconds(lambda: torch.mv(a, v), reps) / 1e9
-        del a, v
-        out["bandwidth_gb_s"] = max(out["sum_gb_s"], out["gemv_gb_s"])
-        for dtype in ("float32", "bfloat16"):
-            rates = gemm_rates(getattr(torch, dtype), gemm_n, reps)
-            out[f"gemm_{dtype}_by_op"] = rates
-            out[f"gemm_{dtype}_gflop_s"] = max(r["gflop_s"] for r in rates.values())
-    out["bounds"] = model_bounds(out, gguf)
-    return out
-
-
-def gemm_rates(dtype: Any, n: int, reps: int, max_call_s: float = 2.0) -> dict[str, dict[str, float]]:
-    """GFLOP/s of `a @ b` and of `linear(a, b)` (= a @ b.T, the layout of model weights):
-    on CPUs without native bf16 the two take very different paths. A size is measured at
-    `n` only when a 512 run predicts one call under `max_call_s`."""
-    import torch
-
-    ops = {"matmul": lambda a, b: a @ b, "linear": torch.nn.functional.linear}
-    rates = {}
-    for name, op in ops.items():
-        size, rate = 512, 0.0
-        for size in (512, n) if n > 512 else (n,):
-            if rate and 2 * size**3 / (rate * 1e9) > max_call_s:
-                break
-            a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
-            rate = 2 * size**3 / median_seconds(lambda: op(a, b), reps) / 1e9
-            rates[name] = {"n": size, "gflop_s": rate}
-    return rates
-
-
-def model_bounds(machine: dict[str, Any], gguf: str) -> dict[str, Any]:
-    arch, _ = model_spec(gguf)
-    w = weight_counts(arch)
-    read_per_step = w["layers"] + w["final_norm"] + w["lm_head"]
-    bw = machine["bandwidth_gb_s"] * 1e9
-    bounds: dict[str, Any] = {
-        "model": Path(gguf).name,
-        "layer_params": w["layers"],
-        "lm_head_params": w["lm_head"],
-        "tied_embeddings": bool(w["tied"]),
-        "decode_params_read_per_step": read_per_step,
-        "note": "decode: weights read once per step (layers + LM head), KV reads ignored; "
-                "prefill: 2 FLOPs per layer weight per token, attention FLOPs and the LM head ignored; "
-                "bf16 GEMM rates are torch's kernels, shape-dependent where the CPU has no native bf16",
-    }
-    for dtype, size in (("float32", 4), ("bfloat16", 2)):
-        bounds[f"decode_tok_s_{dtype}"] = bw / (read_per_step * size)
-        bounds[f"prefill_tok_s_{dtype}"] = machine[f"gemm_{dtype}_gflop_s"] * 1e9 / (2 * w["layers"])
-    quantized = gguf_decode_bytes(gguf)
-    bounds["gguf_decode_bytes_per_step"] = quantized
-    bounds["decode_tok_s_gguf_as_stored"] = bw / quantized
-    return bounds
-
-
-def format_probe(result: dict[str, Any]) -> str:
-    b = result["bounds"]
-    return "\n".join([
-        f"probe ({result['threads']} threads): memory read {result['bandwidth_gb_s']:.1f} GB/s "
-        f"(sum {result['sum_gb_s']:.1f}, GEMV {result['gemv_gb_s']:.1f}); GEMM GFLOP/s, best of "
-        f"matmul/linear: {_gemm_text(result, 'float32')}; {_gemm_text(result, 'bfloat16')}",
-        f"bounds for {b['model']} ({b['layer_params'] / 1e6:.1f}M layer + {b['lm_head_params'] / 1e6:.1f}M LM head "
-        f"params): decode float32 {b['decode_tok_s_float32']:.1f} tok/s, bfloat16 {b['decode_tok_s_bfloat16']:.1f} "
-        f"tok/s, GGUF as stored ({b['gguf_decode_bytes_per_step'] / 2**20:.0f} MiB) "
-        f"{b['decode_tok_s_gguf_as_stored']:.1f} tok/s; prefill float32 {b['prefill_tok_s_float32']:.0f} tok/s, "
-        f"bfloat16 {b['prefill_tok_s_bfloat16']:.0f} tok/s",
-        f"  ({b['note']})",
-    ])
-
-
-def _gemm_text(result: dict[str, Any], dtype: str) -> str:
-    by_op = result.get(f"gemm_{dtype}_by_op", {})
-    ops = ", ".join(f"{op} {r['gflop_s']:.1f} at {r['n']}^2" for op, r in by_op.items())
-    return f"{dtype} {result[f'gemm_{dtype}_gflop_s']:.1f}" + (f" ({ops})" if ops else "")
+def probe(threads: int, gguf: str) -> dict[str, Any]:
+    """The machine's limits and the model's bounds (`tokenmill.planner.machine.probe`)."""
+    return measure_with_bounds(threads, gguf, log=progress)
 
 
 # ----- workers --------------------------------------------------------------------------

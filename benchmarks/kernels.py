@@ -28,7 +28,6 @@ from collections.abc import Callable
 import numpy as np
 import torch
 import torch.nn.functional as F
-from compare import median_seconds  # this directory's harness: one timing helper for both
 
 from tokenmill.kernels import (
     QUANT_INTEGER_ROWS,
@@ -39,6 +38,7 @@ from tokenmill.kernels import (
     skinny_linear,
     tile_for_skinny,
 )
+from tokenmill.planner.machine import median_seconds
 from tokenmill.quantization.qtensor import QuantizedTensor
 
 SHAPES = {"qkv": (960, 576), "o": (576, 576), "gate_up": (3072, 576), "down": (576, 1536), "lm_head": (49152, 576)}
@@ -183,13 +183,12 @@ def bench_quant(set_mib: int, rounds: int) -> None:
                 per = med[c] / len(sets[key][:limit])
                 cells.append(f"{per * 1e6:8.1f} ({nbytes[key] / per / 1e9:4.1f} GB/s)")
             print(f"{name:>8} {f'{n}x{k}':>11} {rows:>4} " + " ".join(f"{cell:>19}" for cell in cells), flush=True)
-        del sets
 
 
 def default_model_weights() -> tuple[list[QuantizedTensor], QuantizedTensor]:
     """The default GGUF's layer weights as stored (q/k/v and gate/up rows fused), and its
     Q8_0 token embedding, the tied LM head."""
-    from tokenmill.model.gguf_file import GGUFFile
+    from tokenmill.gguf_file import GGUFFile
     from tokenmill.model.loader import default_model_path
     from tokenmill.quantization.gguf_blocks import GGUF_BLOCK_TYPES, from_gguf_blocks
 

@@ -2,11 +2,8 @@
 
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 
-from tokenmill.engine.engine import LLMEngine
 from tokenmill.llm import LLM
 
 
@@ -25,17 +22,7 @@ def sibling(llm: LLM, num_blocks: int | None = None, **overrides) -> LLM:
 
     Engines sharing KV tensors must be used one at a time, and only one of them may
     keep a prefix cache alive across uses (see llm_f32)."""
-    base = llm.engine
-    config = dataclasses.replace(base.config, **overrides)
-    engine = LLMEngine(
-        config,
-        base.executor,
-        base.tokenizer,
-        num_blocks=num_blocks or base.scheduler.kv.num_blocks,
-        max_model_len=base.max_model_len,
-        model_name=base.model_name,
-    )
-    return LLM.from_engine(engine)
+    return LLM.from_engine(llm.engine.sibling(num_blocks, **overrides))
 
 
 def assert_engine_idle(llm: LLM) -> None:

@@ -14,9 +14,12 @@ scheduler's contract after every `schedule()` and every `update_from_output()`.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 
-from tokenmill.engine.batch import RunnerOutput, SchedulerOutput
+from tokenmill.engine.batch import RequestTable, RunnerOutput, ScheduledRequest, SchedulerOutput, StepRequest
 from tokenmill.engine.block_manager import KVBlockManager
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
@@ -67,20 +70,49 @@ def reference_outputs(prompt: Sequence[int], num_outputs: int) -> list[int]:
 Policy = Callable[[str, int, list[int]], "int | None"]
 
 
+@dataclass
+class ScheduledView(ScheduledRequest):
+    """A scheduled request plus what the runner side rebuilds of it from the step's
+    diffs, copied at that step: tests read both, and the runner takes it as the plain
+    ScheduledRequest it is."""
+
+    token_ids: list[int] = field(default_factory=list)  # the tokens computed now
+    block_ids: list[int] = field(default_factory=list)  # the whole block table
+    params: SamplingParams | None = None
+    prompt_token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, view: StepRequest) -> ScheduledView:
+        plain = {f.name: getattr(view.item, f.name) for f in dataclasses.fields(ScheduledRequest)}
+        return cls(**plain, token_ids=list(view.token_ids), block_ids=list(view.block_ids), params=view.params,
+                   prompt_token_ids=list(view.prompt_token_ids), output_token_ids=list(view.output_token_ids))
+
+
+def with_views(out: SchedulerOutput, table: RequestTable) -> SchedulerOutput:
+    """`out` with every scheduled request as a ScheduledView (table: the runner side's
+    state before this step; it is not changed)."""
+    views = RequestTable()
+    views.states = {rid: copy.deepcopy(state) for rid, state in table.states.items()}
+    return dataclasses.replace(out, scheduled=[ScheduledView.of(v) for v in views.apply(out)])
+
+
 class FakeRunner:
     def __init__(self, num_blocks: int, block_size: int, policy: Policy | None = None) -> None:
         self.block_size = block_size
         self.memory: list[list[tuple[int, int] | None]] = [[None] * block_size for _ in range(num_blocks)]
         self.policy = policy
         self.num_executes = 0
+        self.requests = RequestTable()  # the runner side's view, rebuilt from the step diffs
 
     def _slot(self, block_ids: list[int], position: int) -> tuple[int, int]:
         return block_ids[position // self.block_size], position % self.block_size
 
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
         self.num_executes += 1
+        items = self.requests.apply(batch)
         # Write the KV of every scheduled token first (as each layer does before attention).
-        for item in batch.scheduled:
+        for item in items:
             assert item.num_tokens >= 1, f"{item.request_id}: empty chunk scheduled"
             assert len(item.block_ids) * self.block_size >= item.context_len, (
                 f"{item.request_id}: block table {item.block_ids} too short for {item.context_len} tokens"
@@ -89,25 +121,40 @@ class FakeRunner:
                 block, slot = self._slot(item.block_ids, item.start_pos + offset)
                 self.memory[block][slot] = (item.start_pos + offset, token)
         # Then read the whole context back through the block table, and sample from it.
-        sampled: dict[str, int] = {}
-        for item in batch.scheduled:
-            tokens = [*item.prompt_token_ids, *item.output_token_ids][: item.context_len]
+        sampled: dict[str, list[int]] = {}
+        for item in items:
+            known = item.start_pos + item.item.num_new_tokens
+            tokens = [*item.prompt_token_ids, *item.output_token_ids][:known] + item.spec_token_ids
             read = [self.memory[b][s] for b, s in (self._slot(item.block_ids, p) for p in range(item.context_len))]
             expected = list(enumerate(tokens))
             assert read == expected, (
                 f"{item.request_id}: KV read through block table {item.block_ids} is wrong: "
                 f"first bad position {next(p for p in range(item.context_len) if read[p] != expected[p])}"
             )
-            if not item.sample:
-                continue
-            token = next_token(tokens)
-            if self.policy is not None:
-                wanted = self.policy(item.request_id, len(item.output_token_ids), tokens)
-                if wanted is not None and wanted not in item.banned_token_ids:
-                    token = wanted
-            assert token not in item.banned_token_ids
-            sampled[item.request_id] = token
+            if item.sample:
+                sampled[item.request_id] = self._verify(item, tokens[:known])
         return RunnerOutput(sampled_token_ids=sampled)
+
+    def _verify(self, item: StepRequest, context: list[int]) -> list[int]:
+        """The model's token after `context`; with proposals, greedy verification: each
+        proposal the model agrees with is accepted, then the model's own next token."""
+        emitted: list[int] = []
+        for proposal in [*item.spec_token_ids, None]:
+            token = self._next(item, context + emitted)
+            emitted.append(token)
+            if token != proposal:
+                break
+        return emitted
+
+    def _next(self, item: StepRequest, context: list[int]) -> int:
+        token = next_token(context)
+        if self.policy is not None:
+            output_index = len(context) - len(item.prompt_token_ids)
+            wanted = self.policy(item.request_id, output_index, context)
+            if wanted is not None and wanted not in item.banned_token_ids:
+                token = wanted
+        assert token not in item.banned_token_ids
+        return token
 
 
 class Harness:
@@ -122,13 +169,19 @@ class Harness:
         max_model_len: int = 64,
         enable_caching: bool = True,
         policy: Policy | None = None,
+        proposer: Callable[[Request], list[int]] | None = None,
     ) -> None:
         self.config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len)
         self.kv = KVBlockManager(num_blocks, block_size, enable_caching)
         self.sched = Scheduler(self.config, self.kv)
         self.runner = FakeRunner(num_blocks, block_size, policy)
+        self.proposer = proposer  # sets each running request's proposals after every step
         self.finished: dict[str, Request] = {}
         self.num_steps = 0
+        self.num_accepted = 0  # proposals accepted, over all steps
+        # The furthest position a running request's KV ever reached since its admission:
+        # the slots of rejected proposals stay allocated (the request grows into them).
+        self.high_water: dict[str, int] = {}
 
     def add(self, request_id: str, prompt: Sequence[int], cache_salt: str | None = None, **params: object) -> Request:
         request = make_request(request_id, prompt, self.config.max_model_len, cache_salt, **params)
@@ -151,7 +204,8 @@ class Harness:
         running_before = [r.request_id for r in self.sched.running]
         waiting_before = [r.request_id for r in self.sched.waiting]
         computed_before = {rid: r.num_computed_tokens for rid, r in self.sched.requests.items()}
-        out = self.sched.schedule()
+        proposed = {rid: list(r.spec_token_ids) for rid, r in self.sched.requests.items()}
+        out = with_views(self.sched.schedule(), self.runner.requests)
         self.kv.check_integrity()
         cfg, kv = self.config, self.kv
 
@@ -177,6 +231,7 @@ class Harness:
         # Victims are the most recently admitted running requests, newest first.
         assert out.preempted_ids == running_before[::-1][: len(out.preempted_ids)]
         for rid in out.preempted_ids:
+            self.high_water.pop(rid, None)
             request = self.sched.requests[rid]
             assert request.status == RequestStatus.WAITING and request.num_computed_tokens == 0
             assert kv.get_block_ids(rid) == []
@@ -184,22 +239,30 @@ class Harness:
             head = [r.request_id for r in list(self.sched.waiting)[: len(out.preempted_ids)]]
             assert head == out.preempted_ids[::-1], "preempted requests go back to the head of waiting"
 
+        # What the runner side rebuilds from the step's diffs is the request as it stands.
         for item in out.scheduled:
             request = self.sched.requests[item.request_id]
             assert request.status == RequestStatus.RUNNING
             assert item.num_tokens >= 1
-            assert item.token_ids == request.all_token_ids[item.start_pos : item.context_len]
+            known_end = item.start_pos + item.num_new_tokens
+            assert item.token_ids == request.all_token_ids[item.start_pos : known_end] + item.spec_token_ids
             assert request.num_computed_tokens == item.context_len
-            assert item.context_len <= request.num_tokens
-            assert item.sample == (item.context_len == request.num_tokens)
+            assert known_end <= request.num_tokens
+            assert item.sample == (known_end == request.num_tokens)
+            if item.spec_token_ids:  # a prefix of the proposals, verified after the last known token
+                assert item.spec_token_ids == proposed[item.request_id][: len(item.spec_token_ids)]
+                assert item.num_new_tokens == 1 and item.sample
+                assert request.num_prompt_tokens + request.max_tokens - 1 >= item.context_len
+            assert not request.spec_token_ids, "proposals must be consumed by the step"
             if item.request_id in running_before:
                 assert item.start_pos == computed_before[item.request_id], "a running request skipped tokens"
             else:  # admission: only whole cached blocks may be skipped
                 assert item.start_pos % kv.block_size == 0
                 assert item.start_pos < request.num_tokens, "a cache hit covered the last token"
             assert item.block_ids == kv.get_block_ids(item.request_id)
-            assert len(item.block_ids) == kv.blocks_needed(item.context_len), (
-                f"{item.request_id}: {len(item.block_ids)} blocks for {item.context_len} tokens"
+            reach = self.high_water[item.request_id] = max(item.context_len, self.high_water.get(item.request_id, 0))
+            assert len(item.block_ids) == kv.blocks_needed(reach), (
+                f"{item.request_id}: {len(item.block_ids)} blocks for {reach} tokens"
             )
         self.check_queues()
         return out
@@ -214,8 +277,13 @@ class Harness:
         self.kv.check_integrity()
         sampled = [item.request_id for item in out.scheduled if item.sample]
         assert [r.request_id for r in updated] == [rid for rid in sampled if rid in before]
+        spec = {item.request_id: len(item.spec_token_ids) for item in out.scheduled}
         for request in updated:
-            assert request.num_output_tokens == before[request.request_id] + 1
+            gained = request.num_output_tokens - before[request.request_id]
+            assert gained == request.num_new_output_tokens and 1 <= gained <= spec[request.request_id] + 1
+            self.num_accepted += gained - 1
+            if not request.is_finished:  # every accepted token's KV is computed; the last one's comes next
+                assert request.num_computed_tokens == request.num_tokens - 1
             if request.is_finished:
                 assert request.request_id not in self.sched.requests
                 assert self.kv.get_block_ids(request.request_id) == [], "finished request still holds blocks"
@@ -225,6 +293,9 @@ class Harness:
                 assert rid in self.sched.requests, f"{rid} finished without sampling"
         self.check_queues()
         self.num_steps += 1
+        if self.proposer is not None:
+            for request in self.sched.running:
+                request.spec_token_ids = self.proposer(request)
         return out
 
     def check_queues(self) -> None:
@@ -233,7 +304,8 @@ class Harness:
         assert len(sched.requests) == len(sched.running) + len(sched.waiting)
         for request in sched.running:
             assert request.status == RequestStatus.RUNNING
-            assert len(kv.get_block_ids(request.request_id)) == kv.blocks_needed(request.num_computed_tokens)
+            reach = max(request.num_computed_tokens, self.high_water.get(request.request_id, 0))
+            assert len(kv.get_block_ids(request.request_id)) == kv.blocks_needed(reach)
         for request in sched.waiting:
             assert request.status == RequestStatus.WAITING
             assert request.num_computed_tokens == 0
@@ -282,5 +354,16 @@ def make_engine(num_blocks: int = 12, block_size: int = 4, max_model_len: int = 
     from tokenmill.engine.engine import LLMEngine
 
     runner = FakeRunner(num_blocks, block_size, policy)
-    runner.vocab_size = VOCAB_SIZE  # type: ignore[attr-defined]
-    return LLMEngine(EngineConfig(block_size=block_size, **config), runner, FakeTokenizer(), num_blocks, max_model_len)
+    config = EngineConfig.from_kwargs(block_size=block_size, **config)
+    return LLMEngine(config, runner, FakeTokenizer(), fake_facts(num_blocks, block_size, max_model_len))
+
+
+def fake_facts(num_blocks: int, block_size: int, max_model_len: int):
+    """What a builder would have found for the fake model."""
+    from tokenmill.config import EngineFacts
+
+    return EngineFacts(
+        model_name="fake", model_path="", architecture="fake", vocab_size=VOCAB_SIZE, max_model_len=max_model_len,
+        device="cpu", compute_dtype="float32", weight_format="none", kv_cache_dtype="none", num_blocks=num_blocks,
+        block_size=block_size, kv_bytes_per_token=0, attention_backend="fake", execution_plan="fake",
+    )

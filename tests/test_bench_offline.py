@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import random
 
 import pytest
 
-from tokenmill.bench import offline
-from tokenmill.bench.offline import FULL, QUICK, WORKLOAD_METRICS, WORKLOADS, build_requests, repetition_rng
+from tokenmill.bench import offline, workloads
+from tokenmill.bench.workloads import FULL, QUICK, WORKLOAD_METRICS, WORKLOADS, build_requests, repetition_rng
 
 
 def test_full_workloads_have_the_specified_shapes() -> None:
@@ -56,13 +57,13 @@ def test_prompt_tokens_exclude_special_and_added_tokens() -> None:
         def is_special(self, token_id: int) -> bool:
             return token_id == 3
 
-    assert offline.ordinary_token_ids(Tok(), 12) == [4, 5, 6, 7, 8, 10, 11]
+    assert workloads.ordinary_token_ids(Tok(), 12) == [4, 5, 6, 7, 8, 10, 11]
 
 
 def test_speedup_direction() -> None:
-    assert offline.speedup("decode_tok_s", 20.0, 10.0) == 2.0
-    assert offline.speedup("ttft_ms", 50.0, 100.0) == 2.0
-    assert offline.speedup("wall_s", 0.0, 1.0) is None
+    assert workloads.speedup("decode_tok_s", 20.0, 10.0) == 2.0
+    assert workloads.speedup("ttft_ms", 50.0, 100.0) == 2.0
+    assert workloads.speedup("wall_s", 0.0, 1.0) is None
 
 
 def test_unknown_workload_is_a_usage_error(capsys) -> None:
@@ -103,7 +104,7 @@ def test_quick_cli_writes_every_key(tmp_path, capsys, restore_torch_threads) -> 
         assert report["machine"][key] is not None, key
     assert report["machine"]["dtype"] == "float32"
     assert report["settings"]["runs"] == 2 and report["settings"]["quick"] is True
-    assert report["settings"]["sizes"] == json.loads(json.dumps(offline.dataclasses.asdict(QUICK)))
+    assert report["settings"]["sizes"] == json.loads(json.dumps(dataclasses.asdict(QUICK)))
     assert set(report["workloads"]) == set(WORKLOADS)
     for name, result in report["workloads"].items():
         systems = result["systems"]

@@ -503,3 +503,16 @@ def test_every_block_comes_back_after_a_mixed_sequence(kv: KVBlockManager) -> No
     assert kv.num_free_blocks == NUM_BLOCKS
     assert all(block.ref_count == 0 for block in kv.blocks)
     assert not kv.req_blocks and not kv.req_hashes and not kv.req_num_hashed_blocks
+
+
+def test_snapshot_reports_free_cached_and_held_blocks() -> None:
+    kv = KVBlockManager(num_blocks=10, block_size=4)
+    a = make_request("a", list(range(100, 109)))  # 2 full blocks + 1 partial
+    assert kv.allocate_slots(a, a.num_tokens)
+    snap = kv.snapshot()
+    assert (snap.num_free, snap.num_cached, snap.num_cached_free, snap.blocks_per_request) == (7, 2, 0, {"a": 3})
+    assert snap.usage == pytest.approx(0.3)
+    kv.free(a)
+    snap = kv.snapshot()
+    assert (snap.num_free, snap.num_cached, snap.num_cached_free, snap.blocks_per_request) == (10, 2, 2, {})
+    assert (snap.prefix_cache_queries, snap.prefix_cache_hits, snap.usage) == (9, 0, 0.0)

@@ -12,7 +12,7 @@ import sys
 import textwrap
 
 import pytest
-from fakes import make_engine, reference_outputs
+from fakes import FakeTokenizer, make_engine, reference_outputs
 
 from tokenmill.sampling.params import SamplingParams
 
@@ -199,3 +199,74 @@ def test_engine_stop_token_and_stats() -> None:
     assert (stats.num_prompt_tokens, stats.num_generation_tokens, stats.num_steps) == (5, 3, 3)
     assert engine.scheduler.requests == {}
     assert_engine_idle(engine)
+
+
+@pytest.mark.parametrize("stop_at", [1, 4, 7])
+def test_a_stop_string_inside_an_accepted_run_truncates_tokens_and_text(stop_at: int) -> None:
+    """With proposals verified several tokens a step, a stop string completed in the
+    middle of the accepted run ends the output exactly where one-token steps end it."""
+    prompt = list(range(10, 20))
+    expected_ids = reference_outputs(prompt, 12)
+    text = FakeTokenizer().decode(expected_ids)
+    stop = text[stop_at : stop_at + 2]  # completed by output token stop_at + 1
+
+    def run(speculate: bool):
+        engine = make_engine(num_blocks=16)
+        engine.add_request("s", prompt, SamplingParams(max_tokens=12, stop=[stop], ignore_eos=True))
+        finals, steps = {}, 0
+        while engine.has_unfinished_requests():
+            for output in engine.step():
+                if output.finished:
+                    finals[output.request_id] = output
+            request = engine.scheduler.requests.get("s")
+            if speculate and request is not None:
+                request.spec_token_ids = reference_outputs(request.all_token_ids, 5)
+            steps += 1
+        assert_engine_idle(engine)
+        out = finals["s"].outputs[0]
+        return (out.token_ids, out.text, out.finish_reason, out.stop_reason), steps, engine.stats()
+
+    plain, plain_steps, plain_stats = run(False)
+    spec, spec_steps, spec_stats = run(True)
+    assert plain == (expected_ids[: text.index(stop) + 2], text[: text.index(stop)], "stop", stop)
+    assert spec == plain
+    assert spec_steps < plain_steps or plain_steps <= 2
+    assert spec_stats.num_generation_tokens == plain_stats.num_generation_tokens == len(plain[0])
+
+
+def test_every_step_is_reported_to_every_observer_on_the_injected_clock() -> None:
+    from tokenmill.engine.engine import StepObserver
+
+    class Recorder(StepObserver):
+        def __init__(self) -> None:
+            self.records, self.outputs, self.aborted = [], [], []
+
+        def on_step(self, record, outputs) -> None:
+            self.records.append(record)
+            self.outputs.append([o.request_id for o in outputs])
+
+        def on_aborted(self, output) -> None:
+            self.aborted.append(output.request_id)
+
+    ticks = iter(range(10_000))
+    engine = make_engine(num_blocks=16, max_num_batched_tokens=8)
+    engine.clock = engine.scheduler.clock = engine.output_processor.clock = lambda: float(next(ticks))
+    first, second = Recorder(), Recorder()
+    engine.add_observer(first)
+    engine.add_observer(second)
+    engine.add_request("a", list(range(10, 22)), SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.add_request("b", list(range(30, 34)), SamplingParams(max_tokens=50, ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    engine.abort_request("b")
+    drain(engine)
+    records = first.records
+    assert records == second.records and first.aborted == second.aborted == ["b"]
+    assert [r.index for r in records] == list(range(len(records)))
+    # Step 0: a's first 8 prompt tokens (chunked); step 1: a's last 4 and b's 4; then decodes.
+    assert [(r.num_prefill_tokens, r.num_decode_tokens) for r in records[:3]] == [(8, 0), (8, 0), (0, 2)]
+    assert [r.num_generated for r in records[:4]] == [0, 2, 2, 2]
+    assert records[3].finished_ids == ["a"] and records[3].num_running == 1
+    assert all(r.schedule_s > 0 and r.execute_s > 0 and r.process_s > 0 for r in records)  # the fake clock ticks
+    assert sum(r.num_generated for r in records) == engine.stats().num_generation_tokens
+    assert first.outputs[3] == ["a", "b"]

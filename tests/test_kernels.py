@@ -142,13 +142,16 @@ def test_prepared_linear_matches_f_linear_for_every_row_count(onednn, weight_dty
     """Prepared for the CPU, a Linear computes the same product (on its weights as stored)
     through the skinny kernel, oneDNN or F.linear, whatever the row count; the plain
     weight is gone."""
-    from tokenmill.model.layers import SKINNY_MAX_ROWS, Linear
+    from tokenmill.model.layers import Linear
+    from tokenmill.quantization import DenseFormat
+    from tokenmill.quantization.dense import SKINNY_MAX_ROWS
 
     layer = Linear(48, 70, bias=True)
     reference = layer.weight.detach().to(weight_dtype).float()
     bias = layer.bias.detach().clone()
-    layer.prepare_for_cpu(weight_dtype, onednn=onednn)
-    assert layer.weight is None and layer.tiled is not None and (layer.packed is not None) == onednn
+    layer.set_format(DenseFormat(weight_dtype, cpu_layout=True, onednn=onednn))
+    weights = layer.weights
+    assert layer.weight is None and weights.tiled is not None and (weights.packed is not None) == onednn
     with torch.no_grad():
         for rows in (1, 3, SKINNY_MAX_ROWS, SKINNY_MAX_ROWS + 1, 300):
             x = torch.randn(rows, 48)
@@ -173,13 +176,16 @@ def _tiny_llama(tie: bool = True):
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 def test_preparing_a_model_keeps_its_logits(tie) -> None:
-    from tokenmill.model.layers import prepare_for_cpu
+    from tokenmill.model.layers import set_weight_format
+    from tokenmill.quantization import DenseFormat
 
     model = _tiny_llama(tie)
     ids = torch.randint(0, 300, (40,))
     with torch.inference_mode():
         before = model.compute_logits(model(ids, torch.arange(40)))
-        assert prepare_for_cpu(model, torch.float32) == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the head
+        prepared = set_weight_format(model, DenseFormat(torch.float32, cpu_layout=True, onednn=True))
+        assert prepared == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the head
+        model.use_native_ops(True)
         after = model.compute_logits(model(ids, torch.arange(40)))
         one = model.compute_logits(model(ids[:1], torch.arange(1)))  # 1 row: the skinny path
     torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
@@ -190,7 +196,7 @@ def test_bfloat16_weights_compute_in_float32_like_a_rounded_float32_model() -> N
     """--dtype bfloat16 on a CPU without bf16 arithmetic: the weights are stored in bf16,
     activations stay float32. Decode-shaped steps then equal a float32 model whose
     weights were rounded to bf16."""
-    from tokenmill.model.layers import prepare_for_cpu
+    from tokenmill.runner.plan import apply_plan, cpu_native_plan
 
     model, rounded = _tiny_llama(), _tiny_llama()
     with torch.no_grad():
@@ -199,15 +205,17 @@ def test_bfloat16_weights_compute_in_float32_like_a_rounded_float32_model() -> N
                 p.copy_(p.bfloat16().float())
     ids = torch.randint(0, 300, (12,))
     with torch.inference_mode():
-        prepare_for_cpu(model, torch.bfloat16, onednn=False)
-        assert model.dtype == torch.float32 and model.embed_tokens.weight.dtype == torch.bfloat16
+        apply_plan(model, cpu_native_plan(torch.bfloat16, onednn=False))
+        # The tied embedding is served by the head's bf16 tiles (no table of its own).
+        assert model.dtype == torch.float32 and model.embed_tokens.weight is None
+        assert model.lm_head.weights.tiled.dtype == torch.bfloat16
         got = model.compute_logits(model(ids, torch.arange(12)))
         expected = rounded.compute_logits(rounded(ids, torch.arange(12)))
     torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
 
 
 def test_dtype_plan_on_a_cpu_without_bf16_arithmetic(monkeypatch) -> None:
-    from tokenmill.runner import factory
+    from tokenmill import builder as factory
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(factory, "cpu_has_native_bf16", lambda: False)
@@ -272,17 +280,20 @@ def test_rotary_in_place_matches_the_torch_rotation_on_a_strided_view() -> None:
 def test_attention_backend_choice_and_its_errors() -> None:
     from tokenmill.attention.cpu_native import CPUNativeBackend
     from tokenmill.attention.torch_sdpa import TorchSDPABackend
+    from tokenmill.builder import select_attention_backend
     from tokenmill.config import EngineConfig
-    from tokenmill.runner.factory import select_attention_backend
 
     cpu = torch.device("cpu")
-    assert isinstance(select_attention_backend("auto", cpu), CPUNativeBackend)
-    assert type(select_attention_backend("torch_sdpa", cpu)) is TorchSDPABackend
-    assert type(select_attention_backend("auto", torch.device("cuda"))) is TorchSDPABackend  # no CUDA touched
+    assert isinstance(select_attention_backend("auto", cpu, kernels_ok=True), CPUNativeBackend)
+    assert type(select_attention_backend("torch_sdpa", cpu, kernels_ok=True)) is TorchSDPABackend
+    assert type(select_attention_backend("auto", cpu, kernels_ok=False)) is TorchSDPABackend  # kernels off
+    assert type(select_attention_backend("auto", torch.device("cuda"), kernels_ok=False)) is TorchSDPABackend
     with pytest.raises(ValueError, match="runs on the CPU only"):
-        select_attention_backend("cpu_native", torch.device("cuda"))
+        select_attention_backend("cpu_native", torch.device("cuda"), kernels_ok=False)
+    with pytest.raises(ValueError, match="needs the native CPU kernels"):
+        select_attention_backend("cpu_native", cpu, kernels_ok=False)
     with pytest.raises(ValueError, match="attention_backend must be one of"):
-        EngineConfig(attention_backend="flash")
+        EngineConfig.from_kwargs(attention_backend="flash")
 
 
 def test_fused_decode_layer_rejects_bad_slots_and_caches() -> None:
@@ -306,3 +317,50 @@ def test_fused_decode_layer_rejects_bad_slots_and_caches() -> None:
     assert fresh[0].abs().sum() == 0 and fresh[1].abs().sum() == 0
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         run(tuple(c.half() for c in cache), 0)
+
+
+def test_tiled_rows_are_the_weight_rows() -> None:
+    weight = torch.randn(37, 48)
+    tiled = tile_for_skinny(weight, torch.bfloat16)
+    ids = torch.tensor([0, 36, 5, 5, 17])
+    torch.testing.assert_close(kernels.tiled_rows(tiled, ids).float(), weight.bfloat16().float()[ids])
+
+
+@pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
+def test_loading_straight_into_a_weight_format_equals_formatting_afterwards(tie) -> None:
+    """load_weights(fmt): each linear goes into the format as soon as its parts are in (no
+    float copy of the whole model); the result equals loading plain and formatting after."""
+    from tokenmill.runner.plan import apply_plan, cpu_native_plan
+
+    source = _tiny_llama(tie)
+    state = _checkpoint_of(source)
+    plan = cpu_native_plan(torch.bfloat16)
+    streamed, after = _tiny_llama(tie), _tiny_llama(tie)
+    streamed.load_weights(iter(state), plan.weight_format)
+    assert all(lin.weight is None for lin in (streamed.layers[0].self_attn.qkv_proj, streamed.layers[1].mlp.down_proj))
+    apply_plan(streamed, plan)
+    after.load_weights(iter(state))
+    apply_plan(after, plan)
+    ids = torch.randint(0, 300, (9,))
+    with torch.inference_mode():
+        torch.testing.assert_close(streamed.compute_logits(streamed(ids, torch.arange(9))),
+                                   after.compute_logits(after(ids, torch.arange(9))))
+    assert (streamed.embed_tokens.weight is None) == tie  # a tied head serves the embedding
+
+
+def _checkpoint_of(model) -> list[tuple[str, torch.Tensor]]:
+    """The model's parameters under Hugging Face names (q/k/v and gate/up unfused)."""
+    cfg = model.cfg
+    q, kv, inter = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.intermediate_size
+    out = []
+    for name, param in model.named_parameters():
+        p = param.detach().clone()
+        if "qkv_proj" in name:
+            out += [(name.replace("qkv_proj", part), t) for part, t in zip(("q_proj", "k_proj", "v_proj"),
+                                                                            p.split([q, kv, kv]))]
+        elif "gate_up_proj" in name:
+            out += [(name.replace("gate_up_proj", part), t) for part, t in zip(("gate_proj", "up_proj"),
+                                                                                p.split([inter, inter]))]
+        else:
+            out.append((name, p))
+    return out

@@ -7,7 +7,8 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM as HFLlama, Qwen2Config, Qwen2ForCausalLM as HFQwen2
 
 from tokenmill import kernels
-from tokenmill.attention.backend import BatchLayout, ForwardContext, forward_context
+from tokenmill.attention.backend import BatchLayout, ForwardContext, PagedDecode, forward_context
+from tokenmill.attention.kv_cache import LayerKVCache
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
 from tokenmill.model.config import ModelArchConfig
 from tokenmill.model.llama import LlamaForCausalLM
@@ -101,15 +102,17 @@ def _backend(name: str):
 
 def _paged_logits(
     model: LlamaForCausalLM, seqs: list[list[int]], chunks: list[list[int]], backend_name: str, block_size: int = 4,
-    kv_dtype: torch.dtype = torch.float32,
+    kv_dtype: torch.dtype = torch.float32, plan=None,
 ):
     """Run `seqs` through the paged backend in several steps, the i-th step computing
     chunks[i][r] tokens of sequence r, with shuffled block ids; returns per-sequence
-    logits of every position."""
+    logits of every position. Pure decode steps run the fused decode layer where `plan`
+    (the model's execution plan) says so, as the runner decides it."""
     cfg = model.cfg
     num_blocks = sum(-(-len(s) // block_size) for s in seqs) + 3
     shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    caches = [(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype)) for _ in range(cfg.num_layers)]
+    caches = [LayerKVCache(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
+              for _ in range(cfg.num_layers)]
     free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(3)).tolist()
     tables = [[free.pop() for _ in range(-(-len(s) // block_size))] for s in seqs]
     done = [0] * len(seqs)
@@ -130,7 +133,11 @@ def _paged_logits(
             slot_mapping=slots,
             block_size=block_size,
         )
-        ctx = ForwardContext(backend, backend.build_metadata(layout, torch.device("cpu")), caches)
+        cpu = torch.device("cpu")
+        if plan is not None and plan.use_fused_decode(len(active), layout.all_decode):
+            ctx = ForwardContext(backend, None, caches, PagedDecode.from_layout(layout, cpu))
+        else:
+            ctx = ForwardContext(backend, backend.build_metadata(layout, cpu), caches)
         with forward_context(ctx):
             out = model.compute_logits(model(torch.tensor(ids), torch.tensor(pos)))
         row = 0
@@ -161,22 +168,23 @@ def _paged_logits(
 def test_paged_chunked_batched_attention_equals_dense(
     backend_name: str, prepared: bool, chunks: list[list[int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """`prepared`: weights laid out for the CPU (layers.prepare_for_cpu): the skinny and
+    """`prepared`: the CPU execution plan (runner.plan.cpu_native_plan): the skinny and
     oneDNN linears, and for all-decode steps the fused decode layer."""
     model = _ours_from(_hf_llama(num_key_value_heads=2))
     gen = torch.Generator().manual_seed(4)
     seqs = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (13, 7, 20)]
     dense = [model.compute_logits(model(torch.tensor(seq), torch.arange(len(seq)))) for seq in seqs]
+    plan = None
     if prepared:
-        from tokenmill.model.layers import prepare_for_cpu
+        from tokenmill.runner.plan import apply_plan, cpu_native_plan
 
-        prepare_for_cpu(model, torch.float32)
-        assert all(layer.can_fuse_decode() for layer in model.layers)
+        plan = apply_plan(model, cpu_native_plan(torch.float32))
+        assert plan.fused_decode and all(layer.can_fuse_decode() for layer in model.layers)
     fused_calls = []
     original = kernels.llama_decode_layer
     monkeypatch.setattr(kernels, "llama_decode_layer", lambda *a, **k: fused_calls.append(1) or original(*a, **k))
     # Step 1: prefill chunks; then mixed chunks and single-token decodes.
-    paged = _paged_logits(model, seqs, chunks, backend_name)
+    paged = _paged_logits(model, seqs, chunks, backend_name, plan=plan)
     all_decode_steps = sum(all(n in (0, 1) for n in step) for step in chunks)
     assert len(fused_calls) == (all_decode_steps * model.cfg.num_layers if prepared else 0)
     for expected, got in zip(dense, paged):
@@ -199,11 +207,12 @@ def test_bfloat16_kv_cache_with_float32_compute(backend_name: str, prepared: boo
     chunks = [[5, 4, 8], [1, 1, 1], [6, 1, 8], [1, 1, 3]]
     reference = _paged_logits(model, seqs, chunks, "torch_sdpa", kv_dtype=torch.bfloat16)
     exact = _paged_logits(model, seqs, chunks, "torch_sdpa")
+    plan = None
     if prepared:
-        from tokenmill.model.layers import prepare_for_cpu
+        from tokenmill.runner.plan import apply_plan, cpu_native_plan
 
-        prepare_for_cpu(model, torch.float32)
-    got = _paged_logits(model, seqs, chunks, backend_name, kv_dtype=torch.bfloat16)
+        plan = apply_plan(model, cpu_native_plan(torch.float32))
+    got = _paged_logits(model, seqs, chunks, backend_name, kv_dtype=torch.bfloat16, plan=plan)
     for g, r, e in zip(got, reference, exact):
         torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)

@@ -49,7 +49,7 @@ def _gguf_blocks(name: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
         return gguf.quants.quantize(rng.standard_normal((rows, k)).astype(np.float32), qtype)
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, k // block, size), dtype=np.uint8)
-    sane = lambda: rng.uniform(0.001, 0.05, (rows, k // block, 1)).astype(np.float16).view(np.uint8)  # noqa: E731
+    sane = lambda: rng.uniform(0.001, 0.05, (rows, k // block, 1)).astype(np.float16).view(np.uint8)
     if name in ("Q4_K", "Q5_K"):  # d, dmin lead the block
         raw[..., 0:2], raw[..., 2:4] = sane(), sane()
     else:  # Q6_K: d ends it
@@ -121,11 +121,11 @@ def test_columns_split_on_group_boundaries_only() -> None:
 
 @pytest.mark.parametrize(
     "kwargs,match",
-    [(dict(bits=5, group_size=32), "bits must be 4 or 8"),
-     (dict(bits=4, group_size=48), "not divisible by the group size"),
-     (dict(bits=4, group_size=24, k=48), "group_size 24 is not supported"),
-     (dict(bits=4, group_size=32, both=True), "either mins"),
-     (dict(bits=4, group_size=32, big_codes=True), "below 16")],
+    [({"bits": 5, "group_size": 32}, "bits must be 4 or 8"),
+     ({"bits": 4, "group_size": 48}, "not divisible by the group size"),
+     ({"bits": 4, "group_size": 24, "k": 48}, "group_size 24 is not supported"),
+     ({"bits": 4, "group_size": 32, "both": True}, "either mins"),
+     ({"bits": 4, "group_size": 32, "big_codes": True}, "below 16")],
 )
 def test_pack_rejects_what_it_cannot_hold(kwargs, match) -> None:
     k = kwargs.pop("k", 64)
@@ -151,7 +151,7 @@ def test_gguf_blocks_dequantize_exactly_as_gguf_does(name) -> None:
 
 
 def test_gguf_tensors_of_the_default_model_dequantize_as_the_loader_does() -> None:
-    from tokenmill.model.gguf_file import GGUFFile
+    from tokenmill.gguf_file import GGUFFile
     from tokenmill.model.loader import default_model_path
 
     file = GGUFFile(default_model_path())

@@ -13,7 +13,10 @@ import torch
 from test_quantization import ALL_ROWS, FORMATS, _exact_case
 
 from tokenmill.kernels import _CSRC
-from tokenmill.quantization.reference import quant_linear_reference, quantize_activations_reference
+from tokenmill.quantization.reference import (
+    quant_linear_reference,
+    quantize_activations_reference,
+)
 
 pytestmark = pytest.mark.slow
 

@@ -711,3 +711,118 @@ def test_random_workload_with_stops_salts_and_prompt_logprobs(enable_caching: bo
     assert preempted > 0
     assert (h.kv.stats.hits > 0) == enable_caching
     h.assert_idle()
+
+
+# ----- multi-token steps: proposed tokens verified in a step --------------------------------
+
+
+def oracle(k: int, wrong_after: int | None = None, rng: random.Random | None = None):
+    """A proposer that guesses the fake model's next k tokens; with `wrong_after`, only the
+    first `wrong_after` guesses are right (the rest a token the model never emits); with
+    `rng`, a random number of them."""
+
+    def propose(request) -> list[int]:
+        right = reference_outputs(request.all_token_ids, k)
+        n_right = wrong_after if rng is None else rng.randint(0, k)
+        n_right = k if n_right is None else n_right
+        return right[:n_right] + [1] * (k - n_right)  # id 1 is special: never the model's choice
+
+    return propose
+
+
+def test_right_proposals_are_accepted_and_save_steps() -> None:
+    plain, spec = Harness(num_blocks=20), Harness(num_blocks=20, proposer=oracle(4))
+    prompt = tokens(100, 6)
+    for h in (plain, spec):
+        h.add("a", prompt, max_tokens=21)
+        h.run()
+        assert h.finished["a"].output_token_ids == reference_outputs(prompt, 21)
+        h.assert_idle()
+    # Prefill gives 1 token; each later step accepts 4 proposals and adds one: 1 + 4 * 5.
+    assert (plain.num_steps, spec.num_steps) == (21, 5)
+    assert spec.num_accepted == 16
+
+
+def test_wrong_proposals_are_rolled_back_and_change_nothing() -> None:
+    plain, spec = Harness(num_blocks=20), Harness(num_blocks=20, proposer=oracle(3, wrong_after=1))
+    prompt = tokens(100, 6)
+    for h in (plain, spec):
+        h.add("a", prompt, max_tokens=12)
+        h.run()
+        assert h.finished["a"].output_token_ids == reference_outputs(prompt, 12)
+        h.assert_idle()
+    # Prefill: 1 token; then one right guess and the model's token a step (5 x 2); the last
+    # step has no room for a proposal (max_tokens): 1 + 10 + 1 tokens in 7 steps.
+    assert (plain.num_steps, spec.num_steps, spec.num_accepted) == (12, 7, 5)
+    never = Harness(num_blocks=20, proposer=oracle(3, wrong_after=0))
+    never.add("a", prompt, max_tokens=12)
+    assert never.run() == plain.num_steps and never.num_accepted == 0
+    assert never.finished["a"].output_token_ids == reference_outputs(prompt, 12)
+
+
+def test_proposals_count_in_the_budget_and_stop_at_max_tokens() -> None:
+    h = Harness(num_blocks=20, max_num_batched_tokens=8, proposer=oracle(6))
+    h.add("a", tokens(100, 8), max_tokens=5)
+    out = h.step()  # the prefill alone fills the budget
+    assert trace(out) == [("a", 0, 8, True)]
+    out = h.step()
+    # 1 known token + proposals, capped so that no more than max_tokens can come out.
+    assert [len(item.spec_token_ids) for item in out.scheduled] == [3]
+    assert h.finished["a"].output_token_ids == reference_outputs(tokens(100, 8), 5)
+    h.assert_idle()
+
+
+def test_a_stop_token_inside_an_accepted_run_ends_it_there() -> None:
+    prompt = tokens(100, 6)
+    # The model emits EOS as its 4th token; the proposals guess past it.
+    eos_at_3 = lambda rid, i, ctx: EOS if i == 3 else None  # noqa: E731
+    h = Harness(num_blocks=20, policy=eos_at_3, proposer=lambda r: reference_outputs(r.all_token_ids, 6))
+    h.add("a", prompt, max_tokens=30)
+    h.run()
+    expected = reference_outputs(prompt, 3) + [EOS]
+    assert h.finished["a"].output_token_ids == expected
+    assert h.finished["a"].status == RequestStatus.FINISHED_STOPPED
+    h.assert_idle()
+
+
+def test_no_proposals_are_verified_while_min_tokens_bans_eos() -> None:
+    h = Harness(num_blocks=20, proposer=oracle(4))
+    h.add("a", tokens(100, 6), max_tokens=12, min_tokens=5)
+    spec_lens = []
+    while h.sched.has_unfinished_requests():
+        out = h.step()
+        spec_lens += [len(item.spec_token_ids) for item in out.scheduled]
+    assert spec_lens[:5] == [0] * 5 and max(spec_lens) > 0
+    assert h.finished["a"].output_token_ids == reference_outputs(tokens(100, 6), 12)
+
+
+@pytest.mark.parametrize("enable_caching", [True, False], ids=["caching", "no-caching"])
+def test_random_workload_with_proposals_preemption_and_stops(enable_caching: bool) -> None:
+    """Proposals right and wrong at random, KV pressure that preempts, shared prefixes,
+    EOS inside accepted runs: every output is exactly the model's, nothing leaks."""
+    rng = random.Random(11)
+    eos_from = {}
+
+    def policy(rid: str, i: int, ctx: list[int]) -> int | None:
+        return EOS if i >= eos_from[rid] else None
+
+    h = Harness(num_blocks=14, block_size=4, max_num_seqs=5, max_num_batched_tokens=24, enable_caching=enable_caching,
+                policy=policy, proposer=oracle(4, rng=random.Random(12)))
+    shared = tokens(300, 9)
+    expected = {}
+    for i in range(30):
+        rid = f"r{i}"
+        prompt = (shared if rng.random() < 0.5 else []) + tokens(rng.randrange(400, 900), rng.randint(2, 10))
+        max_tokens = rng.randint(1, 14)
+        eos_from[rid] = rng.randint(0, 16)
+        h.add(rid, prompt, max_tokens=max_tokens)
+        stop_at = eos_from[rid]
+        expected[rid] = (reference_outputs(prompt, stop_at) + [EOS]) if stop_at < max_tokens else \
+            reference_outputs(prompt, max_tokens)
+        if rng.random() < 0.4:
+            h.step()
+    h.run()
+    for rid, outputs in expected.items():
+        assert h.finished[rid].output_token_ids == outputs, rid
+    assert h.num_accepted > 0 and h.sched.num_preemptions > 0
+    h.assert_idle()

@@ -10,16 +10,10 @@ import time
 
 import pytest
 
-from tokenmill.engine.engine import EngineStats
+from tokenmill.engine.engine import EngineStats, StepObserver
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.sampling.params import SamplingParams
-from tokenmill.serve.async_engine import (
-    AsyncEngine,
-    EngineUnavailableError,
-    NewRequest,
-    QueueFullError,
-    StepObserver,
-)
+from tokenmill.serve.async_engine import AsyncEngine, EngineUnavailableError, NewRequest, QueueFullError
 
 
 class FakeEngine:
@@ -36,6 +30,10 @@ class FakeEngine:
         self.requests: dict[str, tuple[SamplingParams, list[int]]] = {}
         self.steps = 0
         self.thread_ids: set[int] = set()
+        self.observers: list[StepObserver] = []
+
+    def add_observer(self, observer: StepObserver) -> None:
+        self.observers.append(observer)
 
     def add_request(self, request_id, prompt, params, *, arrival_time=None, **_):
         self.thread_ids.add(threading.get_ident())
@@ -47,7 +45,10 @@ class FakeEngine:
 
     def abort_request(self, request_id):
         entry = self.requests.pop(request_id, None)
-        return None if entry is None else self._output(request_id, entry[1], "abort")
+        output = None if entry is None else self._output(request_id, entry[1], "abort")
+        for observer in self.observers if output is not None else ():
+            observer.on_aborted(output)
+        return output
 
     def has_unfinished_requests(self):
         return bool(self.requests)
@@ -138,7 +139,7 @@ def test_abort_and_a_dropped_stream_both_stop_the_request():
     async def scenario():
         fake = FakeEngine(step_delay=0.01)
         observer = RecordingObserver()
-        engine = await started(fake, observer=observer)
+        engine = await started(fake, observers=[observer])
         stream = await engine.add_requests([NewRequest("a", [1], params(1000))])
         await stream.get()
         stream.abort()

@@ -7,14 +7,13 @@ import logging
 
 import pytest
 
-from tokenmill.cli import add_engine_args
 from tokenmill.serve import cli as serve_cli
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="tokenmill")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve_cli.register(sub, add_engine_args)
+    serve_cli.register(sub)
     return parser.parse_args(["serve", *argv])
 
 

@@ -17,7 +17,7 @@ import pytest
 from tokenizers import Tokenizer as BackendTokenizer
 from tokenizers import models, processors
 
-from tokenmill.model.gguf_file import GGUFFile, read_gguf_metadata
+from tokenmill.gguf_file import GGUFFile, read_gguf_metadata
 from tokenmill.tokenizer import Tokenizer
 
 GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"

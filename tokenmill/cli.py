@@ -6,42 +6,7 @@ import argparse
 import logging
 import sys
 
-from tokenmill.config import ATTENTION_BACKENDS
-
-
-def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Flags shared by every command that builds an engine."""
-    parser.add_argument("--model", default=None, help="GGUF file or Hugging Face directory (default: SmolLM2-135M-Instruct)")
-    parser.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float32", "float16"],
-                        help="auto: bfloat16 where the hardware computes it natively, else float32")
-    parser.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=64)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    parser.add_argument("--kv-cache-memory", default=None, help="bytes or e.g. 2GiB")
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--no-prefix-caching", dest="enable_prefix_caching", action="store_false")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--num-threads", type=int, default=None)
-    parser.add_argument("--attention-backend", choices=ATTENTION_BACKENDS, default="auto",
-                        help="auto: the native CPU kernel on CPU when it builds, else torch_sdpa")
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    return {
-        "model": args.model,
-        "dtype": args.dtype,
-        "device": args.device,
-        "max_model_len": args.max_model_len,
-        "max_num_seqs": args.max_num_seqs,
-        "max_num_batched_tokens": args.max_num_batched_tokens,
-        "kv_cache_memory": args.kv_cache_memory,
-        "block_size": args.block_size,
-        "enable_prefix_caching": args.enable_prefix_caching,
-        "seed": args.seed,
-        "num_threads": args.num_threads,
-        "attention_backend": args.attention_backend,
-    }
+from tokenmill.config import add_engine_args, config_from_args
 
 
 def add_sampling_args(parser: argparse.ArgumentParser) -> None:
@@ -79,7 +44,7 @@ def sampling_params(args: argparse.Namespace):
 def cmd_generate(args: argparse.Namespace) -> int:
     from tokenmill.llm import LLM
 
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**config_from_args(args).flat())
     params = sampling_params(args)
     prompt = args.prompt
     ids = llm.encode_chat([{"role": "user", "content": prompt}]) if args.chat_template else prompt
@@ -92,7 +57,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
     """Interactive chat that streams tokens as the engine produces them."""
     from tokenmill.llm import LLM
 
-    llm = LLM(**engine_kwargs(args))
+    llm = LLM(**config_from_args(args).flat())
     params = sampling_params(args)
     messages: list[dict[str, str]] = []
     if args.system:
@@ -158,10 +123,12 @@ def main(argv: list[str] | None = None) -> int:
 def _add_optional_commands(sub) -> None:
     """`serve` and `bench` register their own flags."""
     from tokenmill.bench import cli as bench_cli
+    from tokenmill.planner import cli as plan_cli
     from tokenmill.serve import cli as serve_cli
 
-    serve_cli.register(sub, add_engine_args)
-    bench_cli.register(sub, add_engine_args)
+    serve_cli.register(sub)
+    bench_cli.register(sub)
+    plan_cli.register(sub)
 
 
 if __name__ == "__main__":

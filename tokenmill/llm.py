@@ -6,7 +6,7 @@ from collections.abc import Sequence
 
 from tqdm import tqdm
 
-from tokenmill.config import EngineConfig, parse_memory
+from tokenmill.config import EngineConfig, engine_settings
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling.params import SamplingParams
@@ -18,40 +18,16 @@ Message = dict[str, str]
 class LLM:
     """Load a model and generate for batches of prompts with continuous batching.
 
-    `model=None` loads the default model (SmolLM2-135M-Instruct, Q4_1 GGUF).
-    `kv_cache_memory` is bytes or a string like "2GiB".
+    `LLM(model=None, **settings)`: `model=None` loads the default model
+    (SmolLM2-135M-Instruct, Q4_1 GGUF); the settings are the engine's (see
+    `tokenmill.config`, listed below), e.g. `dtype="float32"`, `max_num_seqs=16`,
+    `kv_cache_memory="2GiB"`.
     """
 
-    def __init__(
-        self,
-        model: str | None = None,
-        dtype: str = "auto",
-        max_model_len: int | None = None,
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        kv_cache_memory: int | str | None = None,
-        block_size: int = 16,
-        enable_prefix_caching: bool = True,
-        device: str = "auto",
-        seed: int = 0,
-        num_threads: int | None = None,
-        attention_backend: str = "auto",
-    ) -> None:
-        config = EngineConfig(
-            model=model,
-            dtype=dtype,
-            device=device,
-            max_model_len=max_model_len,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            kv_cache_memory=parse_memory(kv_cache_memory),
-            block_size=block_size,
-            enable_prefix_caching=enable_prefix_caching,
-            seed=seed,
-            num_threads=num_threads,
-            attention_backend=attention_backend,
-        )
-        self.engine = LLMEngine.from_config(config)
+    def __init__(self, model: str | None = None, **settings: object) -> None:
+        from tokenmill.builder import build_engine  # torch lives behind this import
+
+        self.engine = build_engine(EngineConfig.from_kwargs(model=model, **settings))
         self.tokenizer = self.engine.tokenizer
 
     @classmethod
@@ -109,10 +85,10 @@ class LLM:
         """Run the engine's checks without queueing anything."""
         engine = self.engine
         _, ids = engine._tokenize(prompt)
-        params.validate_token_ids(engine.vocab_size)
+        params.validate_token_ids(engine.facts.vocab_size)
         from tokenmill.engine.request import Request
 
-        probe = Request("probe", ids, params, max_total_tokens=engine.max_model_len)
+        probe = Request("probe", ids, params, max_total_tokens=engine.facts.max_model_len)
         engine.scheduler.check_can_admit(probe)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -147,3 +123,8 @@ def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, co
     if len(params) != count:
         raise ValueError(f"got {len(params)} sampling params for {count} prompts")
     return params
+
+
+LLM.__doc__ += "\n    Settings:\n" + "\n".join(
+    f"      {s.name} (default {s.default!r}): {s.help}" for s in engine_settings() if s.name != "model"
+)

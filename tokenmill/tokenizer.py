@@ -26,7 +26,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
-from tokenmill.model.gguf_file import read_gguf_metadata
+from tokenmill.gguf_file import read_gguf_metadata
 
 if TYPE_CHECKING:
     import gguf

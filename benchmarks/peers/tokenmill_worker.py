@@ -25,7 +25,7 @@ def main() -> int:
     args = parser.parse_args()
     channel = claim_stdout()
 
-    from tokenmill.bench.offline import TokenmillSystem, _engine_dtype, _engine_weight_dtype
+    from tokenmill.bench.offline import TokenmillSystem
     from tokenmill.llm import LLM
 
     log(NAME, f"loading (dtype {args.dtype}, {args.threads} threads, prefix caching {args.prefix_caching})")
@@ -35,8 +35,8 @@ def main() -> int:
     system = TokenmillSystem(llm)
     info = {
         "load_s": time.perf_counter() - t0,
-        "dtype": _engine_dtype(llm, args.dtype),
-        "weight_dtype": _engine_weight_dtype(llm, args.dtype),
+        "dtype": llm.engine.facts.compute_dtype,
+        "weight_dtype": llm.engine.facts.weight_format,
         "requested_dtype": args.dtype,
         "threads": args.threads,
         "prefix_caching": args.prefix_caching == "on",

@@ -1,19 +1,24 @@
 """The attention backend interface and the per-step forward context.
 
-A backend builds its metadata once per step from plain lists (the batch
-layout), then, in every attention layer, writes the step's K/V into the paged
-cache and attends over each request's cached context. The model reaches the
-metadata through a scoped forward context, so it never sees requests.
+A backend builds its metadata once per step from plain lists (the batch layout), then,
+in every attention layer, writes the step's K/V into the paged cache and attends over
+each request's cached context. Backends are peers behind this interface (none
+subclasses another). The model reaches the step's metadata through a forward context
+scoped to the running thread (a ContextVar), so it never sees requests, and a second
+engine or a draft model on another thread has its own.
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+
+from tokenmill.attention.kv_cache import LayerKVCache, PagedKVCache
 
 
 @dataclass
@@ -33,9 +38,20 @@ class BatchLayout:
             starts.append(starts[-1] + n)
         return starts
 
+    @property
+    def all_decode(self) -> bool:
+        """Every request computes one token (a pure decode step)."""
+        return all(n == 1 for n in self.query_lens)
+
+
+def padded_block_tables(tables: list[list[int]], width: int) -> list[list[int]]:
+    """Each table cut or padded to `width` blocks; padding points at block 0, real (finite)
+    cache memory that the context lengths keep out of reach."""
+    return [t[:width] + [0] * (width - len(t[:width])) for t in tables]
+
 
 class AttentionBackend(ABC):
-    """Peers behind one interface: a CPU backend now, CUDA ones beside it later."""
+    """Peers behind one interface: the CPU backends now, CUDA ones beside them later."""
 
     name: str
 
@@ -48,48 +64,54 @@ class AttentionBackend(ABC):
         q: torch.Tensor,  # [tokens, heads, head_dim]
         k: torch.Tensor,  # [tokens, kv_heads, head_dim]
         v: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor],  # K, V: [blocks, block_size, kv_heads, head_dim]
+        kv_cache: LayerKVCache,
         metadata: object,
         scale: float,
     ) -> torch.Tensor: ...  # [tokens, heads, head_dim]
 
-    def decode_only(self, metadata: object) -> DecodeOnly | None:
-        """The step in the form of a fused decode layer (kernels.llama_decode_layer), when
-        every token is a decode and this backend can hand its cache walk over; else None."""
-        return None
-
 
 @dataclass
-class DecodeOnly:
-    """An all-decode step (token i is sequence i's next token), as a native decode layer
-    reads it."""
+class PagedDecode:
+    """A pure decode step (token i is sequence i's next token) in the form native fused
+    decode layers read: the runner builds it once per step when the execution plan uses
+    such a layer."""
 
     slots: torch.Tensor  # int64 [tokens]: where each token's K/V goes in the flattened cache
     block_tables: torch.Tensor  # int32 [tokens, max_blocks]
     context_lens: torch.Tensor  # int32 [tokens], including this token
+
+    @classmethod
+    def from_layout(cls, layout: BatchLayout, device: torch.device) -> PagedDecode:
+        width = -(-max(layout.context_lens) // layout.block_size)
+        return cls(
+            slots=torch.tensor(layout.slot_mapping, dtype=torch.long, device=device),
+            block_tables=torch.tensor(padded_block_tables(layout.block_tables, width), dtype=torch.int32,
+                                      device=device),
+            context_lens=torch.tensor(layout.context_lens, dtype=torch.int32, device=device),
+        )
 
 
 @dataclass
 class ForwardContext:
     backend: AttentionBackend
     metadata: object
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    kv_cache: PagedKVCache | list[LayerKVCache]
+    decode: PagedDecode | None = None  # set for pure decode steps the plan runs fused
 
 
-_context: ForwardContext | None = None
+_context: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("tokenmill_forward", default=None)
 
 
 @contextlib.contextmanager
 def forward_context(ctx: ForwardContext) -> Iterator[None]:
-    global _context
-    previous, _context = _context, ctx
+    token = _context.set(ctx)
     try:
         yield
     finally:
-        _context = previous
+        _context.reset(token)
 
 
 def get_forward_context() -> ForwardContext | None:
     """None outside a runner step: attention then runs dense and causal over one
     sequence (the reference path used by tests)."""
-    return _context
+    return _context.get()

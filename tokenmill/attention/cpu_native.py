@@ -2,8 +2,8 @@
 
 Decode queries (one token each) attend over their histories read in place from the
 paged cache (`tokenmill/kernels/csrc/cpu_attention.cpp`), instead of the padded gather
-plus masked SDPA of the pure-PyTorch backend. Prefill chunks are matrix-shaped work that
-SDPA's flash kernel already does well, so they keep the parent's path.
+plus masked SDPA of the pure-PyTorch backend. Prefill chunks go through the shared SDPA
+path (`paged_sdpa`), which SDPA's flash kernel already does well.
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from tokenmill.attention.backend import BatchLayout, DecodeOnly
-from tokenmill.attention.torch_sdpa import SDPAMetadata, TorchSDPABackend
+from tokenmill.attention.backend import AttentionBackend, BatchLayout, padded_block_tables
+from tokenmill.attention.paged_sdpa import PrefillSpan, attend_prefills, prefill_spans, write_kv
 from tokenmill.kernels import paged_decode_attention
 
 
@@ -24,31 +24,35 @@ class NativeDecode:
     context_lens: torch.Tensor  # int32 [decodes]
 
 
-class CPUNativeBackend(TorchSDPABackend):
+@dataclass
+class NativeMetadata:
+    slot_mapping: torch.Tensor  # [tokens]
+    decode: NativeDecode | None
+    prefills: list[PrefillSpan]
+
+
+class CPUNativeBackend(AttentionBackend):
     name = "cpu_native"
 
-    @staticmethod
-    def _decode_batch(layout: BatchLayout, decodes: list[int], starts: list[int], device: torch.device) -> NativeDecode:
-        size = layout.block_size
-        lens = [layout.context_lens[i] for i in decodes]
-        width = -(-max(lens) // size)
-        tables = [layout.block_tables[i][:width] for i in decodes]
-        rows = [starts[i] for i in decodes]
-        contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
-        return NativeDecode(
-            rows=slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows, device=device),
-            block_tables=torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32, device=device),
-            context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+    def build_metadata(self, layout: BatchLayout, device: torch.device) -> NativeMetadata:
+        decodes = [i for i, n in enumerate(layout.query_lens) if n == 1]
+        return NativeMetadata(
+            slot_mapping=torch.tensor(layout.slot_mapping, dtype=torch.long, device=device),
+            decode=_native_decode(layout, decodes, device) if decodes else None,
+            prefills=prefill_spans(layout, device),
         )
 
-    def decode_only(self, metadata: SDPAMetadata) -> DecodeOnly | None:
-        native: NativeDecode | None = metadata.decode
-        if metadata.prefills or native is None or not isinstance(native.rows, slice) or native.rows.start != 0:
-            return None
-        return DecodeOnly(metadata.slot_mapping, native.block_tables, native.context_lens)
+    def forward(self, q, k, v, kv_cache, metadata: NativeMetadata, scale: float) -> torch.Tensor:
+        write_kv(k, v, kv_cache, metadata.slot_mapping)
+        out = torch.empty_like(q)
+        if metadata.decode is not None:
+            self._decode(q, kv_cache, metadata.decode, scale, out)
+        attend_prefills(q, k, v, kv_cache, metadata.prefills, scale, out)
+        return out
 
-    def _decode(self, q, k_cache, v_cache, metadata: SDPAMetadata, scale: float, out: torch.Tensor) -> None:
-        native: NativeDecode = metadata.decode
+    @staticmethod
+    def _decode(q, kv_cache, native: NativeDecode, scale: float, out: torch.Tensor) -> None:
+        k_cache, v_cache = kv_cache
         if isinstance(native.rows, slice):  # write straight into the output rows
             paged_decode_attention(
                 out[native.rows], q[native.rows], k_cache, v_cache, native.block_tables, native.context_lens, scale
@@ -58,3 +62,17 @@ class CPUNativeBackend(TorchSDPABackend):
         od = torch.empty_like(qd)
         paged_decode_attention(od, qd, k_cache, v_cache, native.block_tables, native.context_lens, scale)
         out[native.rows] = od
+
+
+def _native_decode(layout: BatchLayout, decodes: list[int], device: torch.device) -> NativeDecode:
+    size, starts = layout.block_size, layout.query_starts
+    lens = [layout.context_lens[i] for i in decodes]
+    width = -(-max(lens) // size)
+    tables = padded_block_tables([layout.block_tables[i] for i in decodes], width)
+    rows = [starts[i] for i in decodes]
+    contiguous = rows == list(range(rows[0], rows[0] + len(rows)))
+    return NativeDecode(
+        rows=slice(rows[0], rows[0] + len(rows)) if contiguous else torch.tensor(rows, device=device),
+        block_tables=torch.tensor(tables, dtype=torch.int32, device=device),
+        context_lens=torch.tensor(lens, dtype=torch.int32, device=device),
+    )

@@ -117,7 +117,7 @@ class LocalTokenSource:
             self.tokenizer = Tokenizer.from_gguf(path)
         else:
             raise FileNotFoundError(f"--tokenizer {spec!r}: no such GGUF file or Hugging Face directory")
-        from tokenmill.bench.offline import ordinary_token_ids
+        from tokenmill.bench.workloads import ordinary_token_ids
 
         self.pool = ordinary_token_ids(self.tokenizer, self.tokenizer.vocab_size)
         self.description = f"local tokenizer {path}"

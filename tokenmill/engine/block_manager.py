@@ -44,6 +44,24 @@ class KVBlock:
     block_hash: BlockHash | None = None
 
 
+@dataclass(frozen=True)
+class KVSnapshot:
+    """The block manager's state at one moment, for dashboards and the simulator."""
+
+    num_blocks: int
+    block_size: int
+    num_free: int  # free blocks, cached or not
+    num_cached_free: int  # of those, holding a prefix-cache entry
+    num_cached: int  # blocks with a prefix-cache entry (held or free)
+    blocks_per_request: dict[str, int]
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free / self.num_blocks
+
+
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up at admission
@@ -76,6 +94,15 @@ class KVBlockManager:
     def usage(self) -> float:
         """Fraction of blocks held by requests (free cached blocks count as free)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def snapshot(self) -> KVSnapshot:
+        cached_free = sum(1 for b in self.free_queue if self.blocks[b].block_hash is not None)
+        return KVSnapshot(
+            num_blocks=self.num_blocks, block_size=self.block_size, num_free=self.num_free_blocks,
+            num_cached_free=cached_free, num_cached=len(self.cached_blocks),
+            blocks_per_request={rid: len(blocks) for rid, blocks in self.req_blocks.items()},
+            prefix_cache_queries=self.stats.queries, prefix_cache_hits=self.stats.hits,
+        )
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)

@@ -43,6 +43,7 @@ class IncrementalDetokenizer:
 
         self._text = ""
         self._stop_string: str | None = None
+        self.num_tokens = 0  # output tokens taken in; at a stop string, those up to the one completing it
 
     @property
     def stop_string(self) -> str | None:
@@ -61,6 +62,7 @@ class IncrementalDetokenizer:
         # before that character.
         for token_id in token_ids:
             self._token_ids.append(token_id)
+            self.num_tokens += 1
             new_text = self._decode_new_text()
             if new_text:
                 checked_from = len(self._text)

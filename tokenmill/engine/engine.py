@@ -1,7 +1,10 @@
 """The step loop: schedule, run the model, update requests, build outputs.
 
-Torch-free: the runner arrives as an object with `execute(SchedulerOutput) ->
-RunnerOutput` and `vocab_size`, built by `LLMEngine.from_config`.
+Torch-free: the executor arrives as an object with `execute(SchedulerOutput) ->
+RunnerOutput`, built (with the tokenizer and the facts found at load) by
+`tokenmill.builder.build_engine`. Every step is reported to the engine's observers as
+a `StepRecord` (what ran, what was preempted and finished, how long each phase took):
+metrics, the bench and a simulator read the same event stream. The clock is injected.
 """
 
 from __future__ import annotations
@@ -9,10 +12,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Protocol
 
-from tokenmill.config import EngineConfig
+from tokenmill.config import EngineConfig, EngineFacts
 from tokenmill.engine.batch import RunnerOutput, SchedulerOutput
 from tokenmill.engine.block_manager import KVBlockManager
 from tokenmill.engine.output_processor import OutputProcessor
@@ -24,8 +28,6 @@ from tokenmill.tokenizer import Tokenizer
 
 
 class Executor(Protocol):
-    vocab_size: int
-
     def execute(self, batch: SchedulerOutput) -> RunnerOutput: ...
 
 
@@ -36,38 +38,85 @@ class EngineStats(SchedulerStats):
     num_steps: int = 0
 
 
+@dataclass
+class StepRecord:
+    """One engine step, as observers see it. Times are from the engine's clock."""
+
+    index: int
+    started: float
+    schedule_s: float  # scheduling (admission, allocation, preemption)
+    execute_s: float  # the executor: tensors, forward, sampling
+    process_s: float  # appending tokens, stop checks, detokenization, outputs
+    num_prefill_tokens: int  # tokens of chunks that start inside the prompt
+    num_decode_tokens: int
+    num_scheduled: int
+    num_generated: int  # tokens appended to requests
+    preempted_ids: list[str] = field(default_factory=list)
+    finished_ids: list[str] = field(default_factory=list)  # requests that ended in this step
+    num_running: int = 0  # after the step
+    num_waiting: int = 0
+    kv_usage: float = 0.0
+
+    @property
+    def duration_s(self) -> float:
+        return self.schedule_s + self.execute_s + self.process_s
+
+
+class StepObserver:
+    """Hooks the engine calls on its own thread (metrics, a dashboard, a recorder). The
+    default does nothing; override what you need."""
+
+    def on_step(self, record: StepRecord, outputs: list[RequestOutput]) -> None: ...
+
+    def on_aborted(self, output: RequestOutput) -> None: ...
+
+
 class LLMEngine:
     def __init__(
         self,
         config: EngineConfig,
         executor: Executor,
         tokenizer: Tokenizer,
-        num_blocks: int,
-        max_model_len: int,
-        model_name: str = "model",
+        facts: EngineFacts,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = config
         self.executor = executor
         self.tokenizer = tokenizer
-        self.model_name = model_name
-        self.max_model_len = max_model_len
-        self.vocab_size = executor.vocab_size
-        kv = KVBlockManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(
-            SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens, max_model_len), kv
-        )
-        self.output_processor = OutputProcessor(tokenizer)
+        self.facts = facts
+        self.clock = clock
+        kv = KVBlockManager(facts.num_blocks, facts.block_size, config.cache.enable_prefix_caching)
+        limits = SchedulerConfig(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
+                                 facts.max_model_len)
+        self.scheduler = Scheduler(limits, kv, clock)
+        self.output_processor = OutputProcessor(tokenizer, clock)
+        self.observers: list[StepObserver] = []
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_steps = 0
         self._ids = itertools.count()
 
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> LLMEngine:
-        from tokenmill.runner.factory import build_runner  # torch lives behind this import
+    @property
+    def model_name(self) -> str:
+        return self.facts.model_name
 
-        built = build_runner(config)
-        return cls(config, built.runner, built.tokenizer, built.num_blocks, built.max_model_len, built.model_name)
+    @property
+    def max_model_len(self) -> int:
+        return self.facts.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.facts.vocab_size
+
+    def add_observer(self, observer: StepObserver) -> None:
+        self.observers.append(observer)
+
+    def sibling(self, num_blocks: int | None = None, **settings: object) -> LLMEngine:
+        """Another engine on this one's executor (model and KV memory) with some settings
+        changed (scheduling, prefix caching). Engines sharing an executor must be used one
+        at a time, and each must finish its requests before the other steps."""
+        facts = self.facts if num_blocks is None else dataclasses.replace(self.facts, num_blocks=num_blocks)
+        return LLMEngine(self.config.replace(**settings), self.executor, self.tokenizer, facts, self.clock)
 
     # ----- requests ------------------------------------------------------------------
 
@@ -96,7 +145,7 @@ class LLMEngine:
                 params=self._sample_params(params, i),
                 eos_token_ids=tuple(self.tokenizer.eos_token_ids),
                 max_total_tokens=self.max_model_len,
-                arrival_time=arrival_time or time.monotonic(),
+                arrival_time=arrival_time or self.clock(),
                 cache_salt=cache_salt,
             )
             for i in range(params.n)
@@ -114,7 +163,11 @@ class LLMEngine:
         """Stop a request and free its blocks at once; returns its final output."""
         sample_ids = self.output_processor.sample_ids(request_id)
         self.scheduler.finish_requests(sample_ids, RequestStatus.FINISHED_ABORTED)
-        return self.output_processor.finish_externally(request_id, "abort")
+        output = self.output_processor.finish_externally(request_id, "abort")
+        if output is not None:
+            for observer in self.observers:
+                observer.on_aborted(output)
+        return output
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
@@ -122,18 +175,22 @@ class LLMEngine:
     # ----- the step ------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
+        started = self.clock()
         batch = self.scheduler.schedule()
         if batch.is_empty and not batch.finished_ids:
             return []
+        scheduled = self.clock()
+        num_prefill = self._prefill_tokens(batch)
         runner_output = self.executor.execute(batch)
+        executed = self.clock()
         updated = self.scheduler.update_from_output(batch, runner_output)
         outputs, stopped = self.output_processor.process(updated, runner_output)
         self.scheduler.finish_requests(stopped, RequestStatus.FINISHED_STOPPED)
+        num_generated = sum(r.num_new_output_tokens for r in updated)
         self.num_steps += 1
-        self.num_generation_tokens += len(runner_output.sampled_token_ids)
-        self.num_prompt_tokens += sum(
-            r.num_tokens for r in batch.scheduled if r.start_pos < len(r.prompt_token_ids)
-        )
+        self.num_generation_tokens += num_generated
+        self.num_prompt_tokens += num_prefill
+        self._report(batch, started, scheduled, executed, num_prefill, num_generated, updated, outputs)
         return outputs
 
     def stats(self) -> EngineStats:
@@ -145,6 +202,28 @@ class LLMEngine:
         )
 
     # ----- internals -----------------------------------------------------------------
+
+    def _prefill_tokens(self, batch: SchedulerOutput) -> int:
+        """Tokens of chunks that start inside their prompt (prefill work)."""
+        requests = self.scheduler.requests
+        return sum(r.num_tokens for r in batch.scheduled
+                   if r.request_id in requests and r.start_pos < requests[r.request_id].num_prompt_tokens)
+
+    def _report(self, batch: SchedulerOutput, started: float, scheduled: float, executed: float, num_prefill: int,
+                num_generated: int, updated: list[Request], outputs: list[RequestOutput]) -> None:
+        if not self.observers:
+            return
+        stats = self.scheduler.stats()
+        record = StepRecord(
+            index=self.num_steps - 1, started=started, schedule_s=scheduled - started, execute_s=executed - scheduled,
+            process_s=self.clock() - executed, num_prefill_tokens=num_prefill,
+            num_decode_tokens=batch.num_batched_tokens - num_prefill, num_scheduled=len(batch.scheduled),
+            num_generated=num_generated, preempted_ids=list(batch.preempted_ids),
+            finished_ids=[r.request_id for r in updated if r.is_finished],
+            num_running=stats.num_running, num_waiting=stats.num_waiting, kv_usage=stats.kv_usage,
+        )
+        for observer in self.observers:
+            observer.on_step(record, outputs)
 
     def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
         if isinstance(prompt, str):

@@ -4,6 +4,7 @@ logprobs, and the fan-in of a request's `n` samples. Knows no tensors."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from tokenmill.engine.batch import RunnerOutput, TokenLogprobs
@@ -43,8 +44,9 @@ class _UserRequest:
 
 
 class OutputProcessor:
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, clock: Callable[[], float] = time.monotonic) -> None:
         self.tokenizer = tokenizer
+        self.clock = clock
         self.user_requests: dict[str, _UserRequest] = {}
         self.sample_owner: dict[str, tuple[_UserRequest, _Sample]] = {}
 
@@ -81,7 +83,7 @@ class OutputProcessor:
     ) -> tuple[list[RequestOutput], list[str]]:
         """Returns the outputs to hand out, and the sample ids stopped by a stop
         string (the caller finishes those in the scheduler)."""
-        now = time.monotonic()
+        now = self.clock()
         self._record_prompt_logprobs(runner_output)
         touched: dict[str, _UserRequest] = {}
         stopped_by_string: list[str] = []
@@ -114,7 +116,7 @@ class OutputProcessor:
         for sample in user.samples:
             if sample.finish_reason is None:
                 sample.finish_reason = reason
-        user.metrics.finished_time = time.monotonic()
+        user.metrics.finished_time = self.clock()
         self._forget(user)
         return self._make_output(user)
 
@@ -122,19 +124,24 @@ class OutputProcessor:
 
     def _update_sample(self, sample: _Sample, runner_output: RunnerOutput, now: float) -> None:
         request = sample.request
-        new_token = request.output_token_ids[-1]
-        token_logprobs = runner_output.logprobs.get(request.request_id)
-        if sample.logprobs is not None and token_logprobs is not None:
-            sample.logprobs.append(self._position_logprobs(token_logprobs))
-            sample.cumulative_logprob += token_logprobs.logprob
+        num_new = request.num_new_output_tokens
+        new_tokens = request.output_token_ids[len(request.output_token_ids) - num_new:]
         # An EOS that ends the request is not part of the text (as in vLLM), even
         # with skip_special_tokens=False.
         ended_by_eos = request.status.value == "stop" and request.stop_reason is None
-        stop_string = None if ended_by_eos else sample.detokenizer.append([new_token])
+        text_tokens = new_tokens[:-1] if ended_by_eos else new_tokens
+        stop_string = sample.detokenizer.append(text_tokens) if text_tokens else None
         if stop_string is not None:
+            # The stop string ended the text inside this run: later tokens are not output.
+            request.truncate_output(sample.detokenizer.num_tokens)
             sample.finish_reason, sample.stop_reason = "stop", stop_string
         elif request.is_finished:
             sample.finish_reason, sample.stop_reason = request.status.value, request.stop_reason
+        token_logprobs = runner_output.logprobs.get(request.request_id)
+        if sample.logprobs is not None and token_logprobs is not None:
+            kept = token_logprobs[: request.num_new_output_tokens]
+            sample.logprobs.extend(self._position_logprobs(entry) for entry in kept)
+            sample.cumulative_logprob += sum(entry.logprob for entry in kept)
 
     def _record_prompt_logprobs(self, runner_output: RunnerOutput) -> None:
         for request_id, chunk in runner_output.prompt_logprobs.items():

@@ -41,6 +41,10 @@ class Request:
     cache_salt: str | None = None  # isolates this request's prefix cache entries
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
+    num_new_output_tokens: int = 0  # output tokens appended by the latest step
+    # Tokens a proposer guessed to follow (speculative decoding); the next step verifies
+    # them. Never part of the request's tokens until accepted.
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -72,6 +76,15 @@ class Request:
     def append_output_token(self, token_id: int) -> None:
         self.output_token_ids.append(token_id)
         self.all_token_ids.append(token_id)
+
+    def truncate_output(self, num_output_tokens: int) -> None:
+        """Drop output tokens past the first `num_output_tokens` (a stop string ended the
+        text inside a run of several new tokens)."""
+        dropped = self.num_output_tokens - num_output_tokens
+        if dropped > 0:
+            del self.output_token_ids[num_output_tokens:]
+            del self.all_token_ids[len(self.all_token_ids) - dropped:]
+            self.num_new_output_tokens = max(0, self.num_new_output_tokens - dropped)
 
     def check_stop_token(self) -> RequestStatus | None:
         """Stop conditions that need only token ids (stop strings are the detokenizer's)."""

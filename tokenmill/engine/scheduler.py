@@ -7,15 +7,22 @@ newest request's remaining prefill), then waiting ones, all within
 remaining budget is chunked. When the KV memory runs out, the most recently
 admitted running request is preempted (its blocks freed, recomputed later), and
 no new request is admitted in that step. Knows no tensors.
+
+A step may also verify tokens proposed for a request (speculative decoding): they
+count in the token budget and get KV slots like known tokens; afterwards the
+accepted ones and the token sampled after them are appended (up to the first stop),
+and `num_computed_tokens` is rolled back past the rejected ones. The clock is
+injected, so the same scheduler runs on virtual time in a simulator.
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
-from tokenmill.engine.batch import RunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenmill.engine.batch import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.engine.block_manager import KVBlockManager
 from tokenmill.engine.request import Request, RequestStatus
 
@@ -38,14 +45,17 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVBlockManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVBlockManager, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.kv = kv
+        self.clock = clock
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
         self._finished_since_last_step: list[str] = []
+        # What the runner side has been sent of each running request: (tokens, blocks).
+        self._sent: dict[str, tuple[int, int]] = {}
 
     # ----- admission -----------------------------------------------------------------
 
@@ -86,7 +96,8 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_known = request.num_tokens - request.num_computed_tokens
+            num_new = min(num_known + len(self._proposals(request)), budget)
             if not self._allocate_or_preempt(request, num_new, preempted):
                 break  # the request preempted itself: it was the last running one
             scheduled.append(self._schedule(request, num_new))
@@ -109,17 +120,30 @@ class Scheduler:
         return SchedulerOutput(scheduled=scheduled, preempted_ids=preempted, finished_ids=finished)
 
     def update_from_output(self, output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:
-        """Append sampled tokens and apply token-level stop conditions. Returns the
-        requests that got a new token this step (finished ones included)."""
+        """Append the sampled tokens, each checked against the token-level stop conditions
+        (a stop ends the run there: later tokens are dropped), and roll back the KV of
+        rejected proposals. Returns the requests that got new tokens this step (finished
+        ones included); `request.num_new_output_tokens` says how many."""
         updated: list[Request] = []
         for item in output.scheduled:
             request = self.requests.get(item.request_id)
             if request is None or not item.sample:
                 continue
-            request.append_output_token(runner_output.sampled_token_ids[item.request_id])
-            status = request.check_stop_token()
-            if status is not None:
-                self._finish(request, status)
+            tokens = runner_output.sampled_token_ids[item.request_id]
+            # Accepted proposals already have their KV; the last token's is computed next step.
+            rejected = len(item.spec_token_ids) - (len(tokens) - 1)
+            if rejected < 0:
+                raise RuntimeError(f"{item.request_id}: {len(tokens)} tokens for {len(item.spec_token_ids)} proposals")
+            # Their slots stay allocated (the request grows into them) and are overwritten.
+            request.num_computed_tokens -= rejected
+            request.num_new_output_tokens = 0
+            for token_id in tokens:
+                request.append_output_token(token_id)
+                request.num_new_output_tokens += 1
+                status = request.check_stop_token()
+                if status is not None:
+                    self._finish(request, status)
+                    break
             updated.append(request)
         return updated
 
@@ -165,32 +189,59 @@ class Scheduler:
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_hit_tokens
         if request.first_scheduled_time is None:
-            request.first_scheduled_time = time.monotonic()
+            request.first_scheduled_time = self.clock()
         self.running.append(request)
 
     def _preempt(self, request: Request) -> None:
         """Free everything and requeue at the head; the tokens generated so far are
         kept and recomputed (from whatever prefix is still cached) on re-admission."""
         self.kv.free(request)
+        self._sent.pop(request.request_id, None)
+        request.spec_token_ids = []
         request.status = RequestStatus.WAITING
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
+    @staticmethod
+    def _proposals(request: Request) -> list[int]:
+        """The request's proposed tokens that may be verified now: only once its known
+        tokens are all computed but the last, not while min_tokens still bans EOS/stop ids
+        (the ban changes with every accepted token), and no more than could ever become
+        output (its final token needs no KV slot), which keeps it within max_model_len and
+        within the KV slots admission counted on."""
+        if not request.spec_token_ids or request.num_tokens - request.num_computed_tokens != 1:
+            return []
+        if request.num_output_tokens < request.params.min_tokens:
+            return []
+        room = request.num_prompt_tokens + request.max_tokens - 1 - request.num_tokens
+        return request.spec_token_ids[: max(room, 0)]
+
     def _schedule(self, request: Request, num_new: int) -> ScheduledRequest:
         start = request.num_computed_tokens
-        end = start + num_new
-        request.num_computed_tokens = end
+        num_known = min(num_new, request.num_tokens - start)
+        spec = self._proposals(request)[: num_new - num_known]
+        request.spec_token_ids = []  # consumed: verified in this step, or dropped
+        end = start + num_known
+        request.num_computed_tokens = end + len(spec)
+        rid = request.request_id
+        block_ids = self.kv.get_block_ids(rid)
+        sent = self._sent.get(rid)
+        new = None
+        if sent is None:  # first time, or again after a preemption: the whole request
+            new = NewRequestData(request.prompt_token_ids, request.params)
+            sent = (request.num_prompt_tokens, 0)
+        self._sent[rid] = (request.num_tokens, len(block_ids))
         return ScheduledRequest(
-            request_id=request.request_id,
-            token_ids=request.all_token_ids[start:end],
+            request_id=rid,
             start_pos=start,
-            block_ids=self.kv.get_block_ids(request.request_id),
+            num_new_tokens=num_known,
+            appended_token_ids=request.all_token_ids[sent[0]:],
+            new_block_ids=block_ids[sent[1]:],
             sample=end == request.num_tokens,
-            params=request.params,
-            prompt_token_ids=request.prompt_token_ids,
-            output_token_ids=request.output_token_ids,
+            new=new,
+            spec_token_ids=spec,
             banned_token_ids=request.banned_token_ids(),
             prompt_logprobs_targets=self._prompt_logprob_targets(request, start, end),
         )
@@ -211,5 +262,6 @@ class Scheduler:
             self.waiting.remove(request)
         request.status = status
         self.kv.free(request)
+        self._sent.pop(request.request_id, None)
         del self.requests[request.request_id]
         self._finished_since_last_step.append(request.request_id)

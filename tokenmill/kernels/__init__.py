@@ -3,18 +3,21 @@
 The sources live in `csrc/`. `make setup` builds them once (`python -m tokenmill.kernels`)
 into torch's extension cache (`TORCH_EXTENSIONS_DIR`, default ~/.cache/torch_extensions),
 so an engine start only loads the built library. They are compiled with
-`-march=native`: the cache is per machine, and a build for this CPU's vector units is
-the point.
+`-march=native`, so the build is named by a digest of the sources, the CPU's SIMD flags
+and the torch version (`build_name()`): a cache copied to a CPU with other vector units
+rebuilds instead of dying of an illegal instruction, and two checkouts with different
+sources keep a build each instead of evicting each other.
 
 Every kernel has a pure-PyTorch fallback that the tests compare it against; the engine
-uses the fallback when the build fails (no compiler) or when `TOKENMILL_KERNELS=0`.
+uses the fallback when the build fails (no compiler) or when its config says so
+(`native_kernels`, default from `TOKENMILL_KERNELS`).
 """
 
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
-import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,15 +35,23 @@ _OPS = ("paged_decode_attention", "skinny_linear", "rms_norm", "add_rms_norm", "
 _NAME = "tokenmill_cpu_kernels"
 
 
-def kernels_enabled() -> bool:
-    return os.environ.get("TOKENMILL_KERNELS", "1") not in ("0", "false", "no")
+@functools.cache
+def build_name() -> str:
+    """`tokenmill_cpu_kernels_<digest>` of what the binary depends on: sources, CPU flags, torch."""
+    from tokenmill.hardware import cpu_info
+
+    digest = hashlib.sha256()
+    for path in sorted(_CSRC.iterdir()):
+        if path.suffix in (".cpp", ".h"):
+            digest.update(path.name.encode() + path.read_bytes())
+    digest.update(" ".join(sorted(cpu_info().flags)).encode())
+    digest.update(torch.__version__.encode())
+    return f"{_NAME}_{digest.hexdigest()[:12]}"
 
 
 @functools.cache
 def cpu_kernels_available() -> bool:
     """Builds (first time) or loads the CPU kernels; False, with a warning, if that fails."""
-    if not kernels_enabled():
-        return False
     try:
         build_cpu_kernels()
     except Exception as exc:  # a missing compiler must not stop the engine
@@ -54,7 +65,7 @@ def build_cpu_kernels(verbose: bool = False) -> None:
 
     start = time.perf_counter()
     load(
-        name=_NAME,
+        name=build_name(),
         sources=[str(s) for s in _SOURCES],
         # -fopenmp: at::parallel_for is OpenMP in the header, so without it the kernels run
         # on one thread. The libgomp.so.1 they need is the one torch already loaded.
@@ -66,7 +77,7 @@ def build_cpu_kernels(verbose: bool = False) -> None:
     )
     missing = [op for op in _OPS if not hasattr(torch.ops.tokenmill, op)]
     if missing:  # a stale build in the extension cache
-        raise RuntimeError(f"the built kernels lack {missing}; delete {_NAME} under TORCH_EXTENSIONS_DIR and rebuild")
+        raise RuntimeError(f"the built kernels lack {missing}; delete {build_name()} under TORCH_EXTENSIONS_DIR and rebuild")
     logger.info("native CPU kernels ready in %.1f s", time.perf_counter() - start)
 
 
@@ -108,6 +119,14 @@ def untile_skinny(tiled: torch.Tensor, n: int) -> torch.Tensor:
     """The inverse of tile_for_skinny: [N, K] (same dtype), a new tensor."""
     tiles, blocks = tiled.shape[:2]
     return tiled.transpose(1, 2).reshape(tiles * SKINNY_TILE_ROWS, blocks * SKINNY_K_BLOCK)[:n]
+
+
+def tiled_rows(tiled: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the weight a tile_for_skinny layout holds: [len(ids), K] (same dtype)."""
+    ids = ids.reshape(-1)
+    tiles, blocks = tiled.shape[:2]
+    picked = tiled[ids // SKINNY_TILE_ROWS, :, ids % SKINNY_TILE_ROWS]  # [n, K / 16, 16]
+    return picked.reshape(ids.shape[0], blocks * SKINNY_K_BLOCK)
 
 
 def skinny_linear(x: torch.Tensor, tiled: torch.Tensor, n: int) -> torch.Tensor:

@@ -9,79 +9,76 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill import kernels
-from tokenmill.kernels import cpu_kernels_available
+from tokenmill.quantization import LinearWeights, WeightFormat
 
 
-SKINNY_MAX_ROWS = 16  # up to here the tiled kernel beats oneDNN (measured: docs/benchmarks.md)
+class Linear(nn.Module):
+    """y = x W^T + b, with W in a storage format chosen once at load.
 
+    While loading, W is a plain float parameter (`weight`) that checkpoint tensors are
+    copied into; `set_format` then hands it to a `WeightFormat`, which returns the
+    `LinearWeights` that compute the layer from then on (`weights`), and the plain
+    parameter is dropped. Unformatted, the layer is a reference F.linear.
+    """
 
-class Linear(nn.Linear):
-    """nn.Linear with CPU fast paths, set up by `prepare_for_cpu` once the weights are loaded.
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, many_rows: bool = True) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.many_rows = many_rows  # False: only ever a few rows (an LM head), see WeightFormat.make
+        self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features))
+        self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
+        self.weights: LinearWeights | None = None
+        # nn.Linear's initialisation (random test models; checkpoints overwrite it).
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1 / math.sqrt(in_features) if in_features else 0.0
+            nn.init.uniform_(self.bias, -bound, bound)
 
-    - Up to SKINNY_MAX_ROWS rows (decode): tokenmill's skinny kernel on the weight in a tiled
-      layout (`tiled`), float32 or bfloat16. A decode step is a stream of weight reads; the
-      kernel reads at 20-28 GB/s where BLAS reads at 10-12, and bfloat16 halves the bytes.
-    - More rows (prefill, large batches): oneDNN on a float32 copy in its blocked layout
-      (`packed`), 1.2-1.3x F.linear on the same weights.
-    Once prepared, the plain `weight` is dropped (None): F.linear, used only where neither
-    path applies, then rebuilds it from the tiles."""
+    def set_format(self, fmt: WeightFormat) -> None:
+        self.weights = fmt.make(self.weight.detach(), many_rows=self.many_rows)
+        self.weight = None
 
-    tiled: torch.Tensor | None = None
-    packed: torch.Tensor | None = None
-
-    def prepare_for_cpu(self, weight_dtype: torch.dtype, onednn: bool) -> None:
-        """Lay the float32 weight out for the CPU paths above; `weight_dtype` (float32 or
-        bfloat16) is what the skinny kernel reads. A weight the kernel cannot take keeps
-        its plain form (cast to `weight_dtype`)."""
-        weight = self.weight.detach()
-        if onednn:
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.float(), None)
-        if cpu_kernels_available() and kernels.can_tile_for_skinny(weight):
-            self.tiled = kernels.tile_for_skinny(weight, weight_dtype)
+    def load_weight(self, weight: torch.Tensor, fmt: WeightFormat | None = None) -> None:
+        """Take a whole checkpoint weight: into `fmt` at once, or as the plain parameter."""
+        if fmt is not None:
+            self.weights = fmt.make(weight.detach(), many_rows=self.many_rows)
             self.weight = None
-        elif weight.dtype != weight_dtype:
-            self.weight = nn.Parameter(weight.to(weight_dtype), requires_grad=False)
+        else:
+            self.weight = nn.Parameter(weight.detach(), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dim() == 2 and x.dtype == torch.float32:
-            if self.tiled is not None and x.shape[0] <= SKINNY_MAX_ROWS:
-                y = kernels.skinny_linear(x.contiguous(), self.tiled, self.out_features)
-                return y if self.bias is None else y + self.bias
-            if self.packed is not None:
-                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, self.bias, "none", [], "")
-        weight = self.weight if self.weight is not None else kernels.untile_skinny(self.tiled, self.out_features)
-        return F.linear(x, weight.to(x.dtype), self.bias)
+        if self.weights is None:
+            return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        shape = x.shape
+        y = self.weights.apply(x.reshape(-1, shape[-1]))
+        if self.bias is not None:
+            y = y + self.bias
+        return y.reshape(*shape[:-1], self.out_features)
 
 
-def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
-
-
-def prepare_for_cpu(model: nn.Module, weight_dtype: torch.dtype, onednn: bool = True) -> int:
-    """Prepare every `Linear` of a float32 CPU model (see `Linear`), and store embeddings in
-    `weight_dtype` too (the model casts looked-up rows back). `onednn`: keep the float32
-    oneDNN copies for inputs of many rows (faster prefill, twice the weight memory in
-    float32). Returns how many linears were prepared."""
-    onednn = onednn and onednn_available()
+def set_weight_format(model: nn.Module, fmt: WeightFormat, embedding_dtype: torch.dtype | None = None) -> int:
+    """Put every `Linear` of a loaded model into `fmt` (those not formatted while loading),
+    and store embeddings in `embedding_dtype` (the model casts looked-up rows back); a model
+    whose tied head now serves the embedding drops its own table. Returns how many linears
+    this call formatted."""
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.weight is not None]
-    for linear in linears:  # before the embeddings: a tied head is read in float32 here
-        linear.prepare_for_cpu(weight_dtype, onednn)
-    for module in model.modules():
-        if isinstance(module, nn.Embedding) and module.weight.dtype != weight_dtype:
-            module.weight = nn.Parameter(module.weight.detach().to(weight_dtype), requires_grad=False)
+    for linear in linears:  # before the embeddings: a tied head reads the float32 weight here
+        linear.set_format(fmt)
+    release = getattr(model, "release_tied_embedding", None)
+    if release is not None:
+        release()
+    if embedding_dtype is not None:
+        for module in model.modules():
+            if isinstance(module, nn.Embedding) and module.weight is not None and module.weight.dtype != embedding_dtype:
+                module.weight = nn.Parameter(module.weight.detach().to(embedding_dtype), requires_grad=False)
     return len(linears)
-
-
-def use_native_ops(x: torch.Tensor) -> bool:
-    """Whether the fused native element-wise ops (tokenmill.kernels) take this tensor:
-    float32 on the CPU, outside autograd, kernels built."""
-    # Called ~4 times per layer per step: the cheapest checks (`is`, `is_cpu`) first.
-    return x.dtype is torch.float32 and x.is_cpu and not x.requires_grad and cpu_kernels_available()
 
 
 class RMSNorm(nn.Module):
     """RMSNorm; given the residual stream too, it first adds x into it (vLLM's fused
     add + norm): `norm(x, residual)` returns (normed, residual + x)."""
+
+    native = False  # the execution plan's choice: tokenmill's fused native op (float32 CPU)
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -91,7 +88,7 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if use_native_ops(x) and x.dim() == 2 and x.is_contiguous():
+        if self.native and x.dim() == 2 and x.is_contiguous():
             if residual is None:
                 return kernels.rms_norm(x, self.weight, self.eps)
             if residual.is_contiguous() and not residual.requires_grad:
@@ -141,6 +138,8 @@ def _llama3_scaled(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half) rotary embedding with a precomputed cos/sin table."""
 
+    native = False  # the execution plan's choice: rotate in place by the native op
+
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
         inv_freq = rope_inv_freq(head_dim, theta, scaling)
@@ -153,17 +152,17 @@ class RotaryEmbedding(nn.Module):
         per step and shared by every layer."""
         return self.cos[positions], self.sin[positions]
 
-    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        cos, sin = self.table(positions)
-        return apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [tokens, heads, head_dim] rotated by the step's table (in place when native)."""
+        if self.native and x.stride(-1) == 1:
+            kernels.rotary_(x, cos, sin)
+            return x
+        return apply_rotary(x, cos, sin)
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate [tokens, heads, head_dim] (rotate-half pairing) in float32, cos/sin
-    [tokens, head_dim / 2]. Float32 CPU tensors are rotated in place by the native op."""
-    if use_native_ops(x) and x.stride(-1) == 1:
-        kernels.rotary_(x, cos, sin)
-        return x
+    [tokens, head_dim / 2]: the PyTorch reference of the native op."""
     cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
@@ -172,6 +171,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class SwiGLU(nn.Module):
     """Gate and up projections fused into one matmul, then silu(gate) * up, down."""
 
+    native = False  # the execution plan's choice: silu(gate) * up by the native op
+
     def __init__(self, hidden: int, intermediate: int) -> None:
         super().__init__()
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
@@ -179,7 +180,7 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if use_native_ops(gate_up) and gate_up.dim() == 2 and gate_up.is_contiguous():
+        if self.native and gate_up.dim() == 2 and gate_up.is_contiguous():
             return self.down_proj(kernels.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
         return self.down_proj(F.silu(gate) * up)

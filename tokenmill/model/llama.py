@@ -15,9 +15,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill import kernels
-from tokenmill.attention.backend import DecodeOnly, get_forward_context
+from tokenmill.attention.backend import PagedDecode, get_forward_context
+from tokenmill.attention.kv_cache import LayerKVCache
 from tokenmill.model.config import ModelArchConfig
-from tokenmill.model.layers import SKINNY_MAX_ROWS, Linear, RMSNorm, RotaryEmbedding, SwiGLU, apply_rotary
+from tokenmill.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
+from tokenmill.quantization import WeightFormat
 
 
 class Attention(nn.Module):
@@ -36,14 +38,14 @@ class Attention(nn.Module):
         qkv = self.qkv_proj(x)
         tokens, qk_size = qkv.shape[0], self.q_size + self.kv_size
         # Q and K heads side by side, rotated in one go.
-        qk = apply_rotary(qkv[:, :qk_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
+        qk = self.rotary.rotate(qkv[:, :qk_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
         q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
         v = qkv[:, qk_size:].view(tokens, self.num_kv_heads, self.head_dim)
         ctx = get_forward_context()
         if ctx is None:
             out = self._dense_causal(q, k, v)
         else:
-            out = ctx.backend.forward(q, k, v, ctx.kv_caches[self.layer_idx], ctx.metadata, self.scale)
+            out = ctx.backend.forward(q, k, v, ctx.kv_cache[self.layer_idx], ctx.metadata, self.scale)
         return self.o_proj(out.reshape(-1, self.q_size))
 
     def _dense_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -73,24 +75,29 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(self.self_attn(rope, x), residual)
         return self.mlp(x), residual
 
+    def _linears(self) -> tuple[Linear, Linear, Linear, Linear]:
+        return self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj
+
     def can_fuse_decode(self) -> bool:
-        """Whether kernels.llama_decode_layer can run this layer: weights tiled (CPU,
-        prepared), no biases, SiLU MLP."""
-        linears = (self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj)
-        return all(lin.tiled is not None and lin.bias is None for lin in linears)
+        """Whether kernels.llama_decode_layer can run this layer: every weight in a format
+        with a fused-decode operand, no biases (SiLU MLP is the only kind here)."""
+        return all(
+            lin.weights is not None and lin.weights.fused_decode_operand() is not None and lin.bias is None
+            for lin in self._linears()
+        )
 
     def fused_decode(
         self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, residual: torch.Tensor,
-        kv_cache: tuple[torch.Tensor, torch.Tensor], decode: DecodeOnly,
+        kv_cache: LayerKVCache, decode: PagedDecode,
     ) -> torch.Tensor:
         """forward() for an all-decode step as one native op (same kernels, no Python
         between them); adds h into residual in place and returns the MLP output."""
         attn, mlp = self.self_attn, self.mlp
+        weights = tuple(lin.weights.fused_decode_operand() for lin in self._linears())
         return kernels.llama_decode_layer(
             h, residual, self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
-            (attn.qkv_proj.tiled, attn.o_proj.tiled, mlp.gate_up_proj.tiled, mlp.down_proj.tiled), rope, kv_cache,
-            decode.slots, decode.block_tables, decode.context_lens, attn.num_heads, attn.num_kv_heads, attn.head_dim,
-            mlp.down_proj.in_features, attn.scale,
+            weights, rope, (kv_cache.k, kv_cache.v), decode.slots, decode.block_tables, decode.context_lens,
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.down_proj.in_features, attn.scale,
         )
 
 
@@ -113,7 +120,7 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, many_rows=False)
         self.tie_weights()
 
     def tie_weights(self) -> None:
@@ -122,43 +129,64 @@ class LlamaForCausalLM(nn.Module):
         if self.cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def release_tied_embedding(self) -> None:
+        """Once a tied head is in its weight format, it serves the embedding lookup (its
+        `rows`): the table is not kept a second time."""
+        if self.cfg.tie_word_embeddings and self.lm_head.weights is not None:
+            self.embed_tokens.weight = None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.embed_tokens.weight is None:
+            return self.lm_head.weights.rows(input_ids).to(self.dtype)
+        return self.embed_tokens(input_ids).to(self.dtype)
+
     @property
     def dtype(self) -> torch.dtype:
         """What activations (and the KV cache) are computed in. Linear and embedding
-        weights may be stored narrower (layers.prepare_for_cpu)."""
+        weights may be stored narrower (their weight formats)."""
         return self.norm.weight.dtype
 
+    def can_fuse_decode(self) -> bool:
+        return all(layer.can_fuse_decode() for layer in self.layers)
+
+    def use_native_ops(self, enabled: bool) -> None:
+        """The execution plan's choice of the fused native element-wise ops (float32 CPU)."""
+        for module in self.modules():
+            if isinstance(module, (RMSNorm, RotaryEmbedding, SwiGLU)):
+                module.native = enabled
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed_tokens(input_ids).to(self.dtype)
+        h = self.embed(input_ids)
         rope = self.layers[0].self_attn.rotary.table(positions)
         ctx = get_forward_context()
-        decode = ctx.backend.decode_only(ctx.metadata) if ctx is not None else None
-        if decode is not None and self._can_fuse_decode(h):
+        if ctx is not None and ctx.decode is not None:  # the plan runs this step fused
             residual, h = h, torch.zeros_like(h)  # the first layer adds nothing to the embeddings
-            for layer, kv_cache in zip(self.layers, ctx.kv_caches):
-                h = layer.fused_decode(rope, h, residual, kv_cache, decode)
+            for layer, kv_cache in zip(self.layers, ctx.kv_cache):
+                h = layer.fused_decode(rope, h, residual, kv_cache, ctx.decode)
             return self.norm(h, residual)[0]
         residual = None
         for layer in self.layers:
             h, residual = layer(rope, h, residual)
         return self.norm(h) if residual is None else self.norm(h, residual)[0]
 
-    def _can_fuse_decode(self, h: torch.Tensor) -> bool:
-        # Past SKINNY_MAX_ROWS tokens the per-op path is faster (oneDNN for the linears).
-        return (
-            h.shape[0] <= SKINNY_MAX_ROWS and h.dtype is torch.float32 and h.is_cpu and not torch.is_grad_enabled()
-            and all(layer.can_fuse_decode() for layer in self.layers)
-        )
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(hidden).float()
 
     # ----- weights -------------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        """Copy checkpoint tensors (Hugging Face names, any float dtype) into the
-        parameters, fusing q/k/v and gate/up. Raises if a parameter stays unset."""
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], fmt: WeightFormat | None = None) -> None:
+        """Read checkpoint tensors (Hugging Face names) into the model, fusing q/k/v and
+        gate/up. Raises if a parameter stays unset.
+
+        A linear weight is assembled from its parts as they arrive and, once complete,
+        handed to the linear as a whole (`Linear.load_weight`; with `fmt` it goes straight
+        into that weight format), so the float weights of the whole model never live at
+        once and linear weights need not be allocated before loading. Other parameters
+        (norms, embeddings, biases) are copied into place."""
         params = dict(self.named_parameters())
+        linears = {f"{name}.weight": m for name, m in self.named_modules() if isinstance(m, Linear)}
+        expected = {f"{n}#{s}" for n, s in self._expected_shards(params, linears)}
+        parts: dict[str, dict[int | None, torch.Tensor]] = {}
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
@@ -167,20 +195,47 @@ class LlamaForCausalLM(nn.Module):
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
             target, shard = self._target(name)
-            if target not in params:
+            if target not in params and target not in linears:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the {self.cfg.architecture} model")
-            param = params[target]
-            with torch.no_grad():
-                if shard is None:
-                    _copy(param.data, tensor, name)
-                else:
-                    offset, size = self._shard_range(target, shard)
-                    _copy(param.data.narrow(0, offset, size), tensor, name)
             loaded.add(f"{target}#{shard}")
-        expected = {f"{n}#{s}" for n, s in self._expected_shards(params)}
+            if target in linears:
+                got = parts.setdefault(target, {})
+                got[shard] = tensor
+                if all(f"{target}#{k}" in loaded for k in self._shards_of(target)):
+                    self._load_linear(target, linears[target], parts.pop(target), fmt)
+                continue
+            param = params[target].data  # a norm, an embedding, or a (fused) bias
+            if shard is not None:
+                param = param.narrow(0, *self._shard_range(target, shard))
+            with torch.no_grad():
+                _copy(param, tensor, name)
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"the checkpoint lacks weights for: {', '.join(m.split('#')[0] for m in missing[:8])}")
+
+    def _load_linear(self, target: str, linear: Linear, parts: dict[int | None, torch.Tensor],
+                     fmt: WeightFormat | None) -> None:
+        shards = self._shards_of(target)
+        for shard in shards:
+            if shard is not None:
+                size = self._shard_range(target, shard)[1]
+                if parts[shard].shape[0] != size:
+                    raise ValueError(f"checkpoint tensor for {target} (part {shard}) has {parts[shard].shape[0]} rows, "
+                                     f"the model expects {size}")
+        full = parts[None] if shards == [None] else torch.cat([parts[k] for k in shards])
+        if tuple(full.shape) != (linear.out_features, linear.in_features):
+            raise ValueError(f"checkpoint tensor {target!r} has shape {tuple(full.shape)}, the model expects "
+                             f"{(linear.out_features, linear.in_features)}")
+        # Unformatted, the weight lives as the model's other parameters do (compute dtype).
+        norm = self.norm.weight
+        linear.load_weight(full if fmt is not None else full.to(device=norm.device, dtype=norm.dtype), fmt)
+
+    def _shards_of(self, target: str) -> list[int | None]:
+        if "qkv_proj" in target:
+            return [0, 1, 2]
+        if "gate_up_proj" in target:
+            return [0, 1]
+        return [None]
 
     def _target(self, name: str) -> tuple[str, int | None]:
         for part, (fused, shard) in self.packed_modules.items():
@@ -196,17 +251,12 @@ class LlamaForCausalLM(nn.Module):
             sizes = [cfg.intermediate_size, cfg.intermediate_size]
         return sum(sizes[:shard]), sizes[shard]
 
-    def _expected_shards(self, params: dict) -> Iterable[tuple[str, int | None]]:
-        for name in params:
+    def _expected_shards(self, params: dict, linears: dict) -> Iterable[tuple[str, int | None]]:
+        for name in [*params, *(n for n in linears if n not in params)]:
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
-            if "qkv_proj" in name:
-                yield from ((name, s) for s in range(3))
-            elif "gate_up_proj" in name:
-                yield from ((name, s) for s in range(2))
-            else:
-                yield name, None
-
+            for shard in self._shards_of(name):
+                yield name, shard
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if tuple(dst.shape) != tuple(src.shape):

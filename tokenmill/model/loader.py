@@ -15,11 +15,14 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from torch import nn
 from tqdm import tqdm
 
 from tokenmill.model.config import ModelArchConfig
-from tokenmill.model.gguf_file import GGUFFile
+from tokenmill.gguf_file import GGUFFile
+from tokenmill.model.layers import Linear
 from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.quantization import WeightFormat
 from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -37,6 +40,7 @@ class LoadedModel:
     tokenizer: Tokenizer
     name: str  # what /v1/models and logs call it
     context_len: int
+    path: str = ""
 
 
 def default_model_path() -> str:
@@ -74,16 +78,37 @@ def resolve_model_path(model: str | None) -> str:
     return str(path)
 
 
-def load_model(model: str | None, dtype: str, device: torch.device, max_positions: int | None = None) -> LoadedModel:
+@dataclass
+class Checkpoint:
+    """A checkpoint opened but not read: its shape, tokenizer and a stream of tensors."""
+
+    path: str
+    arch: ModelArchConfig
+    tokenizer: Tokenizer
+    weights: Iterator[tuple[str, torch.Tensor]]
+    num_tensors: int
+
+    @property
+    def name(self) -> str:
+        return os.path.basename(self.path.rstrip("/")).removesuffix(".gguf")
+
+
+def open_checkpoint(model: str | None) -> Checkpoint:
     path = resolve_model_path(model)
-    if path.endswith(".gguf"):
-        arch, tokenizer, weights, num_tensors = _open_gguf(path)
-    else:
-        arch, tokenizer, weights, num_tensors = _open_hf_dir(path)
+    opened = _open_gguf(path) if path.endswith(".gguf") else _open_hf_dir(path)
+    return Checkpoint(path, *opened)
+
+
+def load_model(model: str | None | Checkpoint, dtype: str, device: torch.device, max_positions: int | None = None,
+               weight_format: WeightFormat | None = None) -> LoadedModel:
+    """Build the model and read the checkpoint into it; with `weight_format`, every linear
+    is formatted as soon as its weight is complete."""
+    checkpoint = model if isinstance(model, Checkpoint) else open_checkpoint(model)
+    path, arch, tokenizer = checkpoint.path, checkpoint.arch, checkpoint.tokenizer
     torch_dtype = _DTYPES[dtype]
     with torch.device("meta"):
         net = LlamaForCausalLM(arch, max_positions)
-    net = net.to_empty(device=device).to(torch_dtype)
+    _materialize(net, device, torch_dtype)
     net.tie_weights()
     # Buffers (the rotary table) were on meta; rebuild them for real, in float32.
     rotary = net.layers[0].self_attn.rotary
@@ -91,10 +116,22 @@ def load_model(model: str | None, dtype: str, device: torch.device, max_position
     for layer in net.layers:
         layer.self_attn.rotary = fresh
     desc = f"Loading {os.path.basename(path.rstrip('/'))}"
-    net.load_weights(tqdm(weights, total=num_tensors, desc=desc, unit="tensor", leave=False, mininterval=0.5))
+    weights = tqdm(checkpoint.weights, total=checkpoint.num_tensors, desc=desc, unit="tensor", leave=False,
+                   mininterval=0.5)
+    net.load_weights(weights, weight_format)
     net.eval()
-    name = os.path.basename(path.rstrip("/")).removesuffix(".gguf")
-    return LoadedModel(net, arch, tokenizer, name, arch.max_position_embeddings)
+    return LoadedModel(net, arch, tokenizer, checkpoint.name, arch.max_position_embeddings, path)
+
+
+def _materialize(net: LlamaForCausalLM, device: torch.device, dtype: torch.dtype) -> None:
+    """Allocate the parameters built on the meta device, except linear weights: those are
+    assembled from the checkpoint one linear at a time (LlamaForCausalLM.load_weights)."""
+    for module in net.modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or not param.is_meta or (isinstance(module, Linear) and name == "weight"):
+                continue
+            module._parameters[name] = nn.Parameter(torch.empty(param.shape, device=device, dtype=dtype),
+                                                    requires_grad=False)
 
 
 # ----- GGUF -------------------------------------------------------------------------

@@ -115,7 +115,6 @@ class QuantizedTensor:
     def dequantize(self) -> torch.Tensor:
         """The weight as float32 [N, K] in its original column order: the reference every
         kernel is tested against (float32 scale * u + min, rounded once, as gguf does)."""
-        n, k = self.shape
         codes = self.codes().float()
         scales = self.scales().repeat_interleave(self.group_size, dim=1)
         if self.code_offset is not None:  # scale * (u - offset): exact for every stored format
@@ -227,7 +226,7 @@ class QuantizedTensor:
         """Columns [start, start + length) (row-parallel shards along K). The boundaries must
         fall on scale groups (any column for per-channel formats); act-order weights
         cannot be split along K."""
-        n, k = self.shape
+        k = self.shape[1]
         if not (0 <= start and length > 0 and start + length <= k):
             raise ValueError(f"columns [{start}, {start + length}) are not inside [0, {k})")
         if self.col_perm is not None:

@@ -1,70 +1,63 @@
 """Turns a SchedulerOutput into tensors, runs the model and samples.
 
-It owns the paged KV cache tensors, the attention backend and the per-request
-random generators; it knows requests only as the plain ScheduledRequest items.
+It owns the paged KV cache, the attention backend, the execution plan and the
+per-request random generators; it knows requests only through the step messages
+(rebuilt into whole views by a `RequestTable`).
 """
 
 from __future__ import annotations
 
 import torch
 
-from tokenmill.attention.backend import AttentionBackend, BatchLayout, ForwardContext, forward_context
-from tokenmill.attention.torch_sdpa import TorchSDPABackend
-from tokenmill.engine.batch import PromptLogprobsChunk, RunnerOutput, ScheduledRequest, SchedulerOutput
-from tokenmill.model.config import ModelArchConfig
+from tokenmill.attention.backend import AttentionBackend, BatchLayout, ForwardContext, PagedDecode, forward_context
+from tokenmill.attention.kv_cache import PagedKVCache
+from tokenmill.engine.batch import PromptLogprobsChunk, RequestTable, RunnerOutput, SchedulerOutput, StepRequest
 from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.runner.plan import ExecutionPlan
+from tokenmill.runner.threads import ThreadGovernor
 from tokenmill.sampling.sampler import Sampler, SamplingRow, compute_token_logprobs
-
-
-def kv_bytes_per_block(arch: ModelArchConfig, block_size: int, dtype: torch.dtype) -> int:
-    """K and V, every layer, one block."""
-    elem = torch.tensor([], dtype=dtype).element_size()
-    return 2 * arch.num_layers * block_size * arch.num_kv_heads * arch.head_dim * elem
 
 
 class ModelRunner:
     def __init__(
         self,
         model: LlamaForCausalLM,
-        num_blocks: int,
-        block_size: int,
+        kv_cache: PagedKVCache,
+        backend: AttentionBackend,
+        plan: ExecutionPlan,
         device: torch.device,
         seed: int = 0,
-        backend: AttentionBackend | None = None,
-        kv_dtype: torch.dtype | None = None,  # None: the model's compute dtype
+        threads: ThreadGovernor | None = None,
     ) -> None:
         self.model = model
-        self.arch = model.cfg
-        self.vocab_size = model.cfg.vocab_size
-        self.block_size = block_size
+        self.threads = threads  # None: a fixed thread count (or not a CPU)
+        self.kv_cache = kv_cache
+        self.backend = backend
+        self.plan = plan
         self.device = device
-        self.dtype = model.dtype  # activations and KV cache
-        self.weight_dtype = model.embed_tokens.weight.dtype  # may be narrower (CPU, --dtype bfloat16)
-        self.kv_dtype = kv_dtype or self.dtype
-        self.backend = backend or TorchSDPABackend()
+        self.block_size = kv_cache.spec.block_size
         self.sampler = Sampler(seed)
+        self.requests = RequestTable()
         self.generators: dict[str, torch.Generator] = {}
-        shape = (num_blocks, block_size, self.arch.num_kv_heads, self.arch.head_dim)
-        # Zeroed, not empty: padded decode reads touch unwritten slots (masked out,
-        # but garbage NaNs would still poison the weighted sum).
-        self.kv_caches = [
-            (torch.zeros(shape, dtype=self.kv_dtype, device=device), torch.zeros(shape, dtype=self.kv_dtype, device=device))
-            for _ in range(self.arch.num_layers)
-        ]
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
         for request_id in batch.finished_ids:
             self.generators.pop(request_id, None)
-        if batch.is_empty:
+        items = self.requests.apply(batch)
+        if not items:
             return RunnerOutput()
-        items = batch.scheduled
+        if self.threads is not None:
+            self.threads.update()
         layout = self._layout(items)
         input_ids = torch.tensor([t for r in items for t in r.token_ids], dtype=torch.long, device=self.device)
         positions = torch.tensor(
             [p for r in items for p in range(r.start_pos, r.context_len)], dtype=torch.long, device=self.device
         )
-        ctx = ForwardContext(self.backend, self.backend.build_metadata(layout, self.device), self.kv_caches)
+        if self.plan.use_fused_decode(len(items), layout.all_decode):
+            ctx = ForwardContext(self.backend, None, self.kv_cache, PagedDecode.from_layout(layout, self.device))
+        else:
+            ctx = ForwardContext(self.backend, self.backend.build_metadata(layout, self.device), self.kv_cache)
         with forward_context(ctx):
             hidden = self.model(input_ids, positions)
         starts = layout.query_starts
@@ -73,7 +66,7 @@ class ModelRunner:
         self._prompt_logprobs(items, hidden, starts, output)
         return output
 
-    def _layout(self, items: list[ScheduledRequest]) -> BatchLayout:
+    def _layout(self, items: list[StepRequest]) -> BatchLayout:
         size = self.block_size
         slots = [
             r.block_ids[p // size] * size + p % size for r in items for p in range(r.start_pos, r.context_len)
@@ -86,21 +79,22 @@ class ModelRunner:
             block_size=size,
         )
 
-    def _sample(self, items: list[ScheduledRequest], hidden: torch.Tensor, starts: list[int], output: RunnerOutput) -> None:
+    def _sample(self, items: list[StepRequest], hidden: torch.Tensor, starts: list[int], output: RunnerOutput) -> None:
+        """One token after the last known token of each request that samples."""
         to_sample = [i for i, r in enumerate(items) if r.sample]
         if not to_sample:
             return
-        rows = torch.tensor([starts[i + 1] - 1 for i in to_sample], device=self.device)
+        rows = torch.tensor([starts[i] + items[i].item.num_new_tokens - 1 for i in to_sample], device=self.device)
         logits = self.model.compute_logits(hidden[rows])
         sampling_rows = [self._sampling_row(items[i]) for i in to_sample]
         result = self.sampler(logits, sampling_rows)
         for i, token_id, logprobs in zip(to_sample, result.token_ids, result.logprobs):
             request_id = items[i].request_id
-            output.sampled_token_ids[request_id] = token_id
+            output.sampled_token_ids[request_id] = [token_id]
             if logprobs is not None:
-                output.logprobs[request_id] = logprobs
+                output.logprobs[request_id] = [logprobs]
 
-    def _sampling_row(self, item: ScheduledRequest) -> SamplingRow:
+    def _sampling_row(self, item: StepRequest) -> SamplingRow:
         return SamplingRow(
             params=item.params,
             generator=self._generator(item),
@@ -109,7 +103,7 @@ class ModelRunner:
             banned_token_ids=item.banned_token_ids,
         )
 
-    def _generator(self, item: ScheduledRequest) -> torch.Generator | None:
+    def _generator(self, item: StepRequest) -> torch.Generator | None:
         """A seeded request draws only from its own generator, so its samples do
         not depend on what else is in the batch."""
         if item.params.seed is None:
@@ -122,7 +116,7 @@ class ModelRunner:
         return generator
 
     def _prompt_logprobs(
-        self, items: list[ScheduledRequest], hidden: torch.Tensor, starts: list[int], output: RunnerOutput
+        self, items: list[StepRequest], hidden: torch.Tensor, starts: list[int], output: RunnerOutput
     ) -> None:
         for i, item in enumerate(items):
             targets = item.prompt_logprobs_targets

@@ -23,7 +23,7 @@ from itertools import chain
 
 import torch
 
-from tokenmill.engine.batch import TokenLogprobs
+from tokenmill.sampling.logprobs import TokenLogprobs
 from tokenmill.sampling.params import SamplingParams
 
 

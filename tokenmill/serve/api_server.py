@@ -57,7 +57,7 @@ def create_server(build_engine: Callable[[], LLMEngine], settings: ServerSetting
         build_engine,
         max_queued_requests=settings.max_queued_requests,
         stall_timeout=settings.health_stall_timeout,
-        observer=metrics,
+        observers=[metrics],
         on_fatal=settings.on_fatal,
     )
     serving = OpenAIServing(engine, settings.served_model_names)

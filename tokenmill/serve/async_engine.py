@@ -46,7 +46,7 @@ import weakref
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
-from tokenmill.engine.engine import EngineStats, LLMEngine
+from tokenmill.engine.engine import EngineStats, LLMEngine, StepObserver
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling.params import SamplingParams
 
@@ -75,14 +75,6 @@ class NewRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
-
-
-class StepObserver:
-    """Hooks the engine thread calls (metrics); the default does nothing."""
-
-    def on_outputs(self, outputs: list[RequestOutput]) -> None: ...
-
-    def on_aborted(self, output: RequestOutput) -> None: ...
 
 
 @dataclass
@@ -173,13 +165,13 @@ class AsyncEngine:
         *,
         max_queued_requests: int | None = None,
         stall_timeout: float = 60.0,
-        observer: StepObserver | None = None,
+        observers: list[StepObserver] = (),
         on_fatal: Callable[[BaseException], None] | None = None,
     ) -> None:
         self._build_engine = build_engine
         self._max_queued = max_queued_requests
         self._stall_timeout = stall_timeout
-        self._observer = observer or StepObserver()
+        self._observers = list(observers)  # attached to the engine once it is built
         self._on_fatal = on_fatal
         self.engine: LLMEngine | None = None
         self.state = EngineState.LOADING
@@ -271,6 +263,8 @@ class AsyncEngine:
             logger.exception("failed to load the engine")
             self._die(exc)
             return
+        for observer in self._observers:
+            self.engine.add_observer(observer)
         self.stats = self.engine.stats()
         if self.state == EngineState.LOADING:
             self.state = EngineState.READY
@@ -347,15 +341,12 @@ class AsyncEngine:
     def _abort_in_thread(self, request_ids: list[str]) -> None:
         assert self.engine is not None
         for request_id in request_ids:
-            output = self.engine.abort_request(request_id)
-            if output is not None:
-                self._observer.on_aborted(output)
+            self.engine.abort_request(request_id)  # the engine tells its observers
 
     def _step(self) -> None:
         assert self.engine is not None
         outputs = self.engine.step()
         if outputs:
-            self._observer.on_outputs(outputs)
             self._call_in_loop(self._dispatch, outputs)
 
     def _abort_everything(self) -> None:
@@ -365,7 +356,6 @@ class AsyncEngine:
         for request_id in list(self._streams):
             output = self.engine.abort_request(request_id)
             if output is not None:
-                self._observer.on_aborted(output)
                 outputs.append(output)
         if outputs:
             self._call_in_loop(self._dispatch, outputs)

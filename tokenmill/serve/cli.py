@@ -28,7 +28,9 @@ _DEFAULTS_KEY = "_serve_defaults"
 _SECRET_SETTINGS = {"api_key"}
 
 
-def register(sub, add_engine_args) -> None:
+def register(sub) -> None:
+    from tokenmill.config import add_engine_args
+
     parser = sub.add_parser(
         "serve", help="OpenAI-compatible HTTP server",
         description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions).",
@@ -137,19 +139,12 @@ def serve(settings: argparse.Namespace) -> int:
     meanwhile), and return the exit status once it has shut down."""
     import uvicorn
 
-    from tokenmill.config import EngineConfig, parse_memory
-    from tokenmill.engine.engine import LLMEngine
+    from tokenmill.builder import build_engine
+    from tokenmill.config import config_from_args
     from tokenmill.serve.api_server import ServerSettings, create_server
 
     logging.getLogger().setLevel(settings.log_level.upper())
-    engine_config = EngineConfig(
-        model=settings.model, dtype=settings.dtype, device=settings.device,
-        max_model_len=settings.max_model_len, max_num_seqs=settings.max_num_seqs,
-        max_num_batched_tokens=settings.max_num_batched_tokens,
-        kv_cache_memory=parse_memory(settings.kv_cache_memory), block_size=settings.block_size,
-        enable_prefix_caching=settings.enable_prefix_caching, seed=settings.seed,
-        num_threads=settings.num_threads, attention_backend=settings.attention_backend,
-    )
+    engine_config = config_from_args(settings)
     if settings.max_queued_requests is not None and settings.max_queued_requests < 1:
         raise ValueError(f"max_queued_requests must be at least 1, got {settings.max_queued_requests}")
     fatal: list[BaseException] = []
@@ -161,7 +156,7 @@ def serve(settings: argparse.Namespace) -> int:
             uvicorn_server.should_exit = True  # read by uvicorn's main loop each tick
 
     server = create_server(
-        lambda: LLMEngine.from_config(engine_config),
+        lambda: build_engine(engine_config),
         ServerSettings(
             served_model_names=settings.served_model_name, api_key=settings.api_key,
             max_queued_requests=settings.max_queued_requests, shutdown_timeout=settings.shutdown_timeout,

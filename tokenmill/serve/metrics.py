@@ -15,9 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tokenmill.engine.engine import EngineStats
+from tokenmill.engine.engine import EngineStats, StepObserver, StepRecord
 from tokenmill.outputs import RequestOutput
-from tokenmill.serve.async_engine import StepObserver
 
 PREFIX = "tokenmill:"
 
@@ -64,7 +63,7 @@ class ServerMetrics(StepObserver):
 
     # ----- StepObserver (engine thread) ---------------------------------------------------
 
-    def on_outputs(self, outputs: list[RequestOutput]) -> None:
+    def on_step(self, record: StepRecord, outputs: list[RequestOutput]) -> None:
         for output in outputs:
             self._observe_step(output)
             if output.finished:

@@ -27,7 +27,39 @@ namespace {
 constexpr int64_t kTileRows = 4;   // rows of W per tile
 constexpr int64_t kKBlock = 16;    // consecutive K elements of one row inside a tile
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX512F__)
+using tokenmill::load16;
+
+// AVX-512: a tile's K block of one row (16 elements) is exactly one register, so each
+// block is one load per tile row, one per x row and 4R FMAs, half the instructions of the
+// AVX2 loop below; the 4R accumulators are reduced once at the end.
+template <int R, typename W>
+inline void tile_times_rows(const float* x, int64_t K, const W* tile, float* y, int64_t N, int64_t valid) {
+  __m512 acc[kTileRows][R];
+  for (int r = 0; r < kTileRows; ++r)
+    for (int m = 0; m < R; ++m) acc[r][m] = _mm512_setzero_ps();
+  const W* p = tile;
+  for (int64_t k = 0; k < K; k += kKBlock, p += kTileRows * kKBlock) {
+    __m512 xv[R];
+    for (int m = 0; m < R; ++m) xv[m] = _mm512_loadu_ps(x + m * K + k);
+    for (int r = 0; r < kTileRows; ++r) {
+      const __m512 w = load16(p + r * kKBlock);
+      for (int m = 0; m < R; ++m) acc[r][m] = _mm512_fmadd_ps(w, xv[m], acc[r][m]);
+    }
+  }
+  for (int r = 0; r < valid; ++r)
+    for (int m = 0; m < R; ++m) y[m * N + r] = _mm512_reduce_add_ps(acc[r][m]);
+}
+
+template <typename W>
+void tile_times_x(const float* x, int64_t M, int64_t K, const W* tile, float* y, int64_t N, int64_t valid) {
+  int64_t m = 0;
+  for (; m + 4 <= M; m += 4) tile_times_rows<4>(x + m * K, K, tile, y + m * N, N, valid);
+  if (M - m == 3) tile_times_rows<3>(x + m * K, K, tile, y + m * N, N, valid);
+  if (M - m == 2) tile_times_rows<2>(x + m * K, K, tile, y + m * N, N, valid);
+  if (M - m == 1) tile_times_rows<1>(x + m * K, K, tile, y + m * N, N, valid);
+}
+#elif defined(__AVX2__) && defined(__FMA__)
 using tokenmill::hsum;
 using tokenmill::load8;
 

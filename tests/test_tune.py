@@ -1,0 +1,106 @@
+"""The dense CPU kernels are chosen by measuring them (runner/tune.py): the choice logic on
+injected timings, the cache, and that every candidate computes the same product."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from tokenmill.quantization.dense import CPUMatmulChoice, DenseFormat
+from tokenmill.runner import tune
+
+
+@pytest.fixture(autouse=True, scope="module")
+def native_kernels() -> None:
+    from tokenmill.kernels import cpu_kernels_available
+
+    if not cpu_kernels_available():
+        pytest.fail("the native CPU kernels did not build (python -m tokenmill.kernels -v shows why)")
+
+
+def timings(skinny: dict[int, float], **gemm: dict[int, float]) -> tune.Timings:
+    return tune.Timings(skinny, gemm)
+
+
+def test_the_gemm_fastest_for_prefill_wins_and_skinny_keeps_the_rows_it_does_not_lose() -> None:
+    t = timings({1: 1.0, 2: 1.1, 4: 1.4, 8: 2.0, 16: 4.0},
+                onednn_f32={1: 2.0, 2: 2.0, 4: 2.1, 8: 2.5, 16: 3.1, 128: 14.0},
+                onednn_bf16={1: 1.2, 2: 1.2, 4: 1.2, 8: 1.3, 16: 1.4, 128: 4.0})
+    # bf16 wins prefill; skinny keeps 1, 2 (within the fused margin), loses at 4 (1.4 > 1.15 * 1.2).
+    assert tune.decide(t) == CPUMatmulChoice(skinny_max_rows=2, gemm="onednn_bf16")
+    f32_only = timings(t.skinny, onednn_f32=t.gemm["onednn_f32"])
+    assert tune.decide(f32_only) == CPUMatmulChoice(skinny_max_rows=8, gemm="onednn_f32")
+    never = timings({1: 3.0, 2: 3.0}, onednn_bf16={1: 1.0, 2: 1.0, 128: 4.0})
+    assert tune.decide(never) == CPUMatmulChoice(skinny_max_rows=0, gemm="onednn_bf16")
+    # The first loss ends the skinny range even if a larger row count happens to time well.
+    ragged = timings({1: 1.0, 2: 5.0, 4: 1.0}, onednn_f32={1: 2.0, 2: 2.0, 4: 2.0, 128: 9.0})
+    assert tune.decide(ragged).skinny_max_rows == 1
+
+
+def test_float32_weights_never_get_bf16_inputs() -> None:
+    assert tune.candidate_gemms(torch.float32) == ("onednn_f32",)
+    assert set(tune.candidate_gemms(torch.bfloat16)) == {"onednn_f32", "onednn_bf16"}
+
+
+def test_the_choice_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch) -> None:
+    calls = []
+
+    def fake_measure(shapes, tile_dtype, gemms):
+        calls.append((tuple(shapes), tile_dtype, tuple(gemms)))
+        return timings({1: 1.0}, **{g: {1: 2.0, 128: 3.0} for g in gemms})
+
+    monkeypatch.setattr(tune, "measure", fake_measure)
+    shapes = [(96, 32), (32, 32)]
+    first, measured, source = tune.choose(shapes, torch.bfloat16, cache_dir=tmp_path)
+    assert measured is not None and "measured" in source and len(calls) == 1
+    again, measured, source = tune.choose(shapes, torch.bfloat16, cache_dir=tmp_path)
+    assert again == first and measured is None and "cached" in source and len(calls) == 1
+    # Another dtype, another shape set or other allowed GEMMs is another key.
+    tune.choose(shapes, torch.float32, cache_dir=tmp_path)
+    tune.choose(shapes, torch.bfloat16, allowed=["onednn_f32"], cache_dir=tmp_path)
+    assert len(calls) == 3 and len(list(tmp_path.glob("dense-*.json"))) == 3
+    # A damaged cache file is measured over, not trusted.
+    for path in tmp_path.glob("dense-*.json"):
+        path.write_text("{not json")
+    tune.choose(shapes, torch.bfloat16, cache_dir=tmp_path)
+    assert len(calls) == 4
+
+
+@pytest.mark.parametrize("tile_dtype,gemm", [(torch.float32, "onednn_f32"), (torch.bfloat16, "onednn_f32"),
+                                             (torch.bfloat16, "onednn_bf16")])
+def test_every_candidate_computes_the_same_product(tile_dtype, gemm) -> None:
+    from tokenmill.model.layers import Linear
+
+    torch.manual_seed(0)
+    layer = Linear(64, 40, bias=True)
+    reference = layer.weight.detach().to(tile_dtype).float()
+    bias = layer.bias.detach().clone()
+    layer.set_format(DenseFormat(tile_dtype, cpu_layout=True, onednn=True,
+                                 choice=CPUMatmulChoice(skinny_max_rows=4, gemm=gemm)))
+    with torch.inference_mode():
+        for rows in (1, 4, 5, 33):
+            x = torch.randn(rows, 64)
+            bf16_inputs = gemm == "onednn_bf16" and rows > 4
+            tol = 3e-2 if bf16_inputs else 1e-4  # bf16 inputs round x: the product differs by that rounding
+            torch.testing.assert_close(layer(x), F.linear(x, reference, bias), atol=tol, rtol=tol)
+
+
+def test_measure_times_every_candidate_for_every_row_count() -> None:
+    t = tune.measure([(64, 32), (32, 64)], torch.bfloat16, layers=1, reps=1)
+    assert set(t.skinny) == set(tune.DECODE_ROWS)
+    assert set(t.gemm) == {"onednn_f32", "onednn_bf16"}
+    assert all(set(g) == {*tune.DECODE_ROWS, tune.PREFILL_ROWS} for g in t.gemm.values())
+    assert all(v > 0 for v in t.skinny.values())
+    assert "choice:" in tune.describe(t, tune.decide(t))
+
+
+def test_on_a_cpu_with_the_kernels_activations_stay_float32_and_dtype_is_storage() -> None:
+    from tokenmill.builder import DtypePlan, resolve_dtype
+
+    cpu = torch.device("cpu")
+    assert resolve_dtype("auto", cpu, native_kernels=True) == DtypePlan("float32", "bfloat16", "bfloat16")
+    assert resolve_dtype("bfloat16", cpu, native_kernels=True) == DtypePlan("float32", "bfloat16", "bfloat16")
+    assert resolve_dtype("float32", cpu, native_kernels=True) == DtypePlan("float32", "float32", "float32")
+    with pytest.raises(ValueError, match="float16 is for GPUs"):
+        resolve_dtype("float16", cpu, native_kernels=True)

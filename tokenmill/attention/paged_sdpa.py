@@ -1,0 +1,88 @@
+"""Pieces of paged attention in plain PyTorch that every backend shares: writing the
+step's K/V through the slot mapping, and prefill chunks by SDPA.
+
+A prefill chunk attends to its whole context: when earlier chunks (or cached prefix
+blocks) exist, that context is gathered from the cache and a causal mask aligned to the
+bottom right lets the chunk see all of it; otherwise the chunk is the whole context and
+SDPA's own causal mask applies. Matrix-shaped work that SDPA's flash kernel does well.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from tokenmill.attention.backend import BatchLayout
+from tokenmill.attention.kv_cache import LayerKVCache
+
+
+@dataclass
+class PrefillSpan:
+    start: int  # first query row
+    end: int
+    context_gather: torch.Tensor | None  # cache slots of the whole context; None: no earlier context
+    mask: torch.Tensor | None  # bottom-right causal mask [q_len, context_len]
+
+
+def flat_cache(kv_cache: LayerKVCache) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V as [slots, kv_heads, head_dim] views."""
+    k_cache, v_cache = kv_cache
+    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
+    return k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+
+
+def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
+    k_flat, v_flat = flat_cache(kv_cache)
+    # The cache may be narrower than the activations (bf16 KV, float32 compute).
+    k_flat.index_copy_(0, slot_mapping, k.to(k_flat.dtype))
+    v_flat.index_copy_(0, slot_mapping, v.to(v_flat.dtype))
+
+
+def prefill_spans(layout: BatchLayout, device: torch.device) -> list[PrefillSpan]:
+    """The step's multi-token chunks."""
+    starts = layout.query_starts
+    return [_prefill_span(layout, i, starts[i], device) for i, n in enumerate(layout.query_lens) if n > 1]
+
+
+def attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKVCache,
+                    spans: list[PrefillSpan], scale: float, out: torch.Tensor) -> None:
+    k_flat, v_flat = flat_cache(kv_cache)
+    for span in spans:
+        qp = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
+        if span.context_gather is None:  # the whole context is this chunk
+            kp, vp = k[span.start : span.end], v[span.start : span.end]
+        else:
+            kp, vp = k_flat[span.context_gather].to(q.dtype), v_flat[span.context_gather].to(q.dtype)
+        kp = kp.transpose(0, 1).unsqueeze(0)
+        vp = vp.transpose(0, 1).unsqueeze(0)
+        o = sdpa(qp, kp, vp, span.mask, scale, causal=span.mask is None)
+        out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
+
+
+def sdpa(q, k, v, mask, scale: float, causal: bool) -> torch.Tensor:
+    # enable_gqa shares each KV head among its query heads without copying K/V
+    # (about 10x faster than repeat_interleave for decode on CPU).
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=k.shape[1] != q.shape[1]
+    )
+
+
+def context_slots(block_table: list[int], ctx_len: int, block_size: int, device: torch.device) -> torch.Tensor:
+    """Cache slots of a request's first ctx_len tokens, in order."""
+    num_blocks = -(-ctx_len // block_size)
+    blocks = torch.tensor(block_table[:num_blocks], dtype=torch.long, device=device)
+    slots = (blocks.unsqueeze(1) * block_size + torch.arange(block_size, device=device)).flatten()
+    return slots[:ctx_len]
+
+
+def _prefill_span(layout: BatchLayout, i: int, start: int, device: torch.device) -> PrefillSpan:
+    q_len, ctx_len = layout.query_lens[i], layout.context_lens[i]
+    if q_len == ctx_len:
+        return PrefillSpan(start, start + q_len, None, None)
+    gather = context_slots(layout.block_tables[i], ctx_len, layout.block_size, device)
+    # Query row r sits at position ctx_len - q_len + r and sees keys up to it.
+    rows = torch.arange(q_len, device=device).unsqueeze(1) + (ctx_len - q_len)
+    mask = torch.arange(ctx_len, device=device).unsqueeze(0) <= rows
+    return PrefillSpan(start, start + q_len, gather, mask)

@@ -1,0 +1,237 @@
+"""The offline workloads W1-W4 and their metrics: shapes, request lists, per-run records.
+
+Shared by `tokenmill bench offline`, the transformers baseline and the side-by-side
+harness (`benchmarks/compare.py`), so every system runs exactly the same requests.
+
+- W1: one request, 128 prompt tokens, 128 new tokens -> TTFT and decode tokens/s,
+  decode = (new - 1) / (e2e - TTFT).
+- W2: one request, 1024 prompt tokens, 16 new tokens -> prefill tokens/s = prompt / TTFT.
+- W3: 64 requests submitted at once, prompt lengths uniform in [64, 512], output
+  lengths uniform in [32, 256] -> total and output tokens/s, wall time.
+- W4: 32 requests sharing one 512-token prefix, each with its own 32-token suffix,
+  64 new tokens each -> throughput and mean TTFT, with prefix caching on and off.
+
+Prompts are random token ids drawn from the ordinary vocabulary (special and added tokens
+left out); every repetition draws fresh ids from its own seed (`repetition_rng`).
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+WORKLOADS = ("W1", "W2", "W3", "W4")
+
+# A request: (prompt token ids, number of tokens to generate).
+Request = tuple[list[int], int]
+
+
+# ----- workload shapes ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sizes:
+    w1_prompt: int = 128
+    w1_new: int = 128
+    w2_prompt: int = 1024
+    w2_new: int = 16
+    w3_requests: int = 64
+    w3_prompt: tuple[int, int] = (64, 512)
+    w3_new: tuple[int, int] = (32, 256)
+    w4_requests: int = 32
+    w4_prefix: int = 512
+    w4_suffix: int = 32
+    w4_new: int = 64
+    # transformers runs W3 as padded batches of this many requests (W4 goes as one batch).
+    hf_batch_size: int = 16
+
+
+FULL = Sizes()
+QUICK = Sizes(
+    w1_prompt=16, w1_new=8, w2_prompt=64, w2_new=4,
+    w3_requests=4, w3_prompt=(8, 32), w3_new=(4, 12),
+    w4_requests=4, w4_prefix=32, w4_suffix=8, w4_new=8,
+    hf_batch_size=2,
+)
+
+
+def describe(name: str, s: Sizes) -> str:
+    if name == "W1":
+        return f"1 request, {s.w1_prompt} prompt + {s.w1_new} new tokens"
+    if name == "W2":
+        return f"1 request, {s.w2_prompt} prompt + {s.w2_new} new tokens"
+    if name == "W3":
+        return (f"{s.w3_requests} requests at once, prompts U[{s.w3_prompt[0]}, {s.w3_prompt[1]}], "
+                f"outputs U[{s.w3_new[0]}, {s.w3_new[1]}]")
+    return (f"{s.w4_requests} requests, shared {s.w4_prefix}-token prefix + {s.w4_suffix}-token suffix, "
+            f"{s.w4_new} new tokens each")
+
+
+def build_requests(name: str, sizes: Sizes, rng: random.Random, pool: Sequence[int]) -> list[Request]:
+    """The requests of one repetition of a workload, drawn from `rng`."""
+
+    def ids(n: int) -> list[int]:
+        return [pool[rng.randrange(len(pool))] for _ in range(n)]
+
+    if name == "W1":
+        return [(ids(sizes.w1_prompt), sizes.w1_new)]
+    if name == "W2":
+        return [(ids(sizes.w2_prompt), sizes.w2_new)]
+    if name == "W3":
+        lengths = [(rng.randint(*sizes.w3_prompt), rng.randint(*sizes.w3_new)) for _ in range(sizes.w3_requests)]
+        return [(ids(p), n) for p, n in lengths]
+    if name == "W4":
+        prefix = ids(sizes.w4_prefix)
+        return [(prefix + ids(sizes.w4_suffix), sizes.w4_new) for _ in range(sizes.w4_requests)]
+    raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+
+
+def repetition_rng(seed: int, workload: str, repetition: int | str) -> random.Random:
+    """A distinct, reproducible stream per (seed, workload, repetition); `str` seeds are
+    hashed deterministically by `random`, unlike `hash()`."""
+    return random.Random(f"tokenmill-bench:{seed}:{workload}:{repetition}")
+
+
+def ordinary_token_ids(tokenizer: Any, vocab_size: int) -> list[int]:
+    """Token ids a random prompt may use: everything but special and added tokens
+    (BOS, EOS, chat markers...), which would change how the model behaves."""
+    excluded: set[int] = set()
+    backend = getattr(tokenizer, "backend", None)
+    if backend is not None and hasattr(backend, "get_added_tokens_decoder"):
+        excluded.update(backend.get_added_tokens_decoder())
+    bos = getattr(tokenizer, "bos_token_id", None)
+    if bos is not None:
+        excluded.add(bos)
+    excluded.update(getattr(tokenizer, "eos_token_ids", ()) or ())
+    is_special = getattr(tokenizer, "is_special", None)
+    pool = [i for i in range(vocab_size) if i not in excluded and not (is_special and is_special(i))]
+    if not pool:
+        raise ValueError("the vocabulary has no ordinary tokens to build prompts from")
+    return pool
+
+
+# ----- measurements ---------------------------------------------------------------------
+
+
+@dataclass
+class RunRecord:
+    """What one system did with one repetition's requests. Times in seconds from the
+    submission of the whole batch."""
+
+    wall_s: float
+    ttft_s: list[float]
+    e2e_s: list[float]
+    prompt_tokens: list[int]
+    output_tokens: list[int]
+    cached_tokens: list[int]
+    output_token_ids: list[list[int]] = field(default_factory=list, repr=False)
+    generated_tokens: int | None = None  # incl. tokens a static batch computed but nobody asked for
+    cpu_s: float = 0.0
+    loadavg_1m: float = 0.0
+
+
+# name -> (label, unit scale, higher is better)
+METRICS: dict[str, tuple[str, float, bool]] = {
+    "ttft_ms": ("TTFT (ms)", 1.0, False),
+    "mean_ttft_ms": ("mean TTFT (ms)", 1.0, False),
+    "e2e_s": ("end-to-end (s)", 1.0, False),
+    "decode_tok_s": ("decode (tok/s)", 1.0, True),
+    "tpot_ms": ("time per output token (ms)", 1.0, False),
+    "prefill_tok_s": ("prefill (tok/s)", 1.0, True),
+    "wall_s": ("wall time (s)", 1.0, False),
+    "total_tok_s": ("total (tok/s)", 1.0, True),
+    "output_tok_s": ("output (tok/s)", 1.0, True),
+    "cached_prompt_tokens": ("prompt tokens from cache", 1.0, True),
+}
+
+# The metrics each workload reports, in table order.
+WORKLOAD_METRICS: dict[str, tuple[str, ...]] = {
+    "W1": ("ttft_ms", "decode_tok_s", "tpot_ms", "e2e_s"),
+    "W2": ("ttft_ms", "prefill_tok_s", "e2e_s"),
+    "W3": ("total_tok_s", "output_tok_s", "wall_s", "mean_ttft_ms"),
+    "W4": ("total_tok_s", "output_tok_s", "mean_ttft_ms", "wall_s", "cached_prompt_tokens"),
+}
+
+# Keys of every run entry besides the workload's metrics.
+RUN_KEYS = ("seed", "num_requests", "prompt_tokens", "output_tokens", "cpu_util", "loadavg_1m")
+
+
+def metrics_of(workload: str, record: RunRecord) -> dict[str, float]:
+    n_prompt, n_out = sum(record.prompt_tokens), sum(record.output_tokens)
+    if workload in ("W1", "W2"):
+        ttft, e2e, n = record.ttft_s[0], record.e2e_s[0], record.output_tokens[0]
+        decode_s = e2e - ttft
+        out = {"ttft_ms": 1000 * ttft, "e2e_s": e2e}
+        if workload == "W1":
+            out["decode_tok_s"] = (n - 1) / decode_s if decode_s > 0 else float("nan")
+            out["tpot_ms"] = 1000 * decode_s / (n - 1) if n > 1 else float("nan")
+        else:
+            out["prefill_tok_s"] = record.prompt_tokens[0] / ttft
+        return out
+    out = {
+        "total_tok_s": (n_prompt + n_out) / record.wall_s,
+        "output_tok_s": n_out / record.wall_s,
+        "wall_s": record.wall_s,
+        "mean_ttft_ms": 1000 * statistics.fmean(record.ttft_s),
+    }
+    if workload == "W4":
+        out["cached_prompt_tokens"] = float(sum(record.cached_tokens))
+    return out
+
+
+def run_entry(workload: str, record: RunRecord, seed: str, threads: int) -> dict[str, Any]:
+    entry: dict[str, Any] = {
+        "seed": seed,
+        "num_requests": len(record.prompt_tokens),
+        "prompt_tokens": sum(record.prompt_tokens),
+        "output_tokens": sum(record.output_tokens),
+        # Busy CPU time over the available (thread) time: well below 1 under contention.
+        "cpu_util": record.cpu_s / (record.wall_s * max(threads, 1)) if record.wall_s > 0 else 0.0,
+        "loadavg_1m": record.loadavg_1m,
+        **metrics_of(workload, record),
+    }
+    if record.generated_tokens is not None:
+        entry["generated_tokens"] = record.generated_tokens
+    return entry
+
+
+def medians(runs: list[dict[str, Any]], keys: Sequence[str]) -> dict[str, float]:
+    return {k: statistics.median(r[k] for r in runs) for k in keys}
+
+
+def speedup(metric: str, ours: float, theirs: float) -> float | None:
+    """> 1 when `ours` is better (higher rate, or lower time)."""
+    higher_better = METRICS[metric][2]
+    if not ours or not theirs:
+        return None
+    return ours / theirs if higher_better else theirs / ours
+
+
+def parse_workloads(text: str) -> list[str]:
+    names = [w.strip().upper() for w in text.split(",") if w.strip()]
+    bad = [w for w in names if w not in WORKLOADS]
+    if bad or not names:
+        raise ValueError(f"unknown workload(s) {bad or text!r}; choose from {', '.join(WORKLOADS)}")
+    return list(dict.fromkeys(names))
+
+
+def agreement(ours: list[list[int]] | None, theirs: list[list[int]]) -> dict[str, Any]:
+    """How far the greedy outputs of both systems agree (first measured run): in
+    bfloat16 different kernels round differently, so a late divergence is expected."""
+    if not ours:
+        return {}
+    prefixes = []
+    for a, b in zip(ours, theirs):
+        k = 0
+        while k < min(len(a), len(b)) and a[k] == b[k]:
+            k += 1
+        prefixes.append(k)
+    return {
+        "identical_requests": sum(int(a == b) for a, b in zip(ours, theirs)),
+        "num_requests": len(prefixes),
+        "mean_common_prefix_tokens": statistics.fmean(prefixes),
+        "mean_output_tokens": statistics.fmean(len(a) for a in ours),
+    }

@@ -1,0 +1,228 @@
+"""The composition root: an EngineConfig in, a running engine out.
+
+`build_executor` resolves the device and dtypes, loads the model, chooses the execution
+plan and the attention backend, allocates the KV cache and builds the runner; it returns
+them with the tokenizer and the `EngineFacts` found on the way. `build_engine` wraps
+that in an `LLMEngine`. `LLM`, `tokenmill serve` and the bench all start here.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.attention.backend import AttentionBackend
+from tokenmill.attention.kv_cache import KVCacheSpec, PagedKVCache
+from tokenmill.attention.torch_sdpa import TorchSDPABackend
+from tokenmill.config import EngineConfig, EngineFacts
+from tokenmill.engine.engine import LLMEngine
+from tokenmill.hardware import cpu_info
+from tokenmill.model.config import ModelArchConfig
+from tokenmill.model.loader import LoadedModel, load_model, open_checkpoint
+from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.quantization.dense import CPUMatmulChoice
+from tokenmill.runner import tune
+from tokenmill.runner.plan import ExecutionPlan, apply_plan, cpu_native_plan, reference_plan
+from tokenmill.runner.threads import ThreadGovernor
+from tokenmill.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class BuiltExecutor:
+    executor: ModelRunner
+    tokenizer: Tokenizer
+    facts: EngineFacts
+
+
+def build_engine(config: EngineConfig) -> LLMEngine:
+    built = build_executor(config)
+    return LLMEngine(config, built.executor, built.tokenizer, built.facts)
+
+
+def build_executor(config: EngineConfig) -> BuiltExecutor:
+    start = time.perf_counter()
+    device = resolve_device(config.device.device)
+    governor = compute_threads(config, device)
+    kernels_ok = device.type == "cpu" and config.device.native_kernels and _cpu_kernels_build()
+    dtype = resolve_dtype(config.model.dtype, device, kernels_ok)
+    checkpoint = open_checkpoint(config.model.model)
+    backend = select_attention_backend(config.device.attention_backend, device, kernels_ok)
+    plan = choose_plan(config, device, dtype, kernels_ok, backend, checkpoint.arch)
+    loaded = load_model(checkpoint, dtype.compute, device, config.model.max_model_len, plan.weight_format)
+    max_model_len = resolve_max_model_len(config, loaded)
+    plan = apply_plan(loaded.model, plan)
+    spec = KVCacheSpec(loaded.arch.num_layers, loaded.arch.num_kv_heads, loaded.arch.head_dim,
+                       config.cache.block_size, _DTYPES[dtype.kv_cache])
+    memory = config.cache.kv_cache_memory or default_kv_cache_memory(device)
+    num_blocks = spec.num_blocks_for(memory)
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory {memory} bytes is less than one KV block ({spec.bytes_per_block} bytes)")
+    kv_cache = PagedKVCache(spec, num_blocks, device)
+    runner = ModelRunner(loaded.model, kv_cache, backend, plan, device, seed=config.model.seed, threads=governor)
+    facts = EngineFacts(
+        model_name=loaded.name, model_path=loaded.path, architecture=loaded.arch.architecture,
+        vocab_size=loaded.arch.vocab_size, max_model_len=max_model_len, device=str(device),
+        compute_dtype=dtype.compute, weight_format=plan.weight_format.name, kv_cache_dtype=dtype.kv_cache,
+        num_blocks=num_blocks, block_size=config.cache.block_size, kv_bytes_per_token=spec.bytes_per_token,
+        attention_backend=backend.name, execution_plan=plan.describe(), num_threads=torch.get_num_threads(),
+        load_seconds=time.perf_counter() - start,
+    )
+    logger.info(
+        "loaded %s (%s) on %s in %.1f s: %d KV blocks of %d tokens (%.2f GiB, %d bytes per token), "
+        "max_model_len %d, attention %s", loaded.name, dtype, device, facts.load_seconds, num_blocks,
+        spec.block_size, kv_cache.nbytes / 2**30, spec.bytes_per_token, max_model_len, backend.name,
+    )
+    logger.info("execution plan (%s): %s", plan.tier, plan.describe())
+    return BuiltExecutor(runner, loaded.tokenizer, facts)
+
+
+# ----- what the config leaves to the machine ----------------------------------------------
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def compute_threads(config: EngineConfig, device: torch.device) -> ThreadGovernor | None:
+    """On the CPU: a fixed `num_threads`, or (the default) a governor that uses the cores
+    other work leaves free (runner/threads.py)."""
+    if device.type != "cpu":
+        return None
+    if config.device.num_threads is not None:
+        torch.set_num_threads(config.device.num_threads)
+        return None
+    return ThreadGovernor(cpu_info().num_cores, torch.set_num_threads)
+
+
+def cpu_has_native_bf16() -> bool:
+    return cpu_info().native_bf16
+
+
+@dataclass(frozen=True)
+class DtypePlan:
+    compute: str  # activations
+    weights: str  # how linear and embedding weights are stored
+    kv: str = ""  # the KV cache; "" = compute
+
+    @property
+    def kv_cache(self) -> str:
+        return self.kv or self.compute
+
+    def __str__(self) -> str:
+        if self.compute == self.weights == self.kv_cache:
+            return self.compute
+        stored = "weights and KV cache" if self.weights == self.kv_cache else f"weights, {self.kv_cache} KV cache"
+        return f"{self.weights} {stored}, {self.compute} compute"
+
+
+def resolve_dtype(dtype: str, device: torch.device, native_kernels: bool = False) -> DtypePlan:
+    """On a CPU with tokenmill's kernels, activations stay float32 and `dtype` is how the
+    weights and the KV cache are stored: `auto` and `bfloat16` store them in bfloat16 (half
+    the bytes a decode step streams; matmuls then take whichever kernels measure fastest
+    here, bf16 GEMMs included where the CPU has them), `float32` keeps the checkpoint exact.
+    Elsewhere `dtype` is the compute dtype: `auto` is bfloat16 on GPUs and on CPUs with
+    bf16 arithmetic, float32 on other CPUs, where bf16 matmuls would be emulated (10-20x
+    slower) and `bfloat16` then stores bf16 weights and KV computing in float32."""
+    if device.type == "cpu" and native_kernels:
+        if dtype == "float16":
+            raise ValueError("float16 is for GPUs; on the CPU use bfloat16 or float32")
+        stored = "float32" if dtype == "float32" else "bfloat16"
+        return DtypePlan(compute="float32", weights=stored, kv=stored)
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" or cpu_has_native_bf16() else "float32"
+    if dtype == "bfloat16" and device.type == "cpu" and not cpu_has_native_bf16():
+        return DtypePlan(compute="float32", weights="bfloat16", kv="bfloat16")
+    return DtypePlan(compute=dtype, weights=dtype)
+
+
+def choose_plan(config: EngineConfig, device: torch.device, dtype: DtypePlan, kernels_ok: bool,
+                backend: AttentionBackend, arch: ModelArchConfig | None = None) -> ExecutionPlan:
+    """On a float32-computing CPU with the native kernels: weights tiled for the decode
+    kernels and packed for oneDNN (unless `pack_weights` is off), the matmul kernels per
+    row range measured on this machine (`runner/tune.py`), the native element-wise ops,
+    and the fused decode layer where attention reads the cache natively. Elsewhere plain
+    weights and PyTorch ops."""
+    weights = _DTYPES[dtype.weights]
+    if not (device.type == "cpu" and dtype.compute == "float32" and kernels_ok):
+        return reference_plan(weights)
+    choice = cpu_matmul_choice(config, weights, arch)
+    return cpu_native_plan(weights, onednn=config.device.pack_weights, choice=choice,
+                           fused_decode=backend.name == "cpu_native")
+
+
+def cpu_matmul_choice(config: EngineConfig, weights: torch.dtype, arch: ModelArchConfig | None) -> CPUMatmulChoice:
+    """The measured (or cached) kernel choice, unless the config fixes both parts of it."""
+    fixed_gemm = config.device.cpu_gemm != "auto"
+    if config.device.cpu_gemm == "onednn_bf16" and weights != torch.bfloat16:
+        raise ValueError("cpu_gemm onednn_bf16 rounds inputs to bf16: it needs bfloat16 weights (--dtype bfloat16)")
+    if fixed_gemm and config.device.skinny_max_rows is not None:
+        return CPUMatmulChoice(config.device.skinny_max_rows, config.device.cpu_gemm)
+    shapes = layer_shapes(arch) if arch is not None else [(576, 576)]
+    choice, timings, source = tune.choose(shapes, weights, allowed=[config.device.cpu_gemm] if fixed_gemm else None)
+    if config.device.skinny_max_rows is not None:
+        choice = CPUMatmulChoice(config.device.skinny_max_rows, choice.gemm)
+    logger.info("CPU matmul kernels (%s): %s", source, choice.describe())
+    return choice
+
+
+def layer_shapes(arch: ModelArchConfig) -> list[tuple[int, int]]:
+    """(out, in) of one decoder layer's linear weights: qkv, o, gate_up, down."""
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    h, i = arch.hidden_size, arch.intermediate_size
+    return [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]
+
+
+def select_attention_backend(name: str, device: torch.device, kernels_ok: bool) -> AttentionBackend:
+    if name == "torch_sdpa" or (name == "auto" and device.type != "cpu"):
+        return TorchSDPABackend()
+    if device.type != "cpu":
+        raise ValueError(f"attention_backend {name!r} runs on the CPU only; use torch_sdpa on {device.type}")
+    if kernels_ok:
+        from tokenmill.attention.cpu_native import CPUNativeBackend
+
+        return CPUNativeBackend()
+    if name == "cpu_native":
+        raise ValueError("attention_backend 'cpu_native' needs the native CPU kernels, which are turned off or failed "
+                         "to build (see the warning above; `python -m tokenmill.kernels -v` shows the compiler output)")
+    return TorchSDPABackend()
+
+
+def default_kv_cache_memory(device: torch.device) -> int:
+    """2 GiB on CPU, capped at a fifth of RAM; on a GPU half of its free memory."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free // 2
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return min(2 * 2**30, total // 5)
+
+
+def resolve_max_model_len(config: EngineConfig, loaded: LoadedModel) -> int:
+    requested = config.model.max_model_len
+    max_model_len = requested or loaded.context_len
+    window = loaded.arch.sliding_window
+    if window is not None and max_model_len > window:
+        if requested is not None:
+            raise ValueError(
+                f"this model uses sliding-window attention ({window} tokens), which tokenmill does not "
+                f"implement; max_model_len {max_model_len} must be at most {window}"
+            )
+        max_model_len = window  # within the window, full attention is exact
+    if requested and requested > loaded.context_len:
+        logger.warning("max_model_len %d exceeds the model's context length %d", requested, loaded.context_len)
+    return max_model_len
+
+
+def _cpu_kernels_build() -> bool:
+    from tokenmill.kernels import cpu_kernels_available
+
+    return cpu_kernels_available()

@@ -1,0 +1,67 @@
+"""The weight-format seam: one small interface every storage format implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+
+class LinearWeights(ABC):
+    """A linear layer's weight W [out_features, in_features] in some storage format.
+
+    `apply` computes x @ W^T for any number of rows (each format picks its own kernels
+    for few rows and for many); the layer adds its bias. `dequantize` gives the weight as
+    float32, the reference every format is tested against.
+    """
+
+    out_features: int
+    in_features: int
+
+    @property
+    @abstractmethod
+    def format_name(self) -> str:
+        """Short name for logs and facts, e.g. 'float32', 'bfloat16-tiled', 'q4_1'."""
+
+    @abstractmethod
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, in_features] -> [M, out_features] in x's dtype."""
+
+    @abstractmethod
+    def dequantize(self) -> torch.Tensor:
+        """W as float32 [out_features, in_features]."""
+
+    @property
+    @abstractmethod
+    def nbytes(self) -> int:
+        """Bytes the weight occupies (all copies a format keeps)."""
+
+    @property
+    def decode_nbytes(self) -> int:
+        """Bytes a decode step streams from this weight (one copy)."""
+        return self.nbytes
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` of W as float32 [len(ids), in_features]: a tied LM head serves the
+        embedding lookup from its own storage, so the table is not kept twice."""
+        return self.dequantize()[ids]
+
+    def fused_decode_operand(self) -> torch.Tensor | None:
+        """What the native fused decode layer reads for this weight, or None when the
+        format has no such path (the execution plan then runs the layer op by op)."""
+        return None
+
+
+class WeightFormat(ABC):
+    """How every linear weight of a model is stored; chosen once at load."""
+
+    name: str
+
+    @abstractmethod
+    def make(self, weight: torch.Tensor, many_rows: bool = True) -> LinearWeights:
+        """A float checkpoint weight [N, K] in this format. `many_rows=False`: the layer
+        only ever multiplies a few rows (an LM head samples from the last positions), so
+        a format need not keep what serves many rows."""
+
+    def describe(self) -> str:
+        return self.name

@@ -1,0 +1,146 @@
+"""Dense float weights: as a plain tensor (any device), or laid out for the CPU kernels."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from dataclasses import dataclass
+
+from tokenmill import kernels
+from tokenmill.quantization.base import LinearWeights, WeightFormat
+
+SKINNY_MAX_ROWS = 16  # up to here the tiled kernel beats oneDNN (measured: docs/benchmarks.md)
+
+_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+
+
+class PlainWeights(LinearWeights):
+    """A float weight used as it is: F.linear (BLAS/oneDNN on CPU, cuBLAS on GPU)."""
+
+    def __init__(self, weight: torch.Tensor) -> None:
+        self.weight = weight
+        self.out_features, self.in_features = weight.shape
+
+    @property
+    def format_name(self) -> str:
+        return _NAMES.get(self.weight.dtype, str(self.weight.dtype))
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype))
+
+    def dequantize(self) -> torch.Tensor:
+        return self.weight.float()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.weight[ids].float()
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.numel() * self.weight.element_size()
+
+
+@dataclass(frozen=True)
+class CPUMatmulChoice:
+    """Which kernel multiplies float32 activations by a CPU-tiled weight, by row count.
+    Measured per machine (runner/tune.py): on an AVX2 EPYC the skinny kernel won up to 16
+    rows and float32 oneDNN beyond; with AMX, oneDNN's bf16 GEMM wins from a few rows on."""
+
+    skinny_max_rows: int = SKINNY_MAX_ROWS  # the skinny kernel up to here (0: never)
+    gemm: str = "onednn_f32"  # beyond: "onednn_f32" (float32 copy), "onednn_bf16" (bf16 copy, bf16 inputs)
+
+    def describe(self) -> str:
+        gemm = {"onednn_f32": "float32 oneDNN", "onednn_bf16": "bf16 oneDNN (bf16 inputs)"}[self.gemm]
+        return f"skinny kernel up to {self.skinny_max_rows} rows, {gemm} beyond"
+
+
+GEMM_KINDS = ("onednn_f32", "onednn_bf16")
+
+
+class CPUDenseWeights(LinearWeights):
+    """A float weight laid out for the CPU, for float32 activations:
+
+    - up to `choice.skinny_max_rows` rows (decode): tokenmill's skinny kernel on the
+      weight in a tiled layout (`tiled`), float32 or bfloat16. A decode step is a stream of
+      weight reads; the kernel reads at 20-28 GB/s where BLAS reads at 10-12, and bfloat16
+      halves the bytes;
+    - more rows (prefill, large batches): oneDNN on a copy in its blocked layout (`packed`),
+      float32 (1.2-1.3x F.linear on the same weights) or, where the CPU computes bf16
+      natively (AMX, AVX-512 BF16), bf16 with the inputs rounded to bf16 (4-5x float32);
+    - without a packed copy, F.linear on the weight rebuilt from the tiles.
+    """
+
+    def __init__(self, weight: torch.Tensor, tile_dtype: torch.dtype, choice: CPUMatmulChoice | None,
+                 onednn: bool = True) -> None:
+        self.out_features, self.in_features = weight.shape
+        self.choice = choice or CPUMatmulChoice()
+        self.tiled = kernels.tile_for_skinny(weight, tile_dtype)
+        self.packed = None
+        if onednn:
+            gemm_dtype = torch.bfloat16 if self.choice.gemm == "onednn_bf16" else torch.float32
+            # From the tiles' values: a bf16-tiled weight is the same matrix in both paths.
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.to(tile_dtype).to(gemm_dtype), None)
+
+    @property
+    def format_name(self) -> str:
+        packed = "" if self.packed is None else f"+{_NAMES[self.packed.dtype]}-onednn"
+        return f"{_NAMES[self.tiled.dtype]}-tiled{packed}"
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            if x.shape[0] <= self.choice.skinny_max_rows:
+                return kernels.skinny_linear(x.contiguous(), self.tiled, self.out_features)
+            if self.packed is not None:
+                if self.packed.dtype == torch.bfloat16:
+                    y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.packed, None, "none", [], "")
+                    return y.float()
+                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None, "none", [], "")
+        return F.linear(x, self.dequantize().to(x.dtype))
+
+    def dequantize(self) -> torch.Tensor:
+        return kernels.untile_skinny(self.tiled, self.out_features).float()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return kernels.tiled_rows(self.tiled, ids).float()
+
+    @property
+    def nbytes(self) -> int:
+        packed = 0 if self.packed is None else self.out_features * self.in_features * self.packed.element_size()
+        return self.tiled.numel() * self.tiled.element_size() + packed
+
+    @property
+    def decode_nbytes(self) -> int:
+        return self.tiled.numel() * self.tiled.element_size()
+
+    def fused_decode_operand(self) -> torch.Tensor:
+        return self.tiled
+
+
+def onednn_available() -> bool:
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+
+
+class DenseFormat(WeightFormat):
+    """Float weights stored in `weight_dtype`. `cpu_layout`: the CPU kernels' layouts for
+    float32 activations (needs the native kernels), multiplied as `choice` says, with a
+    oneDNN copy for many rows when `onednn`; else a plain tensor."""
+
+    def __init__(self, weight_dtype: torch.dtype, cpu_layout: bool = False, onednn: bool = False,
+                 choice: CPUMatmulChoice | None = None) -> None:
+        self.weight_dtype = weight_dtype
+        self.cpu_layout = cpu_layout
+        self.onednn = onednn and onednn_available()
+        self.choice = choice or CPUMatmulChoice()
+        self.name = _NAMES.get(weight_dtype, str(weight_dtype))
+
+    def make(self, weight: torch.Tensor, many_rows: bool = True) -> LinearWeights:
+        if self.cpu_layout and kernels.can_tile_for_skinny(weight):
+            return CPUDenseWeights(weight, self.weight_dtype, self.choice, self.onednn and many_rows)
+        return PlainWeights(weight.detach().to(self.weight_dtype))
+
+    def describe(self) -> str:
+        if not self.cpu_layout:
+            return self.name
+        if not self.onednn:
+            return f"{self.name} tiled, skinny kernel up to {self.choice.skinny_max_rows} rows, F.linear beyond"
+        return f"{self.name} tiled; {self.choice.describe()}"

@@ -1,0 +1,184 @@
+"""Choose the dense CPU matmul kernels by measuring them on this machine, once.
+
+Which kernel multiplies the activations by a weight fastest depends on the CPU: on an
+AVX2 EPYC tokenmill's skinny kernel beat oneDNN up to 16 rows and float32 oneDNN was the
+GEMM to use; with AMX, oneDNN's bf16 GEMM wins from a few rows on and runs prefill 4-5x
+faster than float32. So at the first load of a model shape the candidates are timed on
+that model's own matrix shapes (several layers' worth of distinct weights, so they stream
+from memory as in a real step), the fastest per row range is kept, and the decision is
+cached on disk, keyed by what it depends on: the CPU's model and flags, torch's version,
+the thread count, the tile dtype and the shapes. A cached decision is reused; one log line
+says which. `decide()` is the pure choice, tested with injected timings.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from tokenmill import kernels
+from tokenmill.hardware import cpu_info
+from tokenmill.quantization.dense import GEMM_KINDS, SKINNY_MAX_ROWS, CPUMatmulChoice
+
+logger = logging.getLogger(__name__)
+
+DECODE_ROWS = (1, 2, 4, 8, 16)  # row counts where the skinny kernel competes
+PREFILL_ROWS = 128  # stands for prefill: the GEMM is chosen here
+SCHEMA = 1
+
+Shape = tuple[int, int]  # (out_features, in_features)
+
+
+@dataclass(frozen=True)
+class Timings:
+    """Seconds per pass over the measured weights: skinny[M] and gemm[kind][M]."""
+
+    skinny: dict[int, float]
+    gemm: dict[str, dict[int, float]]
+
+
+# The skinny kernel keeps a row count unless the GEMM is faster by more than this: up to
+# its limit, a pure decode step runs as one fused native op per layer, which saves the
+# per-op path's dispatch (measured on a 2-core AMX Xeon: batch-1 decode 54.9 tok/s fused on
+# the skinny kernel, 44.6 op by op on the bf16 GEMM, whose matmuls alone timed a little faster).
+FUSED_MARGIN = 1.15
+
+
+def decide(timings: Timings) -> CPUMatmulChoice:
+    """The GEMM that is fastest at PREFILL_ROWS; the skinny kernel for every row count up
+    to the first one where that GEMM beats it by more than FUSED_MARGIN."""
+    gemm = min(timings.gemm, key=lambda kind: timings.gemm[kind][PREFILL_ROWS])
+    skinny_max_rows = 0
+    for rows in sorted(timings.skinny):
+        if timings.skinny[rows] > FUSED_MARGIN * timings.gemm[gemm][rows]:
+            break
+        skinny_max_rows = rows
+    return CPUMatmulChoice(skinny_max_rows=skinny_max_rows, gemm=gemm)
+
+
+def candidate_gemms(tile_dtype: torch.dtype) -> tuple[str, ...]:
+    """bf16 inputs only when the weights are bf16 already (float32 stays exact)."""
+    return GEMM_KINDS if tile_dtype == torch.bfloat16 else ("onednn_f32",)
+
+
+def choose(shapes: Sequence[Shape], tile_dtype: torch.dtype, *, allowed: Sequence[str] | None = None,
+           cache_dir: Path | None = None, refresh: bool = False) -> tuple[CPUMatmulChoice, Timings | None, str]:
+    """The choice for a model with these linear shapes (among the `allowed` GEMMs; default
+    every candidate for the dtype): from the cache, or measured now (and cached).
+    Returns (choice, timings if measured now, where it came from)."""
+    gemms = tuple(allowed or candidate_gemms(tile_dtype))
+    key = cache_key(shapes, tile_dtype, gemms)
+    path = (cache_dir or default_cache_dir()) / f"dense-{key}.json"
+    if not refresh and path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            if data.get("schema") == SCHEMA:
+                return CPUMatmulChoice(**data["choice"]), None, f"cached in {path}"
+        except (OSError, ValueError, TypeError):
+            pass  # a damaged cache file is measured over
+    start = time.perf_counter()
+    timings = measure(shapes, tile_dtype, gemms)
+    choice = decide(timings)
+    _write(path, {"schema": SCHEMA, "choice": asdict(choice), "timings": _jsonable(timings),
+                  "cpu": cpu_info().describe(), "torch": torch.__version__, "threads": torch.get_num_threads()})
+    return choice, timings, f"measured in {time.perf_counter() - start:.1f} s, cached in {path}"
+
+
+def measure(shapes: Sequence[Shape], tile_dtype: torch.dtype, gemms: Sequence[str] | None = None, layers: int = 8,
+            reps: int = 5) -> Timings:
+    """Time every candidate over `layers` copies of the model's per-layer shapes (distinct
+    weights, several MB each, so a pass streams them as a real step does)."""
+    gen = torch.Generator().manual_seed(0)
+    weights = [torch.randn(n, k, generator=gen) * 0.02 for _ in range(layers) for n, k in shapes]
+    tiles = [kernels.tile_for_skinny(w, tile_dtype) for w in weights]
+    out_features = [w.shape[0] for w in weights]
+    skinny = {m: _pass_time(lambda x, i: kernels.skinny_linear(x, tiles[i], out_features[i]), weights, m, reps)
+              for m in DECODE_ROWS}
+    gemm: dict[str, dict[int, float]] = {}
+    for kind in gemms or candidate_gemms(tile_dtype):
+        dtype = torch.bfloat16 if kind == "onednn_bf16" else torch.float32
+        packed = [torch.ops.mkldnn._reorder_linear_weight(w.to(tile_dtype).to(dtype), None) for w in weights]
+
+        def onednn(x: torch.Tensor, i: int, packed=packed, dtype=dtype) -> torch.Tensor:
+            return torch.ops.mkldnn._linear_pointwise(x.to(dtype), packed[i], None, "none", [], "").float()
+
+        gemm[kind] = {m: _pass_time(onednn, weights, m, reps) for m in (*DECODE_ROWS, PREFILL_ROWS)}
+    return Timings(skinny, gemm)
+
+
+def describe(timings: Timings, choice: CPUMatmulChoice) -> str:
+    """A table of the measured times (ms per pass) and the choice, for `tokenmill bench kernels`."""
+    rows = sorted({*timings.skinny, *(m for g in timings.gemm.values() for m in g)})
+    header = ["rows", "skinny", *timings.gemm]
+    lines = ["  ".join(f"{h:>12}" for h in header)]
+    for m in rows:
+        cells = [str(m), _ms(timings.skinny.get(m)), *(_ms(g.get(m)) for g in timings.gemm.values())]
+        lines.append("  ".join(f"{c:>12}" for c in cells))
+    lines.append(f"choice: {choice.describe()}")
+    return "\n".join(lines)
+
+
+def cache_key(shapes: Sequence[Shape], tile_dtype: torch.dtype, gemms: Sequence[str]) -> str:
+    cpu = cpu_info()
+    text = json.dumps([SCHEMA, cpu.model_name, sorted(cpu.flags), torch.__version__, torch.get_num_threads(),
+                       str(tile_dtype), sorted(set(shapes)), sorted(gemms)])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("TOKENMILL_CACHE_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "tokenmill")
+    return Path(root) / "tune"
+
+
+# ----- internals ------------------------------------------------------------------------
+
+
+def _pass_time(multiply: Callable[[torch.Tensor, int], torch.Tensor], weights: list[torch.Tensor], rows: int,
+               reps: int) -> float:
+    """Seconds of one pass (the fastest of `reps`: other work on the machine only ever adds
+    time): every weight i multiplied by an input of `rows` rows."""
+    inputs = {k: torch.randn(rows, k) for k in {w.shape[1] for w in weights}}
+    order = [inputs[w.shape[1]] for w in weights]
+
+    def one_pass() -> None:
+        for i, x in enumerate(order):
+            multiply(x, i)
+
+    samples = []
+    with torch.inference_mode():
+        one_pass()  # warm-up
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            one_pass()
+            samples.append(time.perf_counter() - t0)
+    return min(samples)
+
+
+def _ms(seconds: float | None) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.2f}"
+
+
+def _jsonable(timings: Timings) -> dict:
+    return {"skinny": {str(m): t for m, t in timings.skinny.items()},
+            "gemm": {kind: {str(m): t for m, t in g.items()} for kind, g in timings.gemm.items()}}
+
+
+def _write(path: Path, data: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(data, indent=1))
+        tmp.replace(path)
+    except OSError as exc:  # a read-only home must not stop the engine
+        logger.warning("could not cache the kernel choice in %s: %s", path, exc)
+
+
+__all__ = ["SKINNY_MAX_ROWS", "Timings", "choose", "decide", "describe", "measure"]
