@@ -408,18 +408,21 @@ def test_act_order_weights_gather_the_activations(native) -> None:
     assert torch.equal(qt.lookup_rows(torch.tensor([3, 0])), qt.dequantize()[[3, 0]])
 
 
-def test_results_do_not_depend_on_the_thread_count(native) -> None:
+def test_a_rows_result_depends_neither_on_the_other_rows_nor_on_threads(native) -> None:
+    """On the integer path each row is computed alike for any M and thread count: verifying
+    k speculative tokens in one call gives what k one-token decode steps give."""
     qt = _random_qtensor(203, 256, 4, 32, False)
-    x = torch.randn(5, 256)
+    x = torch.randn(9, 256)
     threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = kernels.quant_linear(x, qt.packed, qt.format)
+        one = kernels.quant_linear(x, qt.packed, qt.format, None, ALL_ROWS)
         torch.set_num_threads(2)
-        two = kernels.quant_linear(x, qt.packed, qt.format)
+        two = kernels.quant_linear(x, qt.packed, qt.format, None, ALL_ROWS)
+        singles = torch.cat([kernels.quant_linear(x[i : i + 1], qt.packed, qt.format) for i in range(9)])
     finally:
         torch.set_num_threads(threads)
-    assert torch.equal(one, two)
+    assert torch.equal(one, two) and torch.equal(one, singles)
 
 
 def test_native_dequantization_matches_the_reference(native) -> None:

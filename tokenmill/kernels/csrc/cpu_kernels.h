@@ -25,13 +25,15 @@ struct QuantWeight {
   static QuantWeight from_format(at::Tensor packed, at::IntArrayRef format, std::optional<at::Tensor> col_perm);
 };
 
-// cpu_quant.cpp. y [M, N] = x [M, K] . W^T for any M, x contiguous float32 or bfloat16 (y
-// in x's dtype; bf16 x saves the GEMM path two conversions, the integer path takes float32). Up to
-// max_integer_rows rows (-1: the measured default, 8 for 4-bit codes, 12 for 8-bit) x is quantized to int8 per 32 columns
-// (d = max|x| / 127, llama.cpp's Q8_1) and multiplied with integer dot products, W read once
-// per 16 rows; beyond, W is dequantized to bf16 in L2-sized chunks for oneDNN's bf16 GEMM.
-// Pass a large max_integer_rows to keep every row count on the integer arithmetic (e.g. so
-// that speculative verification computes exactly what one-token decoding computes).
+// cpu_quant.cpp. y [M, N] = x [M, K] . W^T for any M, x contiguous float32 or bfloat16 (y in
+// x's dtype; bf16 x saves the GEMM path two conversions, the integer path takes float32).
+// Up to max_integer_rows rows (-1: the measured default, 8 for 4-bit codes, 12 for 8-bit)
+// x is quantized to int8 per 32 columns (d = max|x| / 127, llama.cpp's Q8_1) and multiplied
+// with integer dot products, W read once per 16 rows; each row's result is then bit for bit
+// the same whatever M and the thread count. Beyond, W is dequantized to bf16 in chunks of up
+// to 4 MiB for oneDNN's bf16 GEMM. Pass a large max_integer_rows to keep every row count on
+// the integer arithmetic (e.g. so that speculative verification computes exactly what
+// one-token decoding computes).
 at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w, int64_t max_integer_rows = -1);
 // W (or its rows `rows`, e.g. embedding lookups) as float32 or bfloat16 [rows, K], in the
 // stored column order (col_perm not undone).
