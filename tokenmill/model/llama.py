@@ -93,11 +93,11 @@ class DecoderLayer(nn.Module):
         """forward() for an all-decode step as one native op (same kernels, no Python
         between them); adds h into residual in place and returns the MLP output."""
         attn, mlp = self.self_attn, self.mlp
-        weights = tuple(lin.weights.fused_decode_operand() for lin in self._linears())
+        weights = [lin.weights.fused_decode_operand() for lin in self._linears()]
         return kernels.llama_decode_layer(
             h, residual, self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
             weights, rope, (kv_cache.k, kv_cache.v), decode.slots, decode.block_tables, decode.context_lens,
-            attn.num_heads, attn.num_kv_heads, attn.head_dim, mlp.down_proj.in_features, attn.scale,
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
         )
 
 

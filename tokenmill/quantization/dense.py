@@ -8,7 +8,7 @@ import torch.nn.functional as F
 from dataclasses import dataclass
 
 from tokenmill import kernels
-from tokenmill.quantization.base import LinearWeights, WeightFormat
+from tokenmill.quantization.base import DecodeOperand, LinearWeights, WeightFormat
 
 SKINNY_MAX_ROWS = 16  # up to here the tiled kernel beats oneDNN (measured: docs/benchmarks.md)
 
@@ -112,8 +112,8 @@ class CPUDenseWeights(LinearWeights):
     def decode_nbytes(self) -> int:
         return self.tiled.numel() * self.tiled.element_size()
 
-    def fused_decode_operand(self) -> torch.Tensor:
-        return self.tiled
+    def fused_decode_operand(self) -> DecodeOperand:
+        return DecodeOperand(self.tiled, self.out_features)
 
 
 def onednn_available() -> bool:

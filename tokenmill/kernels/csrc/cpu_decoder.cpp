@@ -8,8 +8,9 @@
 // (+ residual add), gate/up, SiLU-and-mul, down.
 //
 // Decode only (one query token per sequence), float32 activations, a float32 or bfloat16
-// KV cache, weights
-// tiled for skinny_linear (float32 or bfloat16), no biases.
+// KV cache, no biases. Each of the four weights is either tiled for skinny_linear (float32
+// or bfloat16; its format row starts with N and has bits 0) or a weight-only quantized
+// QuantizedTensor for quant_linear (its `.format` row, and its act-order permutation).
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch_v2.h>
@@ -20,17 +21,30 @@
 
 namespace tokenmill {
 
+namespace {
+
+constexpr int64_t kFormatLen = 6;  // QuantizedTensor.format: N, K, bits, group, scale bytes, offset
+
+// x . W^T for one of the layer's weights, by its kind (see the header comment).
+at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef format,
+                  const std::optional<at::Tensor>& perm) {
+  if (format[2] == 0) return skinny_linear(x, weight, format[0]);
+  return quant_linear(x, QuantWeight::from_format(weight, format, perm));
+}
+
+}  // namespace
+
 // As DecoderLayer.forward: h (the previous layer's MLP output) is added into `residual`
 // (updated in place, twice: + h, then + attention output), and the layer's MLP output is
 // returned, to be added by the next layer's norm. The first layer passes zeros as h and
 // the embeddings as the residual.
 at::Tensor llama_decode_layer(
     const at::Tensor& h, at::Tensor residual, const at::Tensor& input_norm,
-    const at::Tensor& post_norm, double eps, const at::Tensor& qkv_w, const at::Tensor& o_w,
-    const at::Tensor& gate_up_w, const at::Tensor& down_w, const at::Tensor& cos, const at::Tensor& sin,
+    const at::Tensor& post_norm, double eps, at::TensorList weights, at::IntArrayRef formats,
+    const c10::List<std::optional<at::Tensor>>& perms, const at::Tensor& cos, const at::Tensor& sin,
     at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
     const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    int64_t intermediate, double scale) {
+    double scale) {
   const int64_t tokens = h.size(0), hidden = h.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   TORCH_CHECK((k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16) &&
@@ -39,10 +53,17 @@ at::Tensor llama_decode_layer(
               "k/v cache: contiguous float32 or bfloat16 [blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == tokens,
               "slots: int64, one per token");
+  TORCH_CHECK(weights.size() == 4 && formats.size() == 4 * kFormatLen && perms.size() == 4,
+              "four weights (qkv, o, gate_up, down), a format row of 6 and a permutation (or None) each");
+  auto apply = [&](int64_t i, const at::Tensor& x) {
+    return linear(x, weights[i], formats.slice(i * kFormatLen, kFormatLen), perms.get(i));
+  };
 
   at::Tensor x = add_rms_norm(h, residual, input_norm, eps);
 
-  at::Tensor qkv = skinny_linear(x, qkv_w, q_size + 2 * kv_size);
+  at::Tensor qkv = apply(0, x);
+  TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "the qkv weight has ", qkv.size(1), " rows, expected ",
+              q_size + 2 * kv_size);
   rotary_(qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, head_dim}), cos, sin);
   // K and V rows into their cache slots (rounded to nearest even when the cache is bf16).
   const int64_t num_slots = k_cache.numel() / kv_size;
@@ -67,9 +88,9 @@ at::Tensor llama_decode_layer(
   at::Tensor attn = at::empty({tokens, num_heads, head_dim}, h.options());
   paged_decode_attention(attn, qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim}), k_cache, v_cache,
                          block_tables, context_lens, scale);
-  at::Tensor o = skinny_linear(attn.view({tokens, q_size}), o_w, hidden);
+  at::Tensor o = apply(1, attn.view({tokens, q_size}));
   x = add_rms_norm(o, residual, post_norm, eps);
-  return skinny_linear(silu_and_mul(skinny_linear(x, gate_up_w, 2 * intermediate)), down_w, hidden);
+  return apply(3, silu_and_mul(apply(2, x)));
 }
 
 }  // namespace tokenmill
@@ -77,9 +98,9 @@ at::Tensor llama_decode_layer(
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def(
       "llama_decode_layer(Tensor h, Tensor(a!) residual, Tensor input_norm, Tensor post_norm, float eps, "
-      "Tensor qkv_w, Tensor o_w, Tensor gate_up_w, Tensor down_w, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
+      "Tensor[] weights, int[] formats, Tensor?[] perms, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
       "Tensor(c!) v_cache, Tensor slots, Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, "
-      "int head_dim, int intermediate, float scale) -> Tensor");
+      "int head_dim, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {

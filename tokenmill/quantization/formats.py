@@ -1,0 +1,95 @@
+"""Weight-only quantized formats behind the `WeightFormat` seam.
+
+- GGUF blocks as stored (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K): the loader hands
+  the format a `QuantizedTensor` converted exactly from the file's blocks.
+- `--quantization int8` (per-output-channel symmetric) and `int4` (group-wise asymmetric,
+  round to nearest) computed at load from float weights.
+- GPTQ / AWQ checkpoints: the loader converts their packed tensors to a `QuantizedTensor`.
+
+Weights a format cannot keep quantized (a float tensor inside a GGUF, a linear the
+checkpoint left in float) go to its dense format.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.quantization.base import DecodeOperand, LinearWeights, WeightFormat
+from tokenmill.quantization.dense import DenseFormat
+from tokenmill.quantization.qtensor import QuantizedTensor
+
+QUANTIZATION_METHODS = ("int8", "int4")
+GROUP_SIZES = (32, 64, 128)
+
+
+class QuantizedWeights(LinearWeights):
+    """A linear weight as a QuantizedTensor, multiplied by the native quantized kernels
+    (int8 activations and integer dot products for few rows, a bf16 GEMM on dequantized
+    tiles for many; kernels.quant_linear)."""
+
+    def __init__(self, qt: QuantizedTensor, name: str) -> None:
+        self.qt = qt
+        self.name = name
+        self.out_features, self.in_features = qt.shape
+
+    @property
+    def format_name(self) -> str:
+        return self.name
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32:
+            return self.qt.linear(x.float()).to(x.dtype)
+        return self.qt.linear(x)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.qt.dequantize()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.qt.lookup_rows(ids)
+
+    @property
+    def nbytes(self) -> int:
+        return self.qt.nbytes
+
+    def fused_decode_operand(self) -> DecodeOperand:
+        return DecodeOperand(self.qt.packed, self.out_features, tuple(self.qt.format), self.qt.col_perm)
+
+
+class QuantizedFormat(WeightFormat):
+    """Quantized linear weights; `method`: "stored" (the checkpoint's own quantized tensors,
+    GGUF blocks or GPTQ/AWQ, float tensors go dense), "int8" or "int4" (from float weights)."""
+
+    def __init__(self, method: str, dense: DenseFormat, group_size: int = 32) -> None:
+        if method not in ("stored", *QUANTIZATION_METHODS):
+            raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} (or the checkpoint's own), "
+                             f"got {method!r}")
+        if method == "int4" and group_size not in GROUP_SIZES:
+            raise ValueError(f"quantization_group_size must be one of {GROUP_SIZES}, got {group_size}")
+        self.method = method
+        self.dense = dense
+        self.group_size = group_size
+        self.name = {"stored": "as stored", "int8": "int8", "int4": f"int4-g{group_size}"}[method]
+
+    def make(self, weight: torch.Tensor | QuantizedTensor, many_rows: bool = True) -> LinearWeights:
+        if isinstance(weight, QuantizedTensor):
+            return QuantizedWeights(weight, describe_quantized(weight))
+        if self.method == "stored":
+            return self.dense.make(weight, many_rows)
+        from tokenmill.quantization import rtn
+
+        # The LM head is kept at 8 bits under int4, as llama.cpp's *_K_M files keep their
+        # output matrix at 6 bits: its error goes straight into every logit.
+        if self.method == "int8" or not many_rows:
+            return QuantizedWeights(rtn.quantize_int8(weight.float()), "int8")
+        return QuantizedWeights(rtn.quantize_int4(weight.float(), self.group_size), self.name)
+
+    def describe(self) -> str:
+        if self.method == "stored":
+            return f"quantized as stored (float tensors: {self.dense.describe()})"
+        return f"{self.name} quantized at load (LM head int8; native quantized kernels)"
+
+
+def describe_quantized(qt: QuantizedTensor) -> str:
+    """A short name of a quantized weight's storage, e.g. 'q4-g32' or 'q8-channel'."""
+    group = "channel" if qt.group_size >= qt.shape[1] else f"g{qt.group_size}"
+    return f"q{qt.bits}-{group}"
