@@ -62,8 +62,13 @@ class GGUFFile:
         data_start = -(-parser.offset // alignment) * alignment
         return [GGUFTensorInfo(n, tuple(int(d) for d in s), t, data_start + o) for n, s, t, o in raw]
 
-    def dequantize(self, info: GGUFTensorInfo) -> np.ndarray:
-        """The tensor as float32, shaped in PyTorch order (slowest dimension first)."""
+    def dequantize(self, info: GGUFTensorInfo, part: tuple[int, int, int] | None = None) -> np.ndarray:
+        """The tensor as float32, shaped in PyTorch order (slowest dimension first).
+
+        `part` = (dim, start, length) of a 2-D tensor reads only those rows (dim 0) or
+        columns (dim 1): rows are contiguous runs of blocks and columns are cut at block
+        boundaries, so only the part is dequantized (a tensor-parallel rank's share).
+        Columns that do not fall on block boundaries are cut after dequantizing."""
         import gguf
 
         qtype = gguf.GGMLQuantizationType(info.ggml_type)
@@ -72,11 +77,40 @@ class GGUFFile:
         row_bytes = info.shape[0] // block_size * type_size
         count = int(np.prod(rows_shape, dtype=np.int64)) * row_bytes
         raw = np.frombuffer(self._data, dtype=np.uint8, count=count, offset=info.offset)
+        raw = raw.reshape(*rows_shape, row_bytes)
+        cut_after = None
+        if part is not None:
+            dim, start, length = part
+            if len(rows_shape) != 1 or dim not in (0, 1):
+                raise ValueError(f"GGUF tensor {info.name!r}: parts are rows or columns of a 2-D tensor")
+            if dim == 0:
+                raw = raw[start : start + length]
+            elif start % block_size == 0 and length % block_size == 0:
+                blocks = raw.reshape(raw.shape[0], -1, type_size)[:, start // block_size : (start + length) // block_size]
+                raw = np.ascontiguousarray(blocks).reshape(raw.shape[0], -1)
+            else:
+                cut_after = (start, length)
+        values = self._decode(raw, qtype)
+        if cut_after is not None:
+            values = np.ascontiguousarray(values[:, cut_after[0] : cut_after[0] + cut_after[1]])
+        return values
+
+    @staticmethod
+    def _decode(raw: np.ndarray, qtype) -> np.ndarray:
+        """Rows of raw blocks [..., row_bytes] -> float32 [..., columns]."""
+        import gguf
+
         if qtype == gguf.GGMLQuantizationType.F32:
-            return raw.view(np.float32).reshape(*rows_shape, info.shape[0]).copy()
+            return np.ascontiguousarray(raw).view(np.float32).copy()
         if qtype == gguf.GGMLQuantizationType.F16:
-            return raw.view(np.float16).reshape(*rows_shape, info.shape[0]).astype(np.float32)
-        return gguf.quants.dequantize(raw.reshape(*rows_shape, row_bytes), qtype)
+            return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
+        return gguf.quants.dequantize(raw, qtype)
+
+    def block_size(self, info: GGUFTensorInfo) -> int:
+        """Columns per quantization block of a tensor (1 for float tensors)."""
+        import gguf
+
+        return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.ggml_type)][0]
 
 
 def read_gguf_metadata(path: str | os.PathLike[str], prefix: str = "") -> dict[str, Any]:
