@@ -263,7 +263,7 @@ def model_spec(gguf: str) -> tuple[ModelArchConfig, Any]:
     """The architecture and tokenizer of a GGUF file, without loading its weights."""
     from tokenmill.model.loader import _open_gguf
 
-    arch, tokenizer, _, _ = _open_gguf(gguf)
+    arch, tokenizer, *_ = _open_gguf(gguf)
     return arch, tokenizer
 
 

@@ -9,7 +9,7 @@ import importlib.util
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from tokenmill.distributed.layout import ShardLayout
+from tokenmill.distributed.model_parallel import ModelParallel
 from tokenmill.model.config import ModelArchConfig
 from tokenmill.gguf_file import GGUFFile
 from tokenmill.model.llama import LlamaForCausalLM
@@ -75,15 +77,25 @@ def resolve_model_path(model: str | None) -> str:
     return str(path)
 
 
-def load_model(model: str | None, dtype: str, device: torch.device, max_positions: int | None = None) -> LoadedModel:
+# Builds one rank's ModelParallel from the model's shape and the files' block width.
+ParallelFactory = Callable[[ModelArchConfig, int], ModelParallel]
+# Reads the checkpoint's tensors (this rank's parts of them) as Hugging Face names.
+WeightReader = Callable[[ShardLayout], Iterator[tuple[str, torch.Tensor]]]
+
+
+def load_model(model: str | None, dtype: str, device: torch.device, max_positions: int | None = None,
+               parallel: ParallelFactory | None = None) -> LoadedModel:
+    """`parallel`: load one rank's part of a tensor/pipeline-parallel split; each tensor
+    is read only as far as the rank keeps it."""
     path = resolve_model_path(model)
     if path.endswith(".gguf"):
-        arch, tokenizer, weights, num_tensors = _open_gguf(path)
+        arch, tokenizer, weights, num_tensors, column_unit = _open_gguf(path)
     else:
-        arch, tokenizer, weights, num_tensors = _open_hf_dir(path)
+        arch, tokenizer, weights, num_tensors, column_unit = _open_hf_dir(path)
     torch_dtype = _DTYPES[dtype]
+    model_parallel = parallel(arch, column_unit) if parallel is not None else ModelParallel.single(arch)
     with torch.device("meta"):
-        net = LlamaForCausalLM(arch, max_positions)
+        net = LlamaForCausalLM(arch, max_positions, model_parallel)
     net = net.to_empty(device=device).to(torch_dtype)
     net.tie_weights()
     # Buffers (the rotary table) were on meta; rebuild them for real, in float32.
@@ -92,7 +104,8 @@ def load_model(model: str | None, dtype: str, device: torch.device, max_position
     for layer in net.layers:
         layer.self_attn.rotary = fresh
     desc = f"Loading {os.path.basename(path.rstrip('/'))}"
-    net.load_weights(tqdm(weights, total=num_tensors, desc=desc, unit="tensor", leave=False, mininterval=0.5))
+    net.load_weights(tqdm(weights(model_parallel.layout), total=num_tensors, desc=desc, unit="tensor", leave=False,
+                          mininterval=0.5))
     net.eval()
     name = os.path.basename(path.rstrip("/")).removesuffix(".gguf")
     return LoadedModel(net, arch, tokenizer, name, arch.max_position_embeddings, path)
@@ -101,7 +114,9 @@ def load_model(model: str | None, dtype: str, device: torch.device, max_position
 # ----- GGUF -------------------------------------------------------------------------
 
 
-def _open_gguf(path: str) -> tuple[ModelArchConfig, Tokenizer, Iterator[tuple[str, torch.Tensor]], int]:
+def _open_gguf(path: str) -> tuple[ModelArchConfig, Tokenizer, WeightReader, int, int]:
+    """Also the widest quantization block of the file's matrices: tensor-parallel cuts of
+    their columns fall on its multiples where they can, so a rank reads only its blocks."""
     gguf_file = GGUFFile(path)
     meta = gguf_file.metadata
     arch_name = meta.get("general.architecture")
@@ -109,7 +124,9 @@ def _open_gguf(path: str) -> tuple[ModelArchConfig, Tokenizer, Iterator[tuple[st
         raise ValueError(f"unsupported architecture {arch_name!r} in {path}; tokenmill supports llama and qwen2")
     arch = _arch_from_gguf(meta, arch_name, gguf_file)
     tokenizer = Tokenizer.from_gguf({k: v for k, v in meta.items() if k.startswith("tokenizer.")})
-    return arch, tokenizer, _gguf_weights(gguf_file, arch), len(gguf_file.tensors)
+    column_unit = max((gguf_file.block_size(t) for t in gguf_file.tensors if len(t.shape) == 2), default=1)
+    return (arch, tokenizer, lambda layout: _gguf_weights(gguf_file, arch, layout), len(gguf_file.tensors),
+            column_unit)
 
 
 def _arch_from_gguf(meta: dict, arch: str, gguf_file: GGUFFile) -> ModelArchConfig:
@@ -145,7 +162,8 @@ def _arch_from_gguf(meta: dict, arch: str, gguf_file: GGUFFile) -> ModelArchConf
     )
 
 
-def _gguf_weights(gguf_file: GGUFFile, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _gguf_weights(gguf_file: GGUFFile, arch: ModelArchConfig,
+                  layout: ShardLayout) -> Iterator[tuple[str, torch.Tensor]]:
     import gguf
 
     gguf_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}[arch.architecture]
@@ -157,10 +175,13 @@ def _gguf_weights(gguf_file: GGUFFile, arch: ModelArchConfig) -> Iterator[tuple[
             if info.name.startswith("rope_freqs"):
                 continue  # read into arch.rope_scaling already
             raise ValueError(f"GGUF tensor {info.name!r} has no place in the {arch.architecture} model")
-        weight = gguf_file.dequantize(info)
+        name = hf_name.removeprefix("model.")
+        if layout.local_name(name) is None:
+            continue  # another pipeline stage's: not even read
+        part = layout.checkpoint_part(name)
+        weight = gguf_file.dequantize(info, None if part is None else (part[0], part[1].start, part[1].size))
         if arch.architecture == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = arch.num_heads if "q_proj" in hf_name else arch.num_kv_heads
-            weight = unpermute_rope_rows(weight, heads)
+            weight = unpermute_rope_rows(weight, weight.shape[0] // arch.head_dim)  # whole heads
         yield hf_name, torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
 
 
@@ -189,7 +210,7 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 # ----- Hugging Face directory -------------------------------------------------------
 
 
-def _open_hf_dir(path: str) -> tuple[ModelArchConfig, Tokenizer, Iterator[tuple[str, torch.Tensor]], int]:
+def _open_hf_dir(path: str) -> tuple[ModelArchConfig, Tokenizer, WeightReader, int, int]:
     from safetensors import safe_open
 
     root = Path(path)
@@ -201,9 +222,18 @@ def _open_hf_dir(path: str) -> tuple[ModelArchConfig, Tokenizer, Iterator[tuple[
     handles = [safe_open(str(f), framework="pt") for f in files]
     num_tensors = sum(len(h.keys()) for h in handles)
 
-    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(layout: ShardLayout) -> Iterator[tuple[str, torch.Tensor]]:
         for handle in handles:
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                short = name.removeprefix("model.")
+                if layout.local_name(short) is None:
+                    continue  # another pipeline stage's
+                part = layout.checkpoint_part(short)
+                if part is None:
+                    yield name, handle.get_tensor(name)
+                    continue
+                dim, span = part  # read only this rank's rows or columns
+                sliced = handle.get_slice(name)
+                yield name, sliced[span.start : span.stop] if dim == 0 else sliced[:, span.start : span.stop]
 
-    return arch, tokenizer, weights(), num_tensors
+    return arch, tokenizer, weights, num_tensors, 1
