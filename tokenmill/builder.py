@@ -9,8 +9,10 @@ that in an `LLMEngine`. `LLM`, `tokenmill serve` and the bench all start here.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -33,9 +35,20 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass
 class BuiltExecutor:
-    executor: ModelRunner
+    executor: ModelRunner  # or anything with execute(SchedulerOutput) -> RunnerOutput
     tokenizer: Tokenizer
     facts: EngineFacts
+
+
+# A rank of a tensor/pipeline-parallel split: its ModelParallel from the model's shape and
+# the checkpoint's block width, and the KV bytes per token of the rank that needs most
+# (every rank allocates as many blocks: the scheduler's block ids are global).
+@dataclass
+class RankSetup:
+    parallel: Callable[[object, int], object]  # (ModelArchConfig, column unit) -> ModelParallel
+    max_kv_bytes_per_token: Callable[[int], int]  # element size -> bytes
+    num_threads: int | None = None
+    runner_class: type = ModelRunner
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
@@ -44,23 +57,45 @@ def build_engine(config: EngineConfig) -> LLMEngine:
 
 
 def build_executor(config: EngineConfig) -> BuiltExecutor:
+    """The model in this process, or split over worker processes (and hosts) when the
+    config asks for tensor or pipeline parallelism."""
+    if config.parallel.world_size > 1:
+        from tokenmill.distributed.executor import build_parallel_executor
+
+        return build_parallel_executor(config)
+    return build_rank(config)
+
+
+def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltExecutor:
+    """Load the model (one rank's part of it, given `rank`), its plan, KV cache and runner."""
     start = time.perf_counter()
     device = resolve_device(config.device.device)
-    threads = set_compute_threads(config, device)
+    threads = set_compute_threads(config, device, rank.num_threads if rank else None)
     dtype = resolve_dtype(config.model.dtype, device)
-    loaded = load_model(config.model.model, dtype.compute, device, max_positions=config.model.max_model_len)
-    max_model_len = resolve_max_model_len(config, loaded)
     kernels_ok = device.type == "cpu" and config.device.native_kernels and _cpu_kernels_build()
     backend = select_attention_backend(config.device.attention_backend, device, kernels_ok)
-    plan = apply_plan(loaded.model, choose_plan(config, device, dtype, kernels_ok, backend))
-    spec = KVCacheSpec(loaded.arch.num_layers, loaded.arch.num_kv_heads, loaded.arch.head_dim,
+    chosen = choose_plan(config, device, dtype, kernels_ok, backend)
+    parallel = None
+    if rank is not None:
+        alignment = chosen.weight_format.shard_alignment
+        parallel = lambda arch, unit: rank.parallel(arch, math.lcm(unit, alignment))  # noqa: E731
+    loaded = load_model(config.model.model, dtype.compute, device, max_positions=config.model.max_model_len,
+                        parallel=parallel)
+    max_model_len = resolve_max_model_len(config, loaded)
+    plan = apply_plan(loaded.model, chosen)
+    layout = loaded.model.parallel.layout
+    spec = KVCacheSpec(layout.layers.size, layout.kv_heads.size, loaded.arch.head_dim,
                        config.cache.block_size, _DTYPES[dtype.kv_cache])
     memory = config.cache.kv_cache_memory or default_kv_cache_memory(device)
-    num_blocks = spec.num_blocks_for(memory)
+    bytes_per_block = spec.bytes_per_block
+    if rank is not None:  # as many blocks as the rank holding most KV per token can have
+        bytes_per_block = rank.max_kv_bytes_per_token(spec.element_size) * spec.block_size
+    num_blocks = memory // bytes_per_block
     if num_blocks < 1:
-        raise ValueError(f"kv_cache_memory {memory} bytes is less than one KV block ({spec.bytes_per_block} bytes)")
+        raise ValueError(f"kv_cache_memory {memory} bytes is less than one KV block ({bytes_per_block} bytes)")
     kv_cache = PagedKVCache(spec, num_blocks, device)
-    runner = ModelRunner(loaded.model, kv_cache, backend, plan, device, seed=config.model.seed)
+    runner_class = rank.runner_class if rank is not None else ModelRunner
+    runner = runner_class(loaded.model, kv_cache, backend, plan, device, seed=config.model.seed)
     facts = EngineFacts(
         model_name=loaded.name, model_path=loaded.path, architecture=loaded.arch.architecture,
         vocab_size=loaded.arch.vocab_size, max_model_len=max_model_len, device=str(device),
@@ -87,9 +122,10 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def set_compute_threads(config: EngineConfig, device: torch.device) -> int:
+def set_compute_threads(config: EngineConfig, device: torch.device, num_threads: int | None = None) -> int:
+    """`num_threads` (a rank's share) over the config's, over all cores."""
     if device.type == "cpu":
-        torch.set_num_threads(config.device.num_threads or cpu_info().num_cores)
+        torch.set_num_threads(num_threads or config.device.num_threads or cpu_info().num_cores)
     return torch.get_num_threads()
 
 
