@@ -69,8 +69,8 @@ class ParallelExecutor:
             self._start(config, threads_per_rank(config))
         except BaseException as exc:
             self.close()
-            if isinstance(exc, DistributedError):
-                raise
+            if isinstance(exc, (DistributedError, ValueError, FileNotFoundError)):
+                raise  # bad settings or paths: the same plain error as without the split
             raise DistributedError(self._describe_failure(exc)) from exc
 
     def _start(self, config: EngineConfig, threads: int) -> None:
