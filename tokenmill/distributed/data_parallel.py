@@ -353,7 +353,8 @@ def serve_data_parallel(settings: argparse.Namespace) -> int:
         raise ValueError(f"data_parallel_size must be at least 1, got {count}")
     logging.getLogger().setLevel(settings.log_level.upper())
     replicas = start_replicas(settings, count)
-    logger.info("data parallel: %d replicas (%s), policy %s", count, ", ".join(r.url for r in replicas),
+    logger.info("data parallel: %d replicas (%s), policy %s", count,
+                ", ".join(f"replica {r.index} pid {r.process.pid} at {r.url}" for r in replicas),
                 settings.data_parallel_policy)
     router = Router(replicas, settings.data_parallel_policy, settings.api_key)
     server: uvicorn.Server | None = None

@@ -67,7 +67,7 @@ def worker_main(config: EngineConfig, rank: int, num_threads: int, parent_pid: i
         set_microbatches(runner, config)
         client = StepClient(ctx.store, rank)
         sends_output = rank == ctx.place.output_rank
-        logger.info("rank %d ready: %s", rank, _describe(ctx))
+        logger.info("rank %d (pid %d) ready: %s", rank, os.getpid(), _describe(ctx))
         while True:
             message = client.recv()
             if message == STOP:
