@@ -200,3 +200,46 @@ def test_rank_that_cannot_load_fails_start_up(tmp_path: Path) -> None:
     bad = write_tiny_llama(tmp_path / "bad")
     with pytest.raises(ValueError, match="tensor_parallel_size 4 does not fit"):
         LLM(**engine_settings(bad, 4, 1))
+
+
+# ----- the default model -------------------------------------------------------------------
+
+DEFAULT_TEXTS = [
+    "The history of the printing press begins in the fifteenth century, when",
+    "The history of the printing press begins in the fifteenth century, and it",
+    "def fibonacci(n):",
+    "Paris is the capital of",
+]
+
+
+def default_model_split(llm_f32, **split) -> None:
+    """Greedy tokens and logprobs of a split default model equal the one-process float32
+    engine's; the split engine runs with prefix caching (two prompts share a prefix) and a
+    KV cache small enough to preempt."""
+    prompts = [llm_f32.tokenizer.encode(t) for t in DEFAULT_TEXTS]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    expected = llm_f32.generate(prompts, params)
+    llm = LLM(dtype="float32", max_model_len=256, num_threads=1, block_size=4, kv_cache_memory=18 * 2**20 // 9,
+              distributed_timeout=60.0, **split)
+    try:
+        got = llm.generate(prompts, params)
+        stats = llm.engine.stats()
+    finally:
+        close(llm)
+    for a, b in zip(got, expected):
+        assert a.outputs[0].token_ids == b.outputs[0].token_ids
+        for x, y in zip(a.outputs[0].logprobs, b.outputs[0].logprobs):
+            assert x.keys() == y.keys() and max(abs(x[t].logprob - y[t].logprob) for t in x) < 1e-4
+    assert stats.prefix_cache_hits > 0
+
+
+def test_default_model_tp2_uneven_heads_equals_one_process(llm_f32) -> None:
+    default_model_split(llm_f32, tensor_parallel_size=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("split", [dict(tensor_parallel_size=3), dict(pipeline_parallel_size=2),
+                                   dict(tensor_parallel_size=2, pipeline_parallel_size=2)],
+                         ids=["tp3", "pp2", "tp2xpp2"])
+def test_default_model_splits_equal_one_process(llm_f32, split) -> None:
+    default_model_split(llm_f32, **split)
