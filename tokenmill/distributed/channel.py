@@ -12,12 +12,22 @@ from __future__ import annotations
 
 import os
 import pickle
+import socket
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Client, Connection, Listener
 from typing import Any
 
 STOP = ("stop",)
+
+
+def no_delay(conn: Connection) -> Connection:
+    """Turn Nagle's algorithm off: `send_bytes` writes a header, then the body, and with
+    Nagle on, a body that waits for the header's delayed ACK costs 40 ms (measured: a
+    57 KB step took 22 ms one way instead of well under 1)."""
+    with socket.fromfd(conn.fileno(), socket.AF_INET, socket.SOCK_STREAM) as sock:  # a dup of the same socket
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return conn
 
 
 class ChannelClosed(RuntimeError):
@@ -37,7 +47,7 @@ class StepServer:
 
     def accept(self) -> None:
         while len(self.conns) < self.num_peers:
-            conn = self.listener.accept()
+            conn = no_delay(self.listener.accept())
             rank = conn.recv()
             self.conns[rank] = conn
         self.listener.close()
@@ -92,7 +102,7 @@ class StepClient:
 
     def __init__(self, store, rank: int) -> None:
         host, port, key = store.get("step_channel").decode().rsplit(":", 2)
-        self.conn = Client((host, int(port)), authkey=bytes.fromhex(key))
+        self.conn = no_delay(Client((host, int(port)), authkey=bytes.fromhex(key)))
         self.conn.send(rank)
 
     def recv(self) -> Any:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import uuid
 from dataclasses import dataclass
 from datetime import timedelta
@@ -84,17 +85,25 @@ class GlooCommunicator:
     def __init__(self, group: dist.ProcessGroup, world: int) -> None:
         self.group = group
         self.world = world
+        self.calls = 0  # collectives run and the time spent in them
+        self.busy_s = 0.0
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
         dist.all_reduce(x, group=self.group)
+        self.calls += 1
+        self.busy_s += time.perf_counter() - started
         return x
 
     def all_gather(self, x: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
+        started = time.perf_counter()
         width = max(sizes)
         padded = torch.zeros(x.shape[0], width, dtype=x.dtype, device=x.device)
         padded[:, : x.shape[1]] = x
         parts = [torch.empty_like(padded) for _ in range(self.world)]
         dist.all_gather(parts, padded, group=self.group)
+        self.calls += 1
+        self.busy_s += time.perf_counter() - started
         return torch.cat([p[:, :s] for p, s in zip(parts, sizes)], dim=1)
 
 

@@ -72,12 +72,14 @@ class ShmCommunicator:
         self._slots = data.view(world, 2, slot_bytes)
         self._typed: dict[tuple[int, torch.dtype], torch.Tensor] = {}
         self._seq = 0
-        self.wait_s = 0.0  # time spent waiting for peers (the all-reduce cost beyond the copies)
-        self.calls = 0
+        self.calls = 0  # collectives run, and the time spent in them (copies, waiting, sums)
+        self.busy_s = 0.0
+        self.wait_s = 0.0  # of which waiting for peers
 
     # ----- collectives -------------------------------------------------------------------
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:
+        started = time.perf_counter()
         flat = x.view(-1) if x.is_contiguous() else x.contiguous().view(-1)
         per_chunk = self.slot_bytes // x.element_size()
         for start in range(0, flat.numel(), per_chunk):
@@ -89,10 +91,13 @@ class ShmCommunicator:
                 chunk.add_(slots[r])
         if not x.is_contiguous():
             x.copy_(flat.view(x.shape))
+        self.calls += 1
+        self.busy_s += time.perf_counter() - started
         return x
 
     def all_gather(self, x: torch.Tensor, sizes: tuple[int, ...]) -> torch.Tensor:
         """x [rows, sizes[rank]] from every rank -> [rows, sum(sizes)], ranks side by side."""
+        started = time.perf_counter()
         rows = x.shape[0]
         out = torch.empty(rows, sum(sizes), dtype=x.dtype)
         per_chunk = max(1, self.slot_bytes // (max(sizes) * x.element_size()))
@@ -103,6 +108,8 @@ class ShmCommunicator:
             slots = self._exchange(part.view(1, -1), x.dtype)
             for r in range(self.world):
                 out[start : start + t, offsets[r] : offsets[r] + sizes[r]] = slots[r, : t * sizes[r]].view(t, sizes[r])
+        self.calls += 1
+        self.busy_s += time.perf_counter() - started
         return out
 
     def barrier(self) -> None:
@@ -121,7 +128,6 @@ class ShmCommunicator:
             slots[self.rank, :n].copy_(mine[0])
         self._flags[self._flag_index[self.rank]] = seq
         self._wait(seq)
-        self.calls += 1
         return slots
 
     def _typed_slots(self, buffer: int, dtype: torch.dtype) -> torch.Tensor:
