@@ -150,7 +150,7 @@ class ParallelConfig:
                                    "(CPU), NCCL on CUDA, gloo across hosts")
     pipeline_microbatches: int | None = setting(None, help="micro-batches a step is cut into so pipeline stages "
                                                            "overlap (default: the number of stages)")
-    distributed_timeout: float = setting(60.0, help="seconds a rank waits on another (collective, step message) "
+    distributed_timeout: float = setting(120.0, help="seconds a rank waits on another (collective, step message) "
                                                     "before the engine fails with an error")
 
     def __post_init__(self) -> None:

@@ -64,6 +64,7 @@ class ParallelExecutor:
         self.workers = spawn_ranks(config, list(range(1, parallel.ranks_per_node)))
         self.ctx = self.server = None
         self._closed = False
+        self._step_thread: int | None = None
         atexit.register(self.close)
         try:
             self._start(config, threads_per_rank(config))
@@ -105,6 +106,11 @@ class ParallelExecutor:
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
         if self._closed:
             raise DistributedError("the parallel executor is closed")
+        if self._step_thread != threading.get_ident():  # the timer slack is per thread
+            from tokenmill.distributed.shm import lower_timer_slack
+
+            lower_timer_slack()
+            self._step_thread = threading.get_ident()
         try:
             self._check_workers()
             self.server.broadcast(batch)
