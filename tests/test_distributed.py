@@ -243,3 +243,24 @@ def test_default_model_tp2_uneven_heads_equals_one_process(llm_f32) -> None:
                          ids=["tp3", "pp2", "tp2xpp2"])
 def test_default_model_splits_equal_one_process(llm_f32, split) -> None:
     default_model_split(llm_f32, **split)
+
+
+def test_gguf_parts_are_read_without_the_rest() -> None:
+    """A rank's rows or columns of a GGUF matrix, cut in its blocks (Q4_1 and Q8_0 here),
+    equal the whole tensor dequantized and then cut; a cut inside a block too."""
+    import numpy as np
+
+    from tokenmill.gguf_file import GGUFFile
+    from tokenmill.model.loader import default_model_path
+
+    gguf_file = GGUFFile(default_model_path())
+    tensors = {t.name: t for t in gguf_file.tensors}
+    for name in ("blk.0.ffn_down.weight", "blk.3.attn_output.weight", "token_embd.weight"):
+        info = tensors[name]
+        whole = gguf_file.dequantize(info)
+        block = gguf_file.block_size(info)
+        assert block == 32
+        for dim, start, length in ((0, 64, 192), (1, 3 * block, 5 * block), (1, 5, 40)):
+            part = gguf_file.dequantize(info, (dim, start, length))
+            expected = whole[start : start + length] if dim == 0 else whole[:, start : start + length]
+            assert np.array_equal(part, expected), (name, dim, start, length)
