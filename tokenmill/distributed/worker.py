@@ -5,9 +5,9 @@ A worker runs the same `ModelRunner` code as rank 0 on its part of the model: it
 rebuilds every request's view from the step diffs (`RequestTable`), computes its share
 (all-reducing with its TP group, receiving from and sending to its pipeline
 neighbours) and, if it is the last stage's first TP rank, sends the sampled tokens back.
-It exits when rank 0 says stop or goes away (its step channel closes, or, for a
-process rank 0 spawned, the kernel kills it with its parent), and reports its error to
-rank 0 before dying of one.
+It exits 0 when rank 0 says stop, 1 when rank 0 goes away without saying so (its step
+channel closes, or, for a process rank 0 spawned, the kernel kills it with its parent),
+and reports its own error to rank 0 before dying of one.
 """
 
 from __future__ import annotations
@@ -75,8 +75,9 @@ def worker_main(config: EngineConfig, rank: int, num_threads: int, parent_pid: i
             output = runner.execute(message)
             if sends_output:
                 client.send(output)
-    except ChannelClosed:
-        logger.info("rank 0 went away: rank %d stops", rank)
+    except ChannelClosed:  # not told to stop: the engine died
+        logger.error("rank 0 went away without stopping rank %d: exiting", rank)
+        sys.exit(1)
     except BaseException as exc:  # noqa: BLE001 - reported to rank 0, then the process fails
         text = f"{type(exc).__name__}: {exc}"
         logger.error("rank %d failed: %s\n%s", rank, text, traceback.format_exc())
