@@ -131,26 +131,33 @@ def run_node(config: EngineConfig) -> int:
     logger.info("headless node %d of %d: ranks %s, rendezvous %s:%s", parallel.node_rank, parallel.nnodes, ranks,
                 parallel.master_addr, parallel.master_port)
     processes = spawn_ranks(config, ranks)
-    stopping = False
+    signalled = False  # told to stop (SIGTERM/SIGINT): a clean exit
 
-    def stop(signum: int, _frame: object) -> None:
-        nonlocal stopping
-        stopping = True
+    def terminate_all() -> None:
         for process in processes:
             if process.is_alive():
                 process.terminate()
 
+    def stop(signum: int, _frame: object) -> None:
+        nonlocal signalled
+        signalled = True
+        terminate_all()
+
     previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    failed = []
     try:
         while any(p.is_alive() for p in processes):
-            failed = [p for p in processes if p.exitcode not in (None, 0)]
-            if failed and not stopping:
-                logger.error("%s exited with %s: stopping this node", failed[0].name, failed[0].exitcode)
-                stop(signal.SIGTERM, None)
+            if not failed and not signalled:
+                failed = [p for p in processes if p.exitcode not in (None, 0)]
+                if failed:
+                    logger.error("%s exited with %s: stopping this node", failed[0].name, failed[0].exitcode)
+                    terminate_all()
             time.sleep(0.2)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     codes = [p.exitcode for p in processes]
     logger.info("headless node %d: ranks ended with %s", parallel.node_rank, codes)
-    return 0 if all(code == 0 for code in codes) or stopping else 1
+    if signalled:
+        return 0
+    return 0 if all(code == 0 for code in codes) else 1
