@@ -59,6 +59,19 @@ def test_round_robin_skips_unhealthy_replicas() -> None:
     assert [policy.choose("", [0] * 3, [True, False, True]).replica for _ in range(4)] == [0, 2, 0, 2]
 
 
+def test_replica_metrics_get_a_replica_label_and_metadata_once() -> None:
+    from tokenmill.distributed.data_parallel import label_metrics
+
+    text = ('# HELP tokenmill:x help\n# TYPE tokenmill:x counter\ntokenmill:x{model_name="m"} 3.0\n'
+            "tokenmill:y 1.0\n")
+    seen: set[str] = set()
+    first = label_metrics(text, 'replica="0"', seen)
+    second = label_metrics(text, 'replica="1"', seen)
+    assert first == ["# HELP tokenmill:x help", "# TYPE tokenmill:x counter",
+                     'tokenmill:x{replica="0",model_name="m"} 3.0', 'tokenmill:y{replica="0"} 1.0']
+    assert second == ['tokenmill:x{replica="1",model_name="m"} 3.0', 'tokenmill:y{replica="1"} 1.0']
+
+
 # ----- two loopback hosts ------------------------------------------------------------------
 
 
