@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import signal
@@ -114,7 +115,8 @@ def test_server_with_a_dead_rank_fails_the_request_and_exits(tiny: Path) -> None
             killed = time.monotonic()
             subprocess.run(["kill", "-9", str(pid)], check=True)
             rest = "\n".join(lines)
-        assert "error" in rest and "[DONE]" not in rest.split("error")[0] or "rank 1" in rest, rest[-500:]
+        errors = [json.loads(line[6:])["error"] for line in rest.splitlines() if line.startswith('data: {"error"')]
+        assert errors and errors[0]["code"] == 503 and "rank 1 (pid" in errors[0]["message"], rest[-500:]
         server.proc.wait(timeout=30)
         assert time.monotonic() - killed < 30
         assert server.proc.returncode != 0
