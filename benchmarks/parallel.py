@@ -140,7 +140,12 @@ def step_message_cost() -> None:
 
 
 def _requests(name: str, tokenizer, vocab: int, seed: int, small_w3: bool):
-    from tokenmill.bench.workloads import FULL, Sizes, build_requests, ordinary_token_ids
+    from tokenmill.bench.workloads import (
+        FULL,
+        Sizes,
+        build_requests,
+        ordinary_token_ids,
+    )
 
     sizes = Sizes(w3_requests=16, w3_prompt=(64, 256), w3_new=(32, 64)) if small_w3 else FULL
     return build_requests(name, sizes, random.Random(f"parallel:{name}:{seed}"), ordinary_token_ids(tokenizer, vocab))
@@ -193,7 +198,7 @@ def tp(args: argparse.Namespace) -> None:
                     steps = llm.engine.num_steps - steps_before
                     per_step.append((workload == "W1", (comm.busy_s - busy) / steps * 1e3, (comm.calls - calls) // steps))
                 print(f"  rep {rep} {workload} {name}: {value:.1f} tok/s", flush=True)
-    print(f"\n| workload | 1 process x 2 threads | TP 2 x 1 thread per rank | ratio |")
+    print("\n| workload | 1 process x 2 threads | TP 2 x 1 thread per rank | ratio |")
     print("|---|---|---|---|")
     for workload, label in (("W1", "W1 decode (tok/s)"), ("W3", "W3 small, 16 requests (output tok/s)")):
         a = statistics.median(results[(workload, "1 process x 2 threads")])
@@ -239,8 +244,9 @@ def _sessions(args: argparse.Namespace) -> list[str]:
 
 
 def _drive(url: str, prompts: list[str], concurrency: int) -> float:
-    import httpx
     from concurrent.futures import ThreadPoolExecutor
+
+    import httpx
 
     model = httpx.get(url + "/v1/models", timeout=10).json()["data"][0]["id"]
 

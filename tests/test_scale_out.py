@@ -15,10 +15,15 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server_utils import REPO, ServerProcess, free_port, parse_metrics, sse_json
-from tests.test_distributed import PARAMS, PROMPTS, assert_same, engine_settings, run
+from tests.server_utils import REPO, ServerProcess, free_port, sse_json
+from tests.test_distributed import assert_same, engine_settings, run
 from tests.tiny_checkpoint import write_tiny_llama
-from tokenmill.distributed.routing import CacheAwarePolicy, RoundRobinPolicy, block_hashes, prompt_key
+from tokenmill.distributed.routing import (
+    CacheAwarePolicy,
+    RoundRobinPolicy,
+    block_hashes,
+    prompt_key,
+)
 
 
 @pytest.fixture(scope="module")

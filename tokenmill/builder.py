@@ -78,7 +78,7 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltExec
     parallel = None
     if rank is not None:
         alignment = chosen.weight_format.shard_alignment
-        parallel = lambda arch, unit: rank.parallel(arch, math.lcm(unit, alignment))  # noqa: E731
+        parallel = lambda arch, unit: rank.parallel(arch, math.lcm(unit, alignment))
     loaded = load_model(config.model.model, dtype.compute, device, max_positions=config.model.max_model_len,
                         parallel=parallel)
     max_model_len = resolve_max_model_len(config, loaded)

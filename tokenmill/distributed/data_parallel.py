@@ -25,7 +25,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from fastapi import Request  # module level: FastAPI reads the handlers' annotations here
+# At module level: FastAPI resolves the handlers' annotations in this module's globals.
+from fastapi import Request
 
 logger = logging.getLogger("tokenmill.serve.dp")
 
