@@ -9,8 +9,10 @@ that in an `LLMEngine`. `LLM`, `tokenmill serve` and the bench all start here.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -26,7 +28,7 @@ from tokenmill.model.loader import LoadedModel, load_model, open_checkpoint
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.quantization.dense import CPUMatmulChoice
 from tokenmill.runner import tune
-from tokenmill.runner.plan import ExecutionPlan, apply_plan, cpu_native_plan, reference_plan
+from tokenmill.runner.plan import ExecutionPlan, apply_plan, cpu_native_plan, quantized_plan, reference_plan
 from tokenmill.runner.threads import ThreadGovernor
 from tokenmill.tokenizer import Tokenizer
 
@@ -37,9 +39,20 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 
 @dataclass
 class BuiltExecutor:
-    executor: ModelRunner
+    executor: ModelRunner  # or anything with execute(SchedulerOutput) -> RunnerOutput
     tokenizer: Tokenizer
     facts: EngineFacts
+
+
+# A rank of a tensor/pipeline-parallel split: its ModelParallel from the model's shape and
+# the checkpoint's block width, and the KV bytes per token of the rank that needs most
+# (every rank allocates as many blocks: the scheduler's block ids are global).
+@dataclass
+class RankSetup:
+    parallel: Callable[[object, int], object]  # (ModelArchConfig, column unit) -> ModelParallel
+    max_kv_bytes_per_token: Callable[[int], int]  # element size -> bytes
+    num_threads: int | None = None
+    runner_class: type = ModelRunner
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
@@ -48,29 +61,51 @@ def build_engine(config: EngineConfig) -> LLMEngine:
 
 
 def build_executor(config: EngineConfig) -> BuiltExecutor:
+    """The model in this process, or split over worker processes (and hosts) when the
+    config asks for tensor or pipeline parallelism."""
+    if config.parallel.world_size > 1:
+        from tokenmill.distributed.executor import build_parallel_executor
+
+        return build_parallel_executor(config)
+    return build_rank(config)
+
+
+def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltExecutor:
+    """Load the model (one rank's part of it, given `rank`), its plan, KV cache and runner."""
     start = time.perf_counter()
     device = resolve_device(config.device.device)
-    governor = compute_threads(config, device)
+    governor = compute_threads(config, device, rank.num_threads if rank else None)
     kernels_ok = device.type == "cpu" and config.device.native_kernels and _cpu_kernels_build()
     dtype = resolve_dtype(config.model.dtype, device, kernels_ok)
     checkpoint = open_checkpoint(config.model.model)
     backend = select_attention_backend(config.device.attention_backend, device, kernels_ok)
-    plan = choose_plan(config, device, dtype, kernels_ok, backend, checkpoint.arch)
-    loaded = load_model(checkpoint, dtype.compute, device, config.model.max_model_len, plan.weight_format)
+    keep_quantized = quantized_as_stored(config, checkpoint.quantized, kernels_ok)
+    chosen = choose_plan(config, device, dtype, kernels_ok, backend, checkpoint.arch, keep_quantized)
+    parallel = None
+    if rank is not None:
+        alignment = chosen.weight_format.shard_alignment
+        parallel = lambda arch, unit: rank.parallel(arch, math.lcm(unit, alignment))
+    loaded = load_model(checkpoint, dtype.compute, device, config.model.max_model_len, chosen.weight_format, parallel,
+                        keep_quantized=keep_quantized)
     max_model_len = resolve_max_model_len(config, loaded)
-    plan = apply_plan(loaded.model, plan)
-    spec = KVCacheSpec(loaded.arch.num_layers, loaded.arch.num_kv_heads, loaded.arch.head_dim,
+    plan = apply_plan(loaded.model, chosen)
+    layout = loaded.model.parallel.layout
+    spec = KVCacheSpec(layout.layers.size, layout.kv_heads.size, loaded.arch.head_dim,
                        config.cache.block_size, _DTYPES[dtype.kv_cache])
     memory = config.cache.kv_cache_memory or default_kv_cache_memory(device)
-    num_blocks = spec.num_blocks_for(memory)
+    bytes_per_block = spec.bytes_per_block
+    if rank is not None:  # as many blocks as the rank holding most KV per token can have
+        bytes_per_block = rank.max_kv_bytes_per_token(spec.element_size) * spec.block_size
+    num_blocks = memory // bytes_per_block
     if num_blocks < 1:
-        raise ValueError(f"kv_cache_memory {memory} bytes is less than one KV block ({spec.bytes_per_block} bytes)")
+        raise ValueError(f"kv_cache_memory {memory} bytes is less than one KV block ({bytes_per_block} bytes)")
     kv_cache = PagedKVCache(spec, num_blocks, device)
-    runner = ModelRunner(loaded.model, kv_cache, backend, plan, device, seed=config.model.seed, threads=governor)
+    runner_class = rank.runner_class if rank is not None else ModelRunner
+    runner = runner_class(loaded.model, kv_cache, backend, plan, device, seed=config.model.seed, threads=governor)
     facts = EngineFacts(
         model_name=loaded.name, model_path=loaded.path, architecture=loaded.arch.architecture,
         vocab_size=loaded.arch.vocab_size, max_model_len=max_model_len, device=str(device),
-        compute_dtype=dtype.compute, weight_format=plan.weight_format.name, kv_cache_dtype=dtype.kv_cache,
+        compute_dtype=dtype.compute, weight_format=weight_format_name(loaded.model, plan), kv_cache_dtype=dtype.kv_cache,
         num_blocks=num_blocks, block_size=config.cache.block_size, kv_bytes_per_token=spec.bytes_per_token,
         attention_backend=backend.name, execution_plan=plan.describe(), num_threads=torch.get_num_threads(),
         load_seconds=time.perf_counter() - start,
@@ -84,6 +119,18 @@ def build_executor(config: EngineConfig) -> BuiltExecutor:
     return BuiltExecutor(runner, loaded.tokenizer, facts)
 
 
+def weight_format_name(model: torch.nn.Module, plan: ExecutionPlan) -> str:
+    """How the linear weights are stored, e.g. 'bfloat16', or 'q4-g32 (q8-g32 head)'."""
+    names = [m.weights.format_name for m in model.modules() if getattr(m, "weights", None) is not None]
+    if not names:
+        return plan.weight_format.name
+    common = max(set(names), key=names.count)
+    head = getattr(getattr(model, "lm_head", None), "weights", None)
+    if head is not None and head.format_name != common:
+        return f"{common} ({head.format_name} head)"
+    return common
+
+
 # ----- what the config leaves to the machine ----------------------------------------------
 
 
@@ -93,13 +140,14 @@ def resolve_device(device: str) -> torch.device:
     return torch.device(device)
 
 
-def compute_threads(config: EngineConfig, device: torch.device) -> ThreadGovernor | None:
-    """On the CPU: a fixed `num_threads`, or (the default) a governor that uses the cores
-    other work leaves free (runner/threads.py)."""
+def compute_threads(config: EngineConfig, device: torch.device, num_threads: int | None = None) -> ThreadGovernor | None:
+    """On the CPU: a fixed count (`num_threads`, a rank's share, over the config's), or (the
+    default) a governor that uses the cores other work leaves free (runner/threads.py)."""
     if device.type != "cpu":
         return None
-    if config.device.num_threads is not None:
-        torch.set_num_threads(config.device.num_threads)
+    fixed = num_threads or config.device.num_threads
+    if fixed is not None:
+        torch.set_num_threads(fixed)
         return None
     return ThreadGovernor(cpu_info().num_cores, torch.set_num_threads)
 
@@ -146,18 +194,47 @@ def resolve_dtype(dtype: str, device: torch.device, native_kernels: bool = False
 
 
 def choose_plan(config: EngineConfig, device: torch.device, dtype: DtypePlan, kernels_ok: bool,
-                backend: AttentionBackend, arch: ModelArchConfig | None = None) -> ExecutionPlan:
+                backend: AttentionBackend, arch: ModelArchConfig | None = None,
+                keep_quantized: bool = False) -> ExecutionPlan:
     """On a float32-computing CPU with the native kernels: weights tiled for the decode
     kernels and packed for oneDNN (unless `pack_weights` is off), the matmul kernels per
     row range measured on this machine (`runner/tune.py`), the native element-wise ops,
-    and the fused decode layer where attention reads the cache natively. Elsewhere plain
+    and the fused decode layer where attention reads the cache natively; with weight-only
+    quantization (as stored, or int8/int4 at load) the quantized kernels. Elsewhere plain
     weights and PyTorch ops."""
     weights = _DTYPES[dtype.weights]
+    method = config.quantization.quantization
     if not (device.type == "cpu" and dtype.compute == "float32" and kernels_ok):
+        if method in ("int8", "int4"):
+            raise ValueError(f"quantization {method} runs on tokenmill's native CPU kernels, which are turned off, "
+                             "failed to build or are not for this device")
         return reference_plan(weights)
     choice = cpu_matmul_choice(config, weights, arch)
-    return cpu_native_plan(weights, onednn=config.device.pack_weights, choice=choice,
+    plan = cpu_native_plan(weights, onednn=config.device.pack_weights, choice=choice,
                            fused_decode=backend.name == "cpu_native")
+    if keep_quantized or method in ("int8", "int4"):
+        return quantized_plan(plan, "stored" if keep_quantized else method, config.quantization.quantization_group_size)
+    return plan
+
+
+def quantized_as_stored(config: EngineConfig, stored: str | None, kernels_ok: bool) -> bool:
+    """Whether the checkpoint's quantized weights are served as stored: by default for a
+    quantized GGUF (as llama.cpp and Ollama do) unless --dtype float32/bfloat16 asks to
+    dequantize; never without the native kernels (they would be dequantized every step)."""
+    method = config.quantization.quantization
+    if method == "gguf" and stored != "gguf":
+        raise ValueError("quantization gguf needs a GGUF file whose linear weights are stored in quantized blocks")
+    if method in ("int8", "int4") and stored is not None:
+        raise ValueError(f"the checkpoint's weights are quantized already ({stored}); quantization {method} is for "
+                         "float checkpoints (leave --quantization unset to serve them as stored, or use none)")
+    if stored is None or method == "none":
+        return False
+    if method == "gguf" or config.model.dtype == "auto":
+        if not kernels_ok:
+            logger.warning("serving the %s weights dequantized: the native CPU kernels are off or did not build", stored)
+            return False
+        return True
+    return False
 
 
 def cpu_matmul_choice(config: EngineConfig, weights: torch.dtype, arch: ModelArchConfig | None) -> CPUMatmulChoice:

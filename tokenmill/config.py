@@ -21,6 +21,7 @@ from typing import Any
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 ATTENTION_BACKENDS = ("auto", "cpu_native", "torch_sdpa")
+ALL_REDUCE_BACKENDS = ("auto", "shm", "gloo", "nccl")
 
 
 def parse_memory(value: str | int | float | None) -> int | None:
@@ -142,21 +143,89 @@ class SchedulingConfig:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """Splitting the model over processes and hosts (torch.distributed)."""
+
+    tensor_parallel_size: int = setting(1, aliases=("-tp",),
+                                        help="ranks that split every layer (heads, MLP columns, vocabulary)")
+    pipeline_parallel_size: int = setting(1, aliases=("-pp",), help="stages that split the layers")
+    nnodes: int = setting(1, help="hosts the ranks run on (world size = tensor x pipeline parallel size)")
+    node_rank: int = setting(0, help="this host's index; host 0 runs the engine, the others `serve --headless`")
+    master_addr: str = setting("127.0.0.1", help="address of host 0 (the torch.distributed rendezvous)")
+    master_port: int | None = setting(None, help="port of the rendezvous on host 0 (default: a free port "
+                                                 "when nnodes is 1, else 29500)")
+    all_reduce: str = setting("auto", choices=ALL_REDUCE_BACKENDS,
+                              help="tensor-parallel all-reduce: auto = shared memory between ranks on one host "
+                                   "(CPU), NCCL on CUDA, gloo across hosts")
+    pipeline_microbatches: int | None = setting(None, help="micro-batches a step is cut into so pipeline stages "
+                                                           "overlap (default: the number of stages)")
+    distributed_timeout: float = setting(120.0, help="seconds a rank waits on another (collective, step message) "
+                                                    "before the engine fails with an error")
+
+    def __post_init__(self) -> None:
+        _check_choice("all_reduce", self.all_reduce, ALL_REDUCE_BACKENDS)
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "nnodes"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes = {self.nnodes}), got {self.node_rank}")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"the world size (tensor x pipeline parallel = {self.world_size}) must be a multiple "
+                             f"of nnodes ({self.nnodes}): every host runs as many ranks")
+        if self.pipeline_microbatches is not None and self.pipeline_microbatches < 1:
+            raise ValueError(f"pipeline_microbatches must be at least 1, got {self.pipeline_microbatches}")
+        if self.distributed_timeout <= 0:
+            raise ValueError(f"distributed_timeout must be positive, got {self.distributed_timeout}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+
+QUANTIZATION_CHOICES = ("none", "int8", "int4", "gguf")
+
+
+@dataclass(frozen=True)
+class QuantizationConfig:
+    """Weight-only quantization of the linear layers."""
+
+    quantization: str | None = setting(None, choices=QUANTIZATION_CHOICES,
+                                       help="default: as the checkpoint stores its weights (a GGUF's quantized "
+                                            "blocks served as stored unless --dtype float32/bfloat16 is given); "
+                                            "int8 (per-output-channel symmetric) or int4 (group-wise asymmetric) "
+                                            "computed at load from float weights; none dequantizes")
+    quantization_group_size: int = setting(32, choices=(32, 64, 128), help="columns per scale group of int4")
+
+    def __post_init__(self) -> None:
+        if self.quantization is not None:
+            _check_choice("quantization", self.quantization, QUANTIZATION_CHOICES)
+        _check_choice("quantization_group_size", self.quantization_group_size, (32, 64, 128))
+
+
 # The groups, in the order --help lists them.
 GROUPS: dict[str, type] = {
     "model": ModelConfig,
+    "quantization": QuantizationConfig,
     "device": DeviceConfig,
     "cache": CacheConfig,
     "scheduler": SchedulingConfig,
+    "parallel": ParallelConfig,
 }
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
+    quantization: QuantizationConfig = field(default_factory=QuantizationConfig)
     device: DeviceConfig = field(default_factory=DeviceConfig)
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulingConfig = field(default_factory=SchedulingConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @classmethod
     def from_kwargs(cls, **settings: Any) -> EngineConfig:

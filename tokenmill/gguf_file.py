@@ -62,21 +62,74 @@ class GGUFFile:
         data_start = -(-parser.offset // alignment) * alignment
         return [GGUFTensorInfo(n, tuple(int(d) for d in s), t, data_start + o) for n, s, t, o in raw]
 
-    def dequantize(self, info: GGUFTensorInfo) -> np.ndarray:
-        """The tensor as float32, shaped in PyTorch order (slowest dimension first)."""
+    def blocks(self, info: GGUFTensorInfo, part: tuple[int, int, int] | None = None) -> np.ndarray:
+        """The tensor's raw bytes as rows of blocks, uint8 [rows, row_bytes] (a view of the
+        file where possible). `part` = (dim, start, length) of a 2-D tensor keeps only those
+        rows (dim 0) or columns (dim 1, cut at block boundaries: start and length must be
+        multiples of the block size)."""
+        raw, block_size, type_size = self._raw_rows(info)
+        if part is None:
+            return raw
+        dim, start, length = self._check_part(info, part)
+        if dim == 0:
+            return raw[start : start + length]
+        if start % block_size or length % block_size:
+            raise ValueError(f"GGUF tensor {info.name!r}: columns [{start}, {start + length}) are not on "
+                             f"{block_size}-column block boundaries")
+        cut = raw.reshape(raw.shape[0], -1, type_size)[:, start // block_size : (start + length) // block_size]
+        return np.ascontiguousarray(cut).reshape(raw.shape[0], -1)
+
+    def dequantize(self, info: GGUFTensorInfo, part: tuple[int, int, int] | None = None) -> np.ndarray:
+        """The tensor as float32, shaped in PyTorch order (slowest dimension first).
+
+        `part` = (dim, start, length) of a 2-D tensor reads only those rows (dim 0) or
+        columns (dim 1): rows are contiguous runs of blocks and columns are cut at block
+        boundaries, so only the part is dequantized (a tensor-parallel rank's share).
+        Columns that do not fall on block boundaries are cut after dequantizing."""
         import gguf
 
         qtype = gguf.GGMLQuantizationType(info.ggml_type)
-        block_size, type_size = gguf.GGML_QUANT_SIZES[qtype]
+        block_size = self.block_size(info)
+        cut_after = None
+        if part is not None and part[0] == 1 and (part[1] % block_size or part[2] % block_size):
+            cut_after, part = (part[1], part[2]), None
+        values = self._decode(self.blocks(info, part), qtype)
+        if cut_after is not None:
+            values = np.ascontiguousarray(values[:, cut_after[0] : cut_after[0] + cut_after[1]])
+        return values
+
+    def _raw_rows(self, info: GGUFTensorInfo) -> tuple[np.ndarray, int, int]:
+        import gguf
+
+        block_size, type_size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.ggml_type)]
         rows_shape = tuple(reversed(info.shape[1:]))
         row_bytes = info.shape[0] // block_size * type_size
         count = int(np.prod(rows_shape, dtype=np.int64)) * row_bytes
         raw = np.frombuffer(self._data, dtype=np.uint8, count=count, offset=info.offset)
+        return raw.reshape(*rows_shape, row_bytes), block_size, type_size
+
+    @staticmethod
+    def _check_part(info: GGUFTensorInfo, part: tuple[int, int, int]) -> tuple[int, int, int]:
+        if len(info.shape) != 2 or part[0] not in (0, 1):
+            raise ValueError(f"GGUF tensor {info.name!r}: parts are rows or columns of a 2-D tensor")
+        return part
+
+    @staticmethod
+    def _decode(raw: np.ndarray, qtype) -> np.ndarray:
+        """Rows of raw blocks [..., row_bytes] -> float32 [..., columns]."""
+        import gguf
+
         if qtype == gguf.GGMLQuantizationType.F32:
-            return raw.view(np.float32).reshape(*rows_shape, info.shape[0]).copy()
+            return np.ascontiguousarray(raw).view(np.float32).copy()
         if qtype == gguf.GGMLQuantizationType.F16:
-            return raw.view(np.float16).reshape(*rows_shape, info.shape[0]).astype(np.float32)
-        return gguf.quants.dequantize(raw.reshape(*rows_shape, row_bytes), qtype)
+            return np.ascontiguousarray(raw).view(np.float16).astype(np.float32)
+        return gguf.quants.dequantize(raw, qtype)
+
+    def block_size(self, info: GGUFTensorInfo) -> int:
+        """Columns per quantization block of a tensor (1 for float tensors)."""
+        import gguf
+
+        return gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(info.ggml_type)][0]
 
 
 def read_gguf_metadata(path: str | os.PathLike[str], prefix: str = "") -> dict[str, Any]:

@@ -41,7 +41,8 @@ class Linear(nn.Module):
     def load_weight(self, weight: torch.Tensor, fmt: WeightFormat | None = None) -> None:
         """Take a whole checkpoint weight: into `fmt` at once, or as the plain parameter."""
         if fmt is not None:
-            self.weights = fmt.make(weight.detach(), many_rows=self.many_rows)
+            self.weights = fmt.make(weight.detach() if isinstance(weight, torch.Tensor) else weight,
+                                    many_rows=self.many_rows)
             self.weight = None
         else:
             self.weight = nn.Parameter(weight.detach(), requires_grad=False)

@@ -17,18 +17,23 @@ from torch import nn
 from tokenmill import kernels
 from tokenmill.attention.backend import PagedDecode, get_forward_context
 from tokenmill.attention.kv_cache import LayerKVCache
+from tokenmill.distributed.layout import ShardLayout
+from tokenmill.distributed.model_parallel import ModelParallel
 from tokenmill.model.config import ModelArchConfig
 from tokenmill.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
-from tokenmill.quantization import WeightFormat
+from tokenmill.quantization import QuantizedTensor, WeightFormat
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    """This rank's heads (all of them without tensor parallelism); `o_proj` gives its
+    partial sum, which the decoder layer all-reduces."""
+
+    def __init__(self, cfg: ModelArchConfig, layer_idx: int, rotary: RotaryEmbedding, layout: ShardLayout) -> None:
         super().__init__()
         self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = layout.q_heads.size, layout.kv_heads.size, cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim**-0.5
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
@@ -55,12 +60,13 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelArchConfig, layer_idx: int, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelArchConfig, layer_idx: int, rotary: RotaryEmbedding, parallel: ModelParallel) -> None:
         super().__init__()
+        self.parallel = parallel  # sums the row-parallel outputs (o_proj, down_proj) across TP ranks
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, layer_idx, rotary)
+        self.self_attn = Attention(cfg, layer_idx, rotary, parallel.layout)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg.hidden_size, cfg.intermediate_size)
+        self.mlp = SwiGLU(cfg.hidden_size, parallel.layout.intermediate.size)
 
     def forward(
         self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, residual: torch.Tensor | None
@@ -72,16 +78,18 @@ class DecoderLayer(nn.Module):
             x, residual = self.input_layernorm(h), h
         else:
             x, residual = self.input_layernorm(h, residual)
-        x, residual = self.post_attention_layernorm(self.self_attn(rope, x), residual)
-        return self.mlp(x), residual
+        reduce = self.parallel.all_reduce
+        x, residual = self.post_attention_layernorm(reduce(self.self_attn(rope, x)), residual)
+        return reduce(self.mlp(x)), residual
 
     def _linears(self) -> tuple[Linear, Linear, Linear, Linear]:
         return self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj
 
     def can_fuse_decode(self) -> bool:
         """Whether kernels.llama_decode_layer can run this layer: every weight in a format
-        with a fused-decode operand, no biases (SiLU MLP is the only kind here)."""
-        return all(
+        with a fused-decode operand, no biases (SiLU MLP is the only kind here), and no
+        tensor parallelism (its all-reduces fall inside the fused layer)."""
+        return self.parallel.tp_size == 1 and all(
             lin.weights is not None and lin.weights.fused_decode_operand() is not None and lin.bias is None
             for lin in self._linears()
         )
@@ -92,7 +100,7 @@ class DecoderLayer(nn.Module):
     ) -> torch.Tensor:
         """forward() for an all-decode step as one native op (same kernels, no Python
         between them); adds h into residual in place and returns the MLP output."""
-        attn, mlp = self.self_attn, self.mlp
+        attn = self.self_attn
         weights = [lin.weights.fused_decode_operand() for lin in self._linears()]
         return kernels.llama_decode_layer(
             h, residual, self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
@@ -111,34 +119,35 @@ class LlamaForCausalLM(nn.Module):
         "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelArchConfig, max_positions: int | None = None) -> None:
+    def __init__(self, cfg: ModelArchConfig, max_positions: int | None = None,
+                 parallel: ModelParallel | None = None) -> None:
+        """`parallel`: this rank's part of a tensor/pipeline-parallel split (default: all of it)."""
         super().__init__()
         self.cfg = cfg
+        self.parallel = parallel = parallel or ModelParallel.single(cfg)
+        layout = parallel.layout
         rotary = RotaryEmbedding(
             cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
         )
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary) for i in range(cfg.num_layers))
+        # Vocabulary-parallel: this rank's rows of the embedding and the LM head.
+        self.embed_tokens = nn.Embedding(layout.vocab.size, cfg.hidden_size) if layout.holds_embedding else None
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, parallel) for i in range(layout.layers.size))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, cfg.vocab_size, bias=False, many_rows=False)
+        self.lm_head = Linear(cfg.hidden_size, layout.vocab.size, bias=False, many_rows=False) if layout.last_stage \
+            else None
         self.tie_weights()
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head (again after moving devices, which
         may untie them)."""
-        if self.cfg.tie_word_embeddings:
+        if self.cfg.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.embed_tokens.weight
 
     def release_tied_embedding(self) -> None:
         """Once a tied head is in its weight format, it serves the embedding lookup (its
         `rows`): the table is not kept a second time."""
-        if self.cfg.tie_word_embeddings and self.lm_head.weights is not None:
+        if self.cfg.tie_word_embeddings and self.lm_head is not None and self.lm_head.weights is not None:
             self.embed_tokens.weight = None
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if self.embed_tokens.weight is None:
-            return self.lm_head.weights.rows(input_ids).to(self.dtype)
-        return self.embed_tokens(input_ids).to(self.dtype)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -155,28 +164,57 @@ class LlamaForCausalLM(nn.Module):
             if isinstance(module, (RMSNorm, RotaryEmbedding, SwiGLU)):
                 module.native = enabled
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        h = self.embed(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """Final hidden states of the step's tokens; None on a pipeline stage before the
+        last, which sends its hidden states on instead."""
+        parallel = self.parallel
+        if parallel.layout.first_stage:
+            h, residual = self._embed(input_ids), None
+        else:
+            h, residual = parallel.recv_hidden(input_ids.shape[0], self.cfg.hidden_size, self.dtype)
         rope = self.layers[0].self_attn.rotary.table(positions)
         ctx = get_forward_context()
         if ctx is not None and ctx.decode is not None:  # the plan runs this step fused
-            residual, h = h, torch.zeros_like(h)  # the first layer adds nothing to the embeddings
+            if residual is None:
+                residual, h = h, torch.zeros_like(h)  # the first layer adds nothing to the embeddings
             for layer, kv_cache in zip(self.layers, ctx.kv_cache):
                 h = layer.fused_decode(rope, h, residual, kv_cache, ctx.decode)
-            return self.norm(h, residual)[0]
-        residual = None
-        for layer in self.layers:
-            h, residual = layer(rope, h, residual)
+        else:
+            for layer in self.layers:
+                h, residual = layer(rope, h, residual)
+        if not parallel.layout.last_stage:
+            parallel.send_hidden(h, residual)
+            return None
         return self.norm(h) if residual is None else self.norm(h, residual)[0]
 
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        vocab = self.parallel.layout.vocab
+        if vocab.size == self.cfg.vocab_size:
+            return self._lookup(input_ids)
+        # Vocabulary-parallel: rows of other ranks' ids are zero here; the sum has them.
+        local = input_ids - vocab.start
+        inside = (local >= 0) & (local < vocab.size)
+        h = self._lookup(torch.where(inside, local, 0))
+        h.masked_fill_(~inside.unsqueeze(-1), 0.0)
+        return self.parallel.all_reduce(h)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows: from the table, or from a tied head's own storage."""
+        if self.embed_tokens.weight is None:
+            return self.lm_head.weights.rows(ids).to(self.dtype)
+        return self.embed_tokens(ids).to(self.dtype)
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+        """Logits over the whole vocabulary (gathered from the TP ranks' parts)."""
+        return self.parallel.gather_logits(self.lm_head(hidden).float())
 
     # ----- weights -------------------------------------------------------------------
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]], fmt: WeightFormat | None = None) -> None:
-        """Read checkpoint tensors (Hugging Face names) into the model, fusing q/k/v and
-        gate/up. Raises if a parameter stays unset.
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor | QuantizedTensor]],
+                     fmt: WeightFormat | None = None) -> None:
+        """Read checkpoint tensors (Hugging Face names; float, or quantized as stored) into
+        the model (this rank's part of them), fusing q/k/v and gate/up. Raises if a
+        parameter stays unset.
 
         A linear weight is assembled from its parts as they arrive and, once complete,
         handed to the linear as a whole (`Linear.load_weight`; with `fmt` it goes straight
@@ -186,7 +224,8 @@ class LlamaForCausalLM(nn.Module):
         params = dict(self.named_parameters())
         linears = {f"{name}.weight": m for name, m in self.named_modules() if isinstance(m, Linear)}
         expected = {f"{n}#{s}" for n, s in self._expected_shards(params, linears)}
-        parts: dict[str, dict[int | None, torch.Tensor]] = {}
+        layout = self.parallel.layout
+        parts: dict[str, dict[int | None, torch.Tensor | QuantizedTensor]] = {}
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
@@ -194,26 +233,45 @@ class LlamaForCausalLM(nn.Module):
                 continue
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
-            target, shard = self._target(name)
+            local_name = layout.local_name(name)
+            if local_name is None:  # another pipeline stage's
+                continue
+            tensor = _rank_part(layout, name, tensor)
+            target, shard = self._target(local_name)
+            if target == "embed_tokens.weight" and isinstance(tensor, QuantizedTensor) \
+                    and self._tied_head_takes(tensor, fmt):
+                loaded.add(f"{target}#{shard}")
+                continue
             if target not in params and target not in linears:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the {self.cfg.architecture} model")
             loaded.add(f"{target}#{shard}")
             if target in linears:
-                got = parts.setdefault(target, {})
-                got[shard] = tensor
+                parts.setdefault(target, {})[shard] = tensor
                 if all(f"{target}#{k}" in loaded for k in self._shards_of(target)):
                     self._load_linear(target, linears[target], parts.pop(target), fmt)
                 continue
             param = params[target].data  # a norm, an embedding, or a (fused) bias
             if shard is not None:
                 param = param.narrow(0, *self._shard_range(target, shard))
+            if isinstance(tensor, QuantizedTensor):
+                tensor = tensor.dequantize()
             with torch.no_grad():
                 _copy(param, tensor, name)
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"the checkpoint lacks weights for: {', '.join(m.split('#')[0] for m in missing[:8])}")
 
-    def _load_linear(self, target: str, linear: Linear, parts: dict[int | None, torch.Tensor],
+    def _tied_head_takes(self, table: QuantizedTensor, fmt: WeightFormat | None) -> bool:
+        """A quantized embedding table (a GGUF token_embd as stored) tied to the LM head
+        becomes the head's weight in `fmt`, and the head serves the embedding lookups from
+        it (its `rows`). Without a format, or untied, the table is read dequantized."""
+        if fmt is None or not self.cfg.tie_word_embeddings or self.lm_head is None:
+            return False
+        self.embed_tokens.weight = None
+        self.lm_head.load_weight(table, fmt)
+        return True
+
+    def _load_linear(self, target: str, linear: Linear, parts: dict[int | None, torch.Tensor | QuantizedTensor],
                      fmt: WeightFormat | None) -> None:
         shards = self._shards_of(target)
         for shard in shards:
@@ -222,13 +280,16 @@ class LlamaForCausalLM(nn.Module):
                 if parts[shard].shape[0] != size:
                     raise ValueError(f"checkpoint tensor for {target} (part {shard}) has {parts[shard].shape[0]} rows, "
                                      f"the model expects {size}")
-        full = parts[None] if shards == [None] else torch.cat([parts[k] for k in shards])
+        full = parts[None] if shards == [None] else _cat_rows([parts[k] for k in shards])
         if tuple(full.shape) != (linear.out_features, linear.in_features):
             raise ValueError(f"checkpoint tensor {target!r} has shape {tuple(full.shape)}, the model expects "
                              f"{(linear.out_features, linear.in_features)}")
-        # Unformatted, the weight lives as the model's other parameters do (compute dtype).
-        norm = self.norm.weight
-        linear.load_weight(full if fmt is not None else full.to(device=norm.device, dtype=norm.dtype), fmt)
+        if isinstance(full, QuantizedTensor) and fmt is None:
+            full = full.dequantize()
+        if fmt is None:  # unformatted, the weight lives as the model's other parameters do
+            norm = self.norm.weight
+            full = full.to(device=norm.device, dtype=norm.dtype)
+        linear.load_weight(full, fmt)
 
     def _shards_of(self, target: str) -> list[int | None]:
         if "qkv_proj" in target:
@@ -244,11 +305,12 @@ class LlamaForCausalLM(nn.Module):
         return name, None
 
     def _shard_range(self, fused_name: str, shard: int) -> tuple[int, int]:
-        cfg = self.cfg
+        layout, head_dim = self.parallel.layout, self.cfg.head_dim
         if "qkv_proj" in fused_name:
-            sizes = [cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim]
+            q, kv = layout.q_heads.size * head_dim, layout.kv_heads.size * head_dim
+            sizes = [q, kv, kv]
         else:
-            sizes = [cfg.intermediate_size, cfg.intermediate_size]
+            sizes = [layout.intermediate.size, layout.intermediate.size]
         return sum(sizes[:shard]), sizes[shard]
 
     def _expected_shards(self, params: dict, linears: dict) -> Iterable[tuple[str, int | None]]:
@@ -257,6 +319,34 @@ class LlamaForCausalLM(nn.Module):
                 continue
             for shard in self._shards_of(name):
                 yield name, shard
+
+def _rank_part(layout: ShardLayout, name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a checkpoint tensor, given whole (narrowed: a view) or already cut
+    to it by the loader (which reads only that part where the file allows)."""
+    part = layout.checkpoint_part(name)
+    if part is None:
+        return tensor
+    dim, span = part
+    if tensor.shape[dim] == span.size:
+        return tensor
+    if tensor.shape[dim] < span.stop:
+        raise ValueError(f"checkpoint tensor {name!r} has {tensor.shape[dim]} entries along dimension {dim}; "
+                         f"this rank's part is [{span.start}, {span.stop})")
+    if isinstance(tensor, QuantizedTensor):  # cut in its blocks, never dequantized
+        return tensor.narrow_rows(span.start, span.size) if dim == 0 else tensor.narrow_cols(span.start, span.size)
+    return tensor.narrow(dim, span.start, span.size)
+
+
+def _cat_rows(parts: list[torch.Tensor | QuantizedTensor]) -> torch.Tensor | QuantizedTensor:
+    """The parts of a fused weight one after another; quantized parts stay quantized when
+    they share a storage form, else everything is dequantized."""
+    if all(isinstance(p, QuantizedTensor) for p in parts):
+        try:
+            return QuantizedTensor.cat_rows(parts)
+        except ValueError:
+            pass  # e.g. Q4_K q/k beside a Q6_K v (llama.cpp's *_K_M mixes): float, then the format
+    return torch.cat([p.dequantize() if isinstance(p, QuantizedTensor) else p.float() for p in parts])
+
 
 def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if tuple(dst.shape) != tuple(src.shape):

@@ -9,7 +9,7 @@ import importlib.util
 import json
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,11 +18,14 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from tokenmill.distributed.layout import ShardLayout
+from tokenmill.distributed.model_parallel import ModelParallel
 from tokenmill.model.config import ModelArchConfig
 from tokenmill.gguf_file import GGUFFile
 from tokenmill.model.layers import Linear
 from tokenmill.model.llama import LlamaForCausalLM
-from tokenmill.quantization import WeightFormat
+from tokenmill.quantization import QuantizedTensor, WeightFormat
+from tokenmill.quantization.gguf_blocks import from_gguf_blocks
 from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -78,15 +81,24 @@ def resolve_model_path(model: str | None) -> str:
     return str(path)
 
 
+# Builds one rank's ModelParallel from the model's shape and the files' block width.
+ParallelFactory = Callable[[ModelArchConfig, int], ModelParallel]
+# Reads the checkpoint's tensors (this rank's parts of them) as Hugging Face names; with
+# `keep_quantized`, quantized tensors come as QuantizedTensor, as stored, not dequantized.
+WeightReader = Callable[[ShardLayout, bool], Iterator[tuple[str, "torch.Tensor | QuantizedTensor"]]]
+
+
 @dataclass
 class Checkpoint:
-    """A checkpoint opened but not read: its shape, tokenizer and a stream of tensors."""
+    """A checkpoint opened but not read: its shape, tokenizer and how to read its tensors."""
 
     path: str
     arch: ModelArchConfig
     tokenizer: Tokenizer
-    weights: Iterator[tuple[str, torch.Tensor]]
+    read: WeightReader
     num_tensors: int
+    column_unit: int  # the widest quantization block of its matrices (TP cuts fall on its multiples)
+    quantized: str | None = None  # "gguf" when linear weights are stored in quantized blocks
 
     @property
     def name(self) -> str:
@@ -95,19 +107,22 @@ class Checkpoint:
 
 def open_checkpoint(model: str | None) -> Checkpoint:
     path = resolve_model_path(model)
-    opened = _open_gguf(path) if path.endswith(".gguf") else _open_hf_dir(path)
-    return Checkpoint(path, *opened)
+    return _open_gguf(path) if path.endswith(".gguf") else _open_hf_dir(path)
 
 
 def load_model(model: str | None | Checkpoint, dtype: str, device: torch.device, max_positions: int | None = None,
-               weight_format: WeightFormat | None = None) -> LoadedModel:
-    """Build the model and read the checkpoint into it; with `weight_format`, every linear
-    is formatted as soon as its weight is complete."""
+               weight_format: WeightFormat | None = None, parallel: ParallelFactory | None = None,
+               keep_quantized: bool = False) -> LoadedModel:
+    """Build the model and read the checkpoint into it. `weight_format`: every linear goes
+    into it as soon as its weight is complete (quantized tensors as stored with
+    `keep_quantized`). `parallel`: load one rank's part of a tensor/pipeline-parallel split;
+    each tensor is read only as far as the rank keeps it."""
     checkpoint = model if isinstance(model, Checkpoint) else open_checkpoint(model)
-    path, arch, tokenizer = checkpoint.path, checkpoint.arch, checkpoint.tokenizer
+    path, arch = checkpoint.path, checkpoint.arch
     torch_dtype = _DTYPES[dtype]
+    model_parallel = parallel(arch, checkpoint.column_unit) if parallel is not None else ModelParallel.single(arch)
     with torch.device("meta"):
-        net = LlamaForCausalLM(arch, max_positions)
+        net = LlamaForCausalLM(arch, max_positions, model_parallel)
     _materialize(net, device, torch_dtype)
     net.tie_weights()
     # Buffers (the rotary table) were on meta; rebuild them for real, in float32.
@@ -116,11 +131,11 @@ def load_model(model: str | None | Checkpoint, dtype: str, device: torch.device,
     for layer in net.layers:
         layer.self_attn.rotary = fresh
     desc = f"Loading {os.path.basename(path.rstrip('/'))}"
-    weights = tqdm(checkpoint.weights, total=checkpoint.num_tensors, desc=desc, unit="tensor", leave=False,
-                   mininterval=0.5)
-    net.load_weights(weights, weight_format)
+    weights = checkpoint.read(model_parallel.layout, keep_quantized and weight_format is not None)
+    net.load_weights(tqdm(weights, total=checkpoint.num_tensors, desc=desc, unit="tensor", leave=False,
+                          mininterval=0.5), weight_format)
     net.eval()
-    return LoadedModel(net, arch, tokenizer, checkpoint.name, arch.max_position_embeddings, path)
+    return LoadedModel(net, arch, checkpoint.tokenizer, checkpoint.name, arch.max_position_embeddings, path)
 
 
 def _materialize(net: LlamaForCausalLM, device: torch.device, dtype: torch.dtype) -> None:
@@ -137,7 +152,9 @@ def _materialize(net: LlamaForCausalLM, device: torch.device, dtype: torch.dtype
 # ----- GGUF -------------------------------------------------------------------------
 
 
-def _open_gguf(path: str) -> tuple[ModelArchConfig, Tokenizer, Iterator[tuple[str, torch.Tensor]], int]:
+def _open_gguf(path: str) -> Checkpoint:
+    """Also the widest quantization block of the file's matrices: tensor-parallel cuts of
+    their columns fall on its multiples where they can, so a rank reads only its blocks."""
     gguf_file = GGUFFile(path)
     meta = gguf_file.metadata
     arch_name = meta.get("general.architecture")
@@ -145,7 +162,15 @@ def _open_gguf(path: str) -> tuple[ModelArchConfig, Tokenizer, Iterator[tuple[st
         raise ValueError(f"unsupported architecture {arch_name!r} in {path}; tokenmill supports llama and qwen2")
     arch = _arch_from_gguf(meta, arch_name, gguf_file)
     tokenizer = Tokenizer.from_gguf({k: v for k, v in meta.items() if k.startswith("tokenizer.")})
-    return arch, tokenizer, _gguf_weights(gguf_file, arch), len(gguf_file.tensors)
+    column_unit = max((gguf_file.block_size(t) for t in gguf_file.tensors if len(t.shape) == 2), default=1)
+    quantized = "gguf" if any(_keeps_blocks(t) for t in gguf_file.tensors if len(t.shape) == 2) else None
+    return Checkpoint(path, arch, tokenizer, lambda layout, keep: _gguf_weights(gguf_file, arch, layout, keep),
+                      len(gguf_file.tensors), column_unit, quantized)
+
+
+def _keeps_blocks(info) -> bool:
+    """Whether a GGUF tensor is stored in quantized blocks (not F32/F16/BF16)."""
+    return info.ggml_type not in (0, 1, 30)  # F32, F16, BF16
 
 
 def _arch_from_gguf(meta: dict, arch: str, gguf_file: GGUFFile) -> ModelArchConfig:
@@ -181,7 +206,8 @@ def _arch_from_gguf(meta: dict, arch: str, gguf_file: GGUFFile) -> ModelArchConf
     )
 
 
-def _gguf_weights(gguf_file: GGUFFile, arch: ModelArchConfig) -> Iterator[tuple[str, torch.Tensor]]:
+def _gguf_weights(gguf_file: GGUFFile, arch: ModelArchConfig, layout: ShardLayout,
+                  keep_quantized: bool) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     import gguf
 
     gguf_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}[arch.architecture]
@@ -193,10 +219,21 @@ def _gguf_weights(gguf_file: GGUFFile, arch: ModelArchConfig) -> Iterator[tuple[
             if info.name.startswith("rope_freqs"):
                 continue  # read into arch.rope_scaling already
             raise ValueError(f"GGUF tensor {info.name!r} has no place in the {arch.architecture} model")
-        weight = gguf_file.dequantize(info)
-        if arch.architecture == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight")):
-            heads = arch.num_heads if "q_proj" in hf_name else arch.num_kv_heads
-            weight = unpermute_rope_rows(weight, heads)
+        name = hf_name.removeprefix("model.")
+        if layout.local_name(name) is None:
+            continue  # another pipeline stage's: not even read
+        part = layout.checkpoint_part(name)
+        part = None if part is None else (part[0], part[1].start, part[1].size)
+        rope_rows = arch.architecture == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight"))
+        if keep_quantized and len(info.shape) == 2 and _keeps_blocks(info):
+            qt = from_gguf_blocks(gguf_file.blocks(info, part), info.ggml_type)
+            if rope_rows:
+                qt = qt.take_rows(torch.from_numpy(unpermute_rope_rows(np.arange(qt.shape[0]), qt.shape[0] // arch.head_dim)))
+            yield hf_name, qt
+            continue
+        weight = gguf_file.dequantize(info, part)
+        if rope_rows:
+            weight = unpermute_rope_rows(weight, weight.shape[0] // arch.head_dim)  # whole heads
         yield hf_name, torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
 
 
@@ -225,7 +262,7 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 # ----- Hugging Face directory -------------------------------------------------------
 
 
-def _open_hf_dir(path: str) -> tuple[ModelArchConfig, Tokenizer, Iterator[tuple[str, torch.Tensor]], int]:
+def _open_hf_dir(path: str) -> Checkpoint:
     from safetensors import safe_open
 
     root = Path(path)
@@ -237,9 +274,18 @@ def _open_hf_dir(path: str) -> tuple[ModelArchConfig, Tokenizer, Iterator[tuple[
     handles = [safe_open(str(f), framework="pt") for f in files]
     num_tensors = sum(len(h.keys()) for h in handles)
 
-    def weights() -> Iterator[tuple[str, torch.Tensor]]:
+    def weights(layout: ShardLayout, keep_quantized: bool) -> Iterator[tuple[str, torch.Tensor]]:
         for handle in handles:
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                short = name.removeprefix("model.")
+                if layout.local_name(short) is None:
+                    continue  # another pipeline stage's
+                part = layout.checkpoint_part(short)
+                if part is None:
+                    yield name, handle.get_tensor(name)
+                    continue
+                dim, span = part  # read only this rank's rows or columns
+                sliced = handle.get_slice(name)
+                yield name, sliced[span.start : span.stop] if dim == 0 else sliced[:, span.start : span.stop]
 
-    return arch, tokenizer, weights(), num_tensors
+    return Checkpoint(path, arch, tokenizer, weights, num_tensors, 1)

@@ -69,6 +69,11 @@ class WeightFormat(ABC):
     """How every linear weight of a model is stored; chosen once at load."""
 
     name: str
+    # Tensor parallelism cuts a row-parallel weight's columns (K) at multiples of this, so
+    # each rank's part holds whole quantization groups; rows (N, column-parallel) are cut
+    # anywhere. A rank's part is cut from the checkpoint before `make`, so no rank holds
+    # more than its part in this format.
+    shard_alignment: int = 1
 
     @abstractmethod
     def make(self, weight: torch.Tensor, many_rows: bool = True) -> LinearWeights:

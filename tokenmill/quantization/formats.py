@@ -68,6 +68,9 @@ class QuantizedFormat(WeightFormat):
         self.method = method
         self.dense = dense
         self.group_size = group_size
+        # Tensor-parallel cuts along K fall on whole scale groups (GGUF blocks: 32 columns,
+        # K-quant super-blocks 256, which the loader's column unit adds).
+        self.shard_alignment = {"stored": 32, "int8": 1, "int4": group_size}[method]
         self.name = {"stored": "as stored", "int8": "int8", "int4": f"int4-g{group_size}"}[method]
 
     def make(self, weight: torch.Tensor | QuantizedTensor, many_rows: bool = True) -> LinearWeights:

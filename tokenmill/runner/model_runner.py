@@ -44,7 +44,12 @@ class ModelRunner:
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
         for request_id in batch.finished_ids:
             self.generators.pop(request_id, None)
-        items = self.requests.apply(batch)
+        return self.run(self.requests.apply(batch))
+
+    @torch.inference_mode()
+    def run(self, items: list[StepRequest]) -> RunnerOutput:
+        """Compute and sample some of a step's requests (all of them, or a pipeline
+        micro-batch); a pipeline stage before the last returns an empty output."""
         if not items:
             return RunnerOutput()
         if self.threads is not None:
@@ -60,6 +65,8 @@ class ModelRunner:
             ctx = ForwardContext(self.backend, self.backend.build_metadata(layout, self.device), self.kv_cache)
         with forward_context(ctx):
             hidden = self.model(input_ids, positions)
+        if hidden is None:  # a pipeline stage before the last: its hidden states went on
+            return RunnerOutput()
         starts = layout.query_starts
         output = RunnerOutput()
         self._sample(items, hidden, starts, output)

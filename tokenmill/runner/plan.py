@@ -80,3 +80,16 @@ def cpu_native_plan(weight_dtype: torch.dtype = torch.float32, onednn: bool = Tr
 def reference_plan(weight_dtype: torch.dtype) -> ExecutionPlan:
     """Plain weights in `weight_dtype` and PyTorch ops: any device, any compute dtype."""
     return ExecutionPlan(DenseFormat(weight_dtype), None, native_ops=False, fused_decode=False)
+
+
+def quantized_plan(dense: ExecutionPlan, method: str, group_size: int = 32) -> ExecutionPlan:
+    """`dense` with weight-only quantized linears (`method`: "stored", "int8" or "int4"): the
+    quantized kernels (integer dot products up to 8 rows of 4-bit codes, 12 of 8-bit; a bf16
+    GEMM on dequantized tiles beyond), the dense format for any float weight left, and the
+    fused decode layer up to the rows the integer path takes."""
+    from tokenmill.kernels import QUANT_INTEGER_ROWS
+    from tokenmill.quantization.formats import QuantizedFormat
+
+    fmt = QuantizedFormat(method, dense.weight_format, group_size)
+    return ExecutionPlan(fmt, dense.embedding_dtype, dense.native_ops, dense.fused_decode,
+                         fused_decode_max_rows=min(QUANT_INTEGER_ROWS.values()))

@@ -63,11 +63,30 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="/health fails when the engine has work but no step ended for this long (default 60)")
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     group.add_argument("--disable-access-log", action="store_true", help="do not log every HTTP request")
+    scale = parser.add_argument_group("scale-out")
+    scale.add_argument("--headless", action="store_true",
+                       help="serve no HTTP: run this host's ranks of a multi-host split (--nnodes, --node-rank >= 1, "
+                            "--master-addr, --master-port) until the engine on node 0 stops")
+    scale.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                       help="engine replicas (processes) behind this API port, each with its own KV cache")
+    scale.add_argument("--data-parallel-policy", default="cache_aware", choices=["cache_aware", "round_robin"],
+                       help="how requests are spread over the replicas: cache_aware = to the replica that served "
+                            "the longest prefix recently unless the loads are out of balance (default)")
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = resolve_settings(args)
     log_settings(settings, getattr(args, _DEFAULTS_KEY))
+    if settings.headless:
+        from tokenmill.config import config_from_args
+        from tokenmill.distributed.worker import run_node
+
+        logging.getLogger().setLevel(settings.log_level.upper())
+        return run_node(config_from_args(settings))
+    if settings.data_parallel_size > 1:
+        from tokenmill.distributed.data_parallel import serve_data_parallel
+
+        return serve_data_parallel(settings)
     return serve(settings)
 
 

@@ -1,0 +1,46 @@
+"""A tiny random Llama checkpoint on disk (config.json, model.safetensors, a word-level
+tokenizer), for tests whose worker processes load the model by path."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+VOCAB = 512
+SPECIALS = ["<unk>", "<s>", "</s>"]
+
+
+def write_tiny_llama(directory: Path, *, tie: bool = True, num_kv_heads: int = 3, seed: int = 0,
+                     **overrides) -> Path:
+    """6 query heads over `num_kv_heads` KV heads (3: TP = 2 splits them unevenly, TP = 3
+    and 6 evenly), head_dim 16, 4 layers, MLP 192, vocabulary 512."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=96, intermediate_size=192, num_hidden_layers=4,
+                         num_attention_heads=6, num_key_value_heads=num_kv_heads, max_position_embeddings=512, initializer_range=0.2,
+                         tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5, **overrides)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():  # non-trivial norms and a wider embedding, so a mis-split shows
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(directory, safe_serialization=True)
+    _write_tokenizer(directory)
+    return directory
+
+
+def _write_tokenizer(directory: Path) -> None:
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {token: i for i, token in enumerate(SPECIALS + [f"w{i}" for i in range(VOCAB - len(SPECIALS))])}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text(json.dumps({
+        "bos_token": "<s>", "eos_token": "</s>", "unk_token": "<unk>",
+        "chat_template": "{% for m in messages %}{{ m['content'] }} {% endfor %}",
+    }))

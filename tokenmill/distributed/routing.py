@@ -1,0 +1,151 @@
+"""Which data-parallel replica serves a request: prefix-aware, balanced against load.
+
+The policy of SGLang's router and vllm-router's `cache_aware`, on block hashes instead
+of a character radix tree: a request's prompt (text, token ids, or chat messages) is cut
+into blocks (64 characters or 16 token ids), each block hashed together with everything
+before it, as the engine's prefix cache hashes KV blocks. Each replica remembers the
+hashes of what was recently sent to it (an LRU of bounded size); a request's match on a
+replica is how many of its leading blocks that replica has seen. This is approximate (a
+replica may have evicted them) and cheap (no tokenizer in the router).
+
+    if the loads are out of balance (max - min > balance_abs and max > balance_rel * min):
+        the least loaded replica
+    elif the best match covers more than cache_threshold of the prompt:
+        the replica with the best match (ties: the less loaded)
+    else:
+        the least loaded replica
+
+Load = requests in flight through the router. Torch-free.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import json
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import Any
+
+TEXT_BLOCK = 64  # characters per block (about 16 tokens of English)
+TOKEN_BLOCK = 16
+
+
+def prompt_key(path: str, body: dict[str, Any]) -> str | list[int]:
+    """What a request's prefix is made of: the completion prompt (its first one, for a
+    list), or the chat messages serialized in order (a conversation that grows keeps its
+    old serialization as a prefix)."""
+    if path.endswith("/chat/completions"):
+        parts = []
+        for message in body.get("messages") or []:
+            content = message.get("content") if isinstance(message, dict) else message
+            text = content if isinstance(content, str) else json.dumps(content, sort_keys=True)
+            role = message.get("role", "") if isinstance(message, dict) else ""
+            parts.append(f"<{role}>{text}")
+        return "".join(parts)
+    prompt = body.get("prompt", "")
+    if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
+        prompt = prompt[0]  # a batch of prompts: route by the first
+    if isinstance(prompt, list):
+        return [int(t) for t in prompt]
+    return prompt if isinstance(prompt, str) else str(prompt)
+
+
+def block_hashes(key: str | list[int]) -> list[bytes]:
+    """Chained hashes of the key's whole blocks (a trailing partial block counts too:
+    requests sharing it share more than the whole blocks)."""
+    size = TEXT_BLOCK if isinstance(key, str) else TOKEN_BLOCK
+    hashes, previous = [], b""
+    for start in range(0, len(key), size):
+        chunk = key[start : start + size]
+        data = chunk.encode("utf-8", "surrogatepass") if isinstance(chunk, str) else repr(chunk).encode()
+        previous = hashlib.blake2b(previous + data, digest_size=12).digest()
+        hashes.append(previous)
+    return hashes
+
+
+class PrefixIndex:
+    """The block hashes recently routed to one replica, least recently used first out."""
+
+    def __init__(self, max_blocks: int = 200_000) -> None:
+        self.max_blocks = max_blocks
+        self._blocks: OrderedDict[bytes, None] = OrderedDict()
+
+    def match(self, hashes: list[bytes]) -> int:
+        matched = 0
+        for h in hashes:
+            if h not in self._blocks:
+                break
+            matched += 1
+        return matched
+
+    def insert(self, hashes: list[bytes]) -> None:
+        for h in hashes:
+            self._blocks[h] = None
+            self._blocks.move_to_end(h)
+        while len(self._blocks) > self.max_blocks:
+            self._blocks.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+
+@dataclass
+class Choice:
+    replica: int
+    matched_blocks: int
+    total_blocks: int
+    reason: str  # "prefix", "load", "balance", "round_robin"
+
+
+class CacheAwarePolicy:
+    name = "cache_aware"
+
+    def __init__(self, num_replicas: int, cache_threshold: float = 0.3, balance_abs: int = 16,
+                 balance_rel: float = 1.5, max_blocks: int = 200_000) -> None:
+        self.indexes = [PrefixIndex(max_blocks) for _ in range(num_replicas)]
+        self.cache_threshold = cache_threshold
+        self.balance_abs, self.balance_rel = balance_abs, balance_rel
+
+    def choose(self, key: str | list[int], loads: list[int], healthy: list[bool]) -> Choice:
+        candidates = [i for i, ok in enumerate(healthy) if ok]
+        if not candidates:
+            raise LookupError("no healthy replica")
+        hashes = block_hashes(key)
+        least = min(candidates, key=lambda i: (loads[i], len(self.indexes[i]), i))
+        low, high = loads[least], max(loads[i] for i in candidates)
+        matches = {i: self.indexes[i].match(hashes) for i in candidates}
+        best = max(candidates, key=lambda i: (matches[i], -loads[i], -i))
+        if high - low > self.balance_abs and high > self.balance_rel * low:
+            choice = Choice(least, matches[least], len(hashes), "balance")
+        elif hashes and matches[best] / len(hashes) > self.cache_threshold:
+            choice = Choice(best, matches[best], len(hashes), "prefix")
+        else:
+            choice = Choice(least, matches[least], len(hashes), "load")
+        self.indexes[choice.replica].insert(hashes)
+        return choice
+
+
+class RoundRobinPolicy:
+    name = "round_robin"
+
+    def __init__(self, num_replicas: int) -> None:
+        self._next = itertools.cycle(range(num_replicas))
+        self.num_replicas = num_replicas
+
+    def choose(self, key: str | list[int], loads: list[int], healthy: list[bool]) -> Choice:
+        if not any(healthy):
+            raise LookupError("no healthy replica")
+        for _ in range(self.num_replicas):
+            replica = next(self._next)
+            if healthy[replica]:
+                return Choice(replica, 0, 0, "round_robin")
+        raise LookupError("no healthy replica")
+
+
+def make_policy(name: str, num_replicas: int):
+    if name == "cache_aware":
+        return CacheAwarePolicy(num_replicas)
+    if name == "round_robin":
+        return RoundRobinPolicy(num_replicas)
+    raise ValueError(f"unknown data-parallel policy {name!r}; choose cache_aware or round_robin")
