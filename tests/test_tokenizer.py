@@ -318,7 +318,7 @@ def test_chat_template_kwargs_cannot_rename_what_the_caller_sets() -> None:
     tokenizer = _tiny_tokenizer("{{ messages|length }}{{ add_generation_prompt }}")
     for reserved in ({"messages": []}, {"add_generation_prompt": False}, {"tools": []}):
         with pytest.raises(ValueError, match="set by the server"):
-            tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], **reserved)
+            tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], template_kwargs=reserved)
     assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], bos_token="B") == "1True"
 
 

@@ -278,17 +278,22 @@ class Tokenizer:
         tools: list[dict[str, Any]] | None = None,
         *,
         chat_template: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
         limits: RenderLimits | None = None,
         **kwargs: Any,
     ) -> str:
         """Render a conversation with the model's chat template (or `chat_template`), as
         transformers does, in a sandbox with time and size limits (see chat_template.py).
 
-        Extra keyword arguments become template variables (e.g. `enable_thinking=False`).
-        Raises ValueError if there is no template, a message is malformed, a keyword names
-        a variable set here (messages, tools, add_generation_prompt), or the template
-        fails: raises (`raise_exception`), breaks the sandbox or goes over its limits.
+        `template_kwargs` and extra keyword arguments become template variables (e.g.
+        `enable_thinking=False`); a client's dict goes in `template_kwargs`, where a key
+        that names a variable set here is a clear error rather than a TypeError.
+        Raises ValueError if there is no template, a message is malformed, a template
+        variable is reserved (messages, tools, add_generation_prompt, chat_template), or
+        the template fails: raises (`raise_exception`), breaks the sandbox or goes over
+        its limits.
         """
+        kwargs = {**(template_kwargs or {}), **kwargs}
         source = chat_template or self.chat_template
         if not source:
             raise ValueError("this model has no chat template; send a plain completion prompt instead")
