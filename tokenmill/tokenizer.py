@@ -109,6 +109,7 @@ class Tokenizer:
         after_bos = framing[1:] if self._post_processor_adds_bos else framing
         self._post_processor_adds_eos = bool(after_bos) and after_bos[-1] in self.eos_token_ids
         self._token_text_cache: dict[int, str] = {}
+        self._max_token_chars: int | None = None
         self._text_anchor = backend.encode("a", add_special_tokens=False).ids
 
     # ----- construction ------------------------------------------------------------------
@@ -264,6 +265,18 @@ class Tokenizer:
             text = both[len(anchor):] if both.startswith(anchor) else self.decode([token_id], False)
             self._token_text_cache[token_id] = text
         return text
+
+    @property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters of text one token stands for: the longest
+        vocabulary entry (byte-level and sentencepiece spellings are never shorter than
+        the text they decode to), times 4 when a normalizer could shrink the input
+        (NFKC composes several characters into one). So a text of C characters has at
+        least C / max_token_chars tokens."""
+        if self._max_token_chars is None:
+            longest = max((len(token) for token in self.backend.get_vocab(with_added_tokens=True)), default=1)
+            self._max_token_chars = longest * (4 if self.backend.normalizer is not None else 1)
+        return self._max_token_chars
 
     def is_special(self, token_id: int) -> bool:
         """Whether `token_id` is a special (control) token, skipped by `skip_special_tokens`."""
