@@ -124,7 +124,7 @@ class ChatMessage(OpenAIModel):
                 if isinstance(kind, str) and kind != "text":
                     raise PydanticCustomError(
                         "unsupported_content_part",
-                        "content part {index} has type {kind!r}: this server's model reads text only, so only "
+                        "content part {index} has type '{kind}': this server's model reads text only, so only "
                         "parts of type 'text' are supported (no images, audio or files)",
                         {"index": index, "kind": kind})
         return content
