@@ -16,7 +16,7 @@ import sys
 import textwrap
 import time
 
-from tests.reliability.conftest import RESULTS, long_run, process_stats, wait_until
+from tests.reliability.support import RESULTS, long_run, process_stats, wait_until
 from tests.server_utils import http_request
 
 BODY = {"prompt": "Tell me a very long story about the sea.", "max_tokens": 200, "ignore_eos": True, "stream": True}

@@ -19,7 +19,7 @@ import time
 
 import httpx
 
-from tests.reliability.conftest import RESULTS, alive, descendants, start_server, wait_until
+from tests.reliability.support import RESULTS, alive, descendants, start_server, wait_until
 from tests.server_utils import assert_error, sse_events
 
 LONG = {"prompt": "Write a long poem about rivers.", "max_tokens": 200, "ignore_eos": True}

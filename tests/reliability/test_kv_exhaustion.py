@@ -8,7 +8,7 @@ import asyncio
 
 import httpx
 
-from tests.reliability.conftest import RESULTS
+from tests.reliability.support import RESULTS
 
 
 def test_requests_needing_3x_the_kv_cache_complete_exactly(rserver):

@@ -10,7 +10,7 @@ import json
 import httpx
 import pytest
 
-from tests.reliability.conftest import RESULTS, long_run
+from tests.reliability.support import RESULTS, long_run
 
 
 async def _one(client: httpx.AsyncClient, url: str, index: int) -> tuple[int, dict]:

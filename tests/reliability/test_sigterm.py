@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from tests.reliability.conftest import RESULTS, start_server
+from tests.reliability.support import RESULTS, start_server
 from tests.server_utils import assert_error, sse_json
 
 LONG = {"prompt": "Write a long poem about rivers.", "max_tokens": 230, "ignore_eos": True}

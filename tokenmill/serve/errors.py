@@ -67,7 +67,14 @@ def from_value_error(error: ValueError) -> APIError:
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     error_type = _ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+    return {"error": {"message": _encodable(message), "type": error_type,
+                      "param": None if param is None else _encodable(param), "code": code}}
+
+
+def _encodable(text: str) -> str:
+    """The text with anything UTF-8 cannot encode (a lone surrogate quoted back from the
+    request) escaped, so that the error itself can always be sent."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(

@@ -58,8 +58,10 @@ def _find_lone_surrogate(data: Any) -> tuple[str, str] | None:
                 return path, f"{ord(value[error.start]):04X}"
         elif isinstance(value, dict):
             for key, item in value.items():
-                stack.append((f"{path}.{key}" if path else str(key), key))
-                stack.append((f"{path}.{key}" if path else str(key), item))
+                # Escaped: pydantic cannot even render a message that holds a surrogate.
+                name = str(key).encode("utf-8", "backslashreplace").decode("utf-8")
+                stack.append((f"{path}.{name}" if path else name, key))
+                stack.append((f"{path}.{name}" if path else name, item))
         elif isinstance(value, list):
             stack.extend((f"{path}.{index}" if path else str(index), item) for index, item in enumerate(value))
     return None
