@@ -1,8 +1,8 @@
 """The reliability suite's shared server and process probes.
 
 One `tokenmill serve` for the suite, with small limits so that they are reached fast:
-8 running sequences, 16 queued, a 16 MiB KV cache (about 350 tokens in float32: a
-few requests exhaust it), a 256-token context, a 64 KiB body limit. float32, so that
+8 running sequences, 32 queued, a 64 MiB KV cache (about 1,400 tokens in float32), a
+256-token context, a 64 KiB body limit. float32, so that
 greedy outputs are exact whatever the batch (bf16 outputs depend on the batch: see
 docs/reliability.md). Tests that kill or break a server start their own.
 

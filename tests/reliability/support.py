@@ -13,8 +13,8 @@ import pytest
 from tests.server_utils import ServerProcess
 
 RELIABILITY_ARGS = [
-    "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "16MiB", "--num-threads", "1",
-    "--max-num-seqs", "8", "--max-queued-requests", "16", "--max-request-body-bytes", "65536",
+    "--dtype", "float32", "--max-model-len", "256", "--kv-cache-memory", "64MiB", "--num-threads", "1",
+    "--max-num-seqs", "8", "--max-queued-requests", "32", "--max-request-body-bytes", "65536",
     "--disable-access-log",
 ]
 RESULTS: dict[str, object] = {}
