@@ -1,5 +1,5 @@
 """A soak: Poisson arrivals at 70% of the rate the server sustains (measured first,
-closed-loop, with the same mix): streamed and plain completions and chats, n=2, streams
+closed-loop, with the same mix, then followed as the shared box's speed changes): streamed and plain completions and chats, n=2, streams
 the client cuts early, and invalid bodies. Checked: no error for a valid request,
 resident memory growth under 50 MB after the warm-up, file descriptors and threads back
 where they were when idle, time to first token of the last window within 1.25x the
@@ -169,6 +169,13 @@ class Workload:
         self.ledger.status[status] = self.ledger.status.get(status, 0) + 1
 
 
+def itl_totals(server) -> tuple[float, float]:
+    """(sum, count) of the server's inter-token latency histogram."""
+    metrics = server.metrics()
+    return (metrics.get("tokenmill:inter_token_latency_seconds_sum", 0.0),
+            metrics.get("tokenmill:inter_token_latency_seconds_count", 0.0))
+
+
 def mean_itl(samples: list[tuple[float, dict]], start: float, end: float) -> float:
     """The server's mean inter-token latency between two times of the soak (from the
     /metrics histogram's sum and count, sampled every 5 s)."""
@@ -206,13 +213,19 @@ def run_soak(server, total_seconds: float, calibration_seconds: float, warmup_se
                     done += 1
 
             started = time.monotonic()
+            itl_before = await asyncio.to_thread(itl_totals, server)
             await asyncio.gather(*(closed_loop() for _ in range(8)))
             capacity = done / (time.monotonic() - started)
-            rate = 0.7 * capacity
+            itl_after = await asyncio.to_thread(itl_totals, server)
+            calibration_itl = (itl_after[0] - itl_before[0]) / max(1.0, itl_after[1] - itl_before[1])
+            base_rate = rate = 0.7 * capacity
             await asyncio.to_thread(server.wait_idle)
             idle_baseline = process_stats(pid)
 
-            # 2. Poisson arrivals at 70% of it.
+            # 2. Poisson arrivals at 70% of it. The box is shared: when other jobs take the
+            # cores, every step slows and the rate the server sustains drops with it, so
+            # the offered rate follows the server's speed (its inter-token latency over
+            # the last 15 s against the calibration's), keeping the load near 70%.
             samples: list[tuple[float, dict[str, int]]] = []
             tasks: set[asyncio.Task] = set()
             soak_start = time.monotonic()
@@ -223,11 +236,14 @@ def run_soak(server, total_seconds: float, calibration_seconds: float, warmup_se
             while time.monotonic() < soak_end:
                 now = time.monotonic()
                 if now >= next_sample:
-                    metrics = await asyncio.to_thread(server.metrics)
-                    step = (metrics["tokenmill:inter_token_latency_seconds_sum"],
-                            metrics["tokenmill:inter_token_latency_seconds_count"])
-                    samples.append((now - soak_start, {**process_stats(pid), "itl": step}))
+                    step = await asyncio.to_thread(itl_totals, server)
+                    samples.append((now - soak_start, {**process_stats(pid), "itl": step, "rate": rate}))
                     next_sample = now + 5
+                    if len(samples) >= 4:
+                        recent = samples[-4][1]["itl"]
+                        if step[1] > recent[1]:
+                            speed = calibration_itl / ((step[0] - recent[0]) / (step[1] - recent[1]))
+                            rate = base_rate * min(1.5, max(0.3, speed))
                 task = asyncio.ensure_future(workload.run(client, rng.choices(kinds, weights)[0]))
                 tasks.add(task)
                 task.add_done_callback(tasks.discard)
@@ -297,7 +313,9 @@ def check_soak(result: dict) -> dict:
     generated = delta("tokenmill:generation_tokens_total")
     seen = ledger.generation_tokens + ledger.aborted_tokens_seen
     figures = {
-        "sustained_rate_rps": round(result["capacity"], 2), "offered_rate_rps": round(result["rate"], 2),
+        "sustained_rate_rps": round(result["capacity"], 2), "offered_rate_rps": round(0.7 * result["capacity"], 2),
+        "offered_rate_range_rps": [round(min(s["rate"] for _, s in result["samples"]), 2),
+                                   round(max(s["rate"] for _, s in result["samples"]), 2)],
         "arrivals": result["arrivals"], "minutes": round(result["soak_seconds"] / 60, 1),
         "valid_request_errors": len(ledger.errors), "statuses": ledger.status, "finish_reasons": ledger.finish,
         "aborted": ledger.aborted, "rss_growth_mb": round(growth, 1), "rss_slope_mb_per_min": round(slope, 2),
