@@ -38,9 +38,12 @@ def free_port() -> int:
 class ServerProcess:
     """`python -m tokenmill.cli serve ...` on a free loopback port."""
 
-    def __init__(self, *args: str, api_key: str | None = None) -> None:
+    def __init__(self, *args: str, api_key: str | None = None, env: dict[str, str] | None = None,
+                 base_args: list[str] | None = None) -> None:
         self.args = list(args)
         self.api_key = api_key
+        self.env = dict(env or {})
+        self.base_args = BASE_ARGS if base_args is None else base_args
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile(prefix="tokenmill-serve-", suffix=".log", delete=False)
@@ -51,11 +54,14 @@ class ServerProcess:
     # ----- lifecycle ---------------------------------------------------------------------
 
     def start(self) -> ServerProcess:
-        command = [sys.executable, "-m", "tokenmill.cli", "serve", *BASE_ARGS, "--port", str(self.port), *self.args]
+        command = [sys.executable, "-m", "tokenmill.cli", "serve", *self.base_args, "--port", str(self.port),
+                   *self.args]
         if self.api_key:
             command += ["--api-key", self.api_key]
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("TOKENMILL_API_KEY", None)
+        env.pop("TOKENMILL_FAULT_INJECTION", None)
+        env.update(self.env)
         self.proc = subprocess.Popen(command, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, env=env)
         self._wait_healthy()
         self.model = self.get("/v1/models").json()["data"][0]["id"]
@@ -67,7 +73,7 @@ class ServerProcess:
             if not self.alive:
                 raise RuntimeError(f"the server exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                response = httpx.get(self.url + "/health", timeout=5)
+                response = httpx.get(self.url + "/health", headers=self.headers, timeout=5)
             except httpx.TransportError:
                 time.sleep(0.2)
                 continue
@@ -113,7 +119,7 @@ class ServerProcess:
                           timeout=kwargs.pop("timeout", 300), **kwargs)
 
     def metrics(self) -> dict[str, float]:
-        return parse_metrics(httpx.get(self.url + "/metrics", timeout=30).text)
+        return parse_metrics(httpx.get(self.url + "/metrics", headers=self.headers, timeout=30).text)
 
     def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
         """Wait until nothing runs or waits and the KV cache is empty; the last metrics."""
@@ -125,6 +131,34 @@ class ServerProcess:
             if idle or time.monotonic() > deadline:
                 return metrics
             time.sleep(0.1)
+
+
+def raw_exchange(sock: socket.socket, request: bytes) -> tuple[int, dict[str, str], bytes]:
+    """Send one HTTP/1.1 request on an open socket and read one response (Content-Length
+    framed): (status, lower-cased headers, body). The socket stays open for the next."""
+    sock.sendall(request)
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError(f"the server closed the connection; got {data!r}")
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    headers = {k.strip().lower(): v.strip() for k, _, v in (line.partition(":") for line in header_lines)}
+    length = int(headers.get("content-length", "0"))
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        if not chunk:
+            raise ConnectionError("the server closed the connection mid-body")
+        body += chunk
+    return int(status_line.split()[1]), headers, body
+
+
+def http_request(method: str, path: str, body: bytes = b"", headers: dict[str, str] | None = None) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1", "Content-Type: application/json",
+             f"Content-Length: {len(body)}", *(f"{k}: {v}" for k, v in (headers or {}).items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode() + body
 
 
 def parse_metrics(text: str) -> dict[str, float]:

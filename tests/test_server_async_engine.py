@@ -13,7 +13,13 @@ import pytest
 from tokenmill.engine.engine import EngineStats, StepObserver
 from tokenmill.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from tokenmill.sampling.params import SamplingParams
-from tokenmill.serve.async_engine import AsyncEngine, EngineUnavailableError, NewRequest, QueueFullError
+from tokenmill.serve.async_engine import (
+    AsyncEngine,
+    EngineUnavailableError,
+    NewRequest,
+    QueueFullError,
+    QueueTimeoutError,
+)
 
 
 class FakeEngine:
@@ -28,6 +34,9 @@ class FakeEngine:
         self.max_running = max_running
         self.fail_on_step = fail_on_step
         self.requests: dict[str, tuple[SamplingParams, list[int]]] = {}
+        self.arrivals: dict[str, float] = {}
+        self.scheduled: set[str] = set()
+        self.hang = threading.Event()  # set: every step blocks until it is cleared
         self.steps = 0
         self.thread_ids: set[int] = set()
         self.observers: list[StepObserver] = []
@@ -42,6 +51,10 @@ class FakeEngine:
         if any(t >= self.vocab_size for t in prompt):
             raise ValueError("prompt token id out of the vocabulary")
         self.requests[request_id] = (params, [])
+        self.arrivals[request_id] = arrival_time or time.monotonic()
+
+    def requests_queued_since(self, arrived_before):
+        return [rid for rid in self.requests if rid not in self.scheduled and self.arrivals[rid] < arrived_before]
 
     def abort_request(self, request_id):
         entry = self.requests.pop(request_id, None)
@@ -59,8 +72,11 @@ class FakeEngine:
         if self.fail_on_step == self.steps:
             raise RuntimeError("boom")
         time.sleep(self.step_delay)
+        while self.hang.is_set():
+            time.sleep(0.01)
         outputs = []
         for request_id in list(self.requests)[: self.max_running]:
+            self.scheduled.add(request_id)
             params, tokens = self.requests[request_id]
             tokens.append(len(tokens) + 1)
             done = len(tokens) >= params.max_tokens
@@ -207,7 +223,7 @@ def test_an_engine_failure_fails_waiters_and_health():
         fake = FakeEngine(fail_on_step=2)
         engine = await started(fake)
         stream = await engine.add_requests([NewRequest("a", [1], params(10))])
-        with pytest.raises(EngineUnavailableError, match="boom"):
+        with pytest.raises(EngineUnavailableError, match=r"the engine failed \(RuntimeError\)"):
             async for _ in stream:
                 pass
         await wait_for(lambda: not engine.health()[0])
@@ -237,3 +253,60 @@ async def _last(stream):
     async for batch in stream:
         last = batch[-1][1]
     return last
+
+
+def test_a_request_that_waits_too_long_is_failed_with_queue_timeout():
+    async def scenario():
+        fake = FakeEngine(step_delay=0.01, max_running=1)
+        observer = RecordingObserver()
+        engine = await started(fake, max_queue_wait=0.2, observers=[observer])
+        running = await engine.add_requests([NewRequest("run", [1], params(1000))])
+        waiting = await engine.add_requests([NewRequest("wait", [1], params(5))])
+        with pytest.raises(QueueTimeoutError, match="waited more than 0.2 s"):
+            await waiting.get()
+        assert "wait" not in fake.requests and observer.aborted == ["wait"]
+        assert (await running.get())[0][1].finished is False  # the running one goes on
+        running.abort()
+        await engine.shutdown(5)
+
+    asyncio.run(scenario())
+
+
+def test_drain_finishes_short_requests_and_aborts_long_ones_with_their_outputs():
+    async def scenario():
+        fake = FakeEngine(step_delay=0.01)
+        engine = await started(fake)
+        short = asyncio.ensure_future(_last(await engine.add_requests([NewRequest("short", [1], params(5))])))
+        long = asyncio.ensure_future(_last(await engine.add_requests([NewRequest("long", [1], params(10**6))])))
+        assert await engine.drain(0.5)
+        with pytest.raises(EngineUnavailableError, match="shutting down"):
+            await engine.add_requests([NewRequest("late", [1], params())])
+        assert (await short).outputs[0].finish_reason == "length"
+        last = await long
+        assert last.finished and last.outputs[0].finish_reason == "abort" and last.outputs[0].token_ids
+        await engine.shutdown(1)
+
+    asyncio.run(scenario())
+
+
+def test_drain_of_a_stuck_engine_fails_the_waiters_from_the_loop():
+    async def scenario():
+        fake = FakeEngine(step_delay=0.01)
+        engine = await started(fake, stall_timeout=0.2)
+        stream = await engine.add_requests([NewRequest("a", [1], params(10**6))])
+        await stream.get()
+        fake.hang.set()
+        await asyncio.sleep(0.4)
+        assert not engine.health()[0]
+        with pytest.raises(EngineUnavailableError, match="unhealthy"):
+            await engine.add_requests([NewRequest("b", [1], params())])
+        started_at = time.monotonic()
+        assert await engine.drain(0.3) is False
+        assert time.monotonic() - started_at < 5
+        with pytest.raises(EngineUnavailableError, match="shutting down"):
+            async for _ in stream:
+                pass
+        fake.hang.clear()
+        await engine.shutdown(1)
+
+    asyncio.run(scenario())

@@ -24,7 +24,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def test_defaults_without_flags():
     settings = parse([])
     assert (settings.host, settings.port, settings.model, settings.api_key) == ("127.0.0.1", 8000, None, None)
-    assert settings.shutdown_timeout == 30.0 and settings.max_queued_requests is None
+    assert settings.shutdown_timeout == 30.0 and settings.max_queued_requests == 1024
     assert settings.max_num_seqs == 64 and settings.enable_prefix_caching is True
 
 

@@ -158,12 +158,17 @@ def test_a_full_waiting_queue_answers_429_with_retry_after(live):
                 assert response.status_code == 200
 
             # Two fill the running slots (--max-num-seqs 2), two fill the queue (--max-queued-requests 2);
-            # opened in order so that each is counted where it belongs.
+            # opened in order so that each is counted where it belongs. A stream's headers come
+            # with its first token, so the queued two are still waiting for theirs.
             await asyncio.gather(open_stream(), open_stream())
             await _until(lambda: live.metrics()["tokenmill:num_requests_running"] == 2)
-            await asyncio.gather(open_stream(), open_stream())
+            queued = [asyncio.ensure_future(open_stream()) for _ in range(2)]
             await _until(lambda: live.metrics()["tokenmill:num_requests_waiting"] == 2)
-            return await client.post(live.url + COMPLETIONS, json=body)
+            refused = await client.post(live.url + COMPLETIONS, json=body)
+            for task in queued:
+                task.cancel()
+            await asyncio.gather(*queued, return_exceptions=True)
+            return refused
 
     response = asyncio.run(scenario())
     error = assert_error(response, 429)

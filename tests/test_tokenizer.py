@@ -8,7 +8,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import time
 from pathlib import Path
 
 import gguf
@@ -306,3 +305,22 @@ def test_unsupported_gguf_tokenizer_type(tmp_path: Path) -> None:
     _write_tiny_gguf(tmp_path / "odd.gguf", tokenizer_model="rwkv")
     with pytest.raises(ValueError, match="'rwkv'"):
         Tokenizer.from_gguf(tmp_path / "odd.gguf")
+
+
+def test_a_lone_surrogate_is_a_value_error(tokenizer: Tokenizer) -> None:
+    with pytest.raises(ValueError, match=r"lone surrogate \(U\+D800 at character 1\)"):
+        tokenizer.encode("a\ud800b")
+    assert tokenizer.encode("a\U0001f999b") == tokenizer.encode("a🦙b")  # a real astral character is fine
+
+
+def test_chat_template_kwargs_cannot_rename_what_the_caller_sets() -> None:
+    tokenizer = _tiny_tokenizer("{{ messages|length }}{{ add_generation_prompt }}")
+    for reserved in ({"messages": []}, {"add_generation_prompt": False}, {"tools": []}):
+        with pytest.raises(ValueError, match="set by the server"):
+            tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], template_kwargs=reserved)
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], bos_token="B") == "1True"
+
+
+def test_a_template_given_per_call_replaces_the_models() -> None:
+    tokenizer = _tiny_tokenizer("{{ messages[0].content }}")
+    assert tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], chat_template="<{{ messages|length }}>") == "<1>"

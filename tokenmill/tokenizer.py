@@ -14,18 +14,14 @@ import json
 import logging
 import os
 from collections.abc import Sequence
-from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
 from tokenizers import Tokenizer as BackendTokenizer
 
+from tokenmill.chat_template import RESERVED_TEMPLATE_VARIABLES, RenderLimits, render_chat_template
 from tokenmill.gguf_file import read_gguf_metadata
 
 if TYPE_CHECKING:
@@ -113,6 +109,7 @@ class Tokenizer:
         after_bos = framing[1:] if self._post_processor_adds_bos else framing
         self._post_processor_adds_eos = bool(after_bos) and after_bos[-1] in self.eos_token_ids
         self._token_text_cache: dict[int, str] = {}
+        self._max_token_chars: int | None = None
         self._text_anchor = backend.encode("a", add_special_tokens=False).ids
 
     # ----- construction ------------------------------------------------------------------
@@ -221,7 +218,7 @@ class Tokenizer:
         With `add_special_tokens`, BOS/EOS are added where the checkpoint asks for them and
         the backend's post-processor has not already added them.
         """
-        ids = self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+        ids = self.encode_plain(text, add_special_tokens)
         if not add_special_tokens:
             return ids
         if self.add_bos_token and self.bos_token_id is not None and not self._post_processor_adds_bos:
@@ -229,6 +226,27 @@ class Tokenizer:
         if self.add_eos_token and self.eos_token_ids and not self._post_processor_adds_eos:
             ids.append(self.eos_token_ids[0])
         return ids
+
+    def encode_plain(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """The backend's ids for `text`, without encode()'s BOS/EOS rules.
+
+        Through `encode_batch`, which releases the GIL (the single-text `encode` holds it:
+        a 1 MB prompt froze a server's event loop for as long as it took to tokenize).
+        A string that is not valid Unicode (a lone surrogate, which JSON can spell as
+        "\\ud800") is a ValueError, not the backend's TypeError.
+        """
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str, got {type(text).__name__}")
+        try:
+            return self.backend.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
+        except TypeError as error:
+            position = first_lone_surrogate(text)
+            if position is None:
+                raise
+            raise ValueError(
+                f"the text has a lone surrogate (U+{ord(text[position]):04X} at character {position}), "
+                "which is not valid Unicode"
+            ) from error
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         """Text of `ids`; bytes that do not form whole UTF-8 characters come out as U+FFFD."""
@@ -248,6 +266,18 @@ class Tokenizer:
             self._token_text_cache[token_id] = text
         return text
 
+    @property
+    def max_token_chars(self) -> int:
+        """An upper bound on the characters of text one token stands for: the longest
+        vocabulary entry (byte-level and sentencepiece spellings are never shorter than
+        the text they decode to), times 4 when a normalizer could shrink the input
+        (NFKC composes several characters into one). So a text of C characters has at
+        least C / max_token_chars tokens."""
+        if self._max_token_chars is None:
+            longest = max((len(token) for token in self.backend.get_vocab(with_added_tokens=True)), default=1)
+            self._max_token_chars = longest * (4 if self.backend.normalizer is not None else 1)
+        return self._max_token_chars
+
     def is_special(self, token_id: int) -> bool:
         """Whether `token_id` is a special (control) token, skipped by `skip_special_tokens`."""
         return token_id in self._special_ids
@@ -259,25 +289,34 @@ class Tokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        *,
+        chat_template: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        limits: RenderLimits | None = None,
         **kwargs: Any,
     ) -> str:
-        """Render a conversation with the model's chat template, as transformers does.
+        """Render a conversation with the model's chat template (or `chat_template`), as
+        transformers does, in a sandbox with time and size limits (see chat_template.py).
 
-        Extra keyword arguments become template variables (e.g. `enable_thinking=False`).
-        Raises ValueError if the model has no template, a message is malformed, or the
-        template itself raises (`raise_exception`).
+        `template_kwargs` and extra keyword arguments become template variables (e.g.
+        `enable_thinking=False`); a client's dict goes in `template_kwargs`, where a key
+        that names a variable set here is a clear error rather than a TypeError.
+        Raises ValueError if there is no template, a message is malformed, a template
+        variable is reserved (messages, tools, add_generation_prompt, chat_template), or
+        the template fails: raises (`raise_exception`), breaks the sandbox or goes over
+        its limits.
         """
-        if not self.chat_template:
+        kwargs = {**(template_kwargs or {}), **kwargs}
+        source = chat_template or self.chat_template
+        if not source:
             raise ValueError("this model has no chat template; send a plain completion prompt instead")
         _check_messages(messages)
-        template = _compile_chat_template(self.chat_template)
-        variables = {**self.template_tokens, **kwargs}
-        try:
-            return template.render(
-                messages=messages, tools=tools, add_generation_prompt=add_generation_prompt, **variables
-            )
-        except jinja2.TemplateError as error:
-            raise ValueError(f"chat template error: {error}") from error
+        reserved = sorted(RESERVED_TEMPLATE_VARIABLES & kwargs.keys())
+        if reserved:
+            raise ValueError(f"template variables {reserved} are set by the server and cannot be passed again")
+        variables = {**self.template_tokens, **kwargs,
+                     "messages": messages, "tools": tools, "add_generation_prompt": add_generation_prompt}
+        return render_chat_template(source, variables, *([limits] if limits else []))
 
 
 # ----- GGUF ------------------------------------------------------------------------------
@@ -485,44 +524,11 @@ def _check_messages(messages: list[dict[str, Any]]) -> None:
             raise ValueError(f"message {index} has no 'content'")
 
 
-def _raise_exception(message: str) -> None:
-    raise jinja2.TemplateError(message)
-
-
-def _tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None,
-            separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
-    # Jinja's own tojson HTML-escapes; templates expect plain JSON, as transformers renders it.
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _strftime_now(format: str) -> str:
-    return datetime.now().strftime(format)
-
-
-class _GenerationTag(jinja2.ext.Extension):
-    """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask marker): renders its body."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    def _render(self, caller: Any) -> str:
-        return caller()
-
-
-@lru_cache(maxsize=16)
-def _compile_chat_template(source: str) -> jinja2.Template:
-    """Compile once per template, in the same sandboxed environment transformers uses."""
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = _tojson
-    env.globals["raise_exception"] = _raise_exception
-    env.globals["strftime_now"] = _strftime_now
+def first_lone_surrogate(text: str) -> int | None:
+    """Index of the first UTF-16 surrogate code point in `text` (never valid alone in a
+    str), or None."""
     try:
-        return env.from_string(source)
-    except jinja2.TemplateSyntaxError as error:
-        raise ValueError(f"chat template does not compile: {error}") from error
+        text.encode("utf-8")
+        return None
+    except UnicodeEncodeError as error:
+        return error.start

@@ -13,6 +13,7 @@ its tokens are held (the offsets do not move) until a later token completes the 
 
 from __future__ import annotations
 
+from tokenmill.engine.stop_strings import StopStringMatcher
 from tokenmill.sampling.params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
@@ -31,9 +32,8 @@ class IncrementalDetokenizer:
     def __init__(self, tokenizer: Tokenizer, prompt_token_ids: list[int], params: SamplingParams) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = params.skip_special_tokens
-        self._stop_strings = list(params.stop_strings)
         self._include_stop = params.include_stop_str_in_output
-        self._max_stop_len = max((len(stop) for stop in self._stop_strings), default=0)
+        self._stops = StopStringMatcher(params.stop_strings) if params.stop_strings else None
 
         # Only the prompt's tail is kept: that is all the decoding window ever reaches back to.
         context = list(prompt_token_ids[-_PROMPT_CONTEXT_TOKENS:])
@@ -64,11 +64,8 @@ class IncrementalDetokenizer:
             self._token_ids.append(token_id)
             self.num_tokens += 1
             new_text = self._decode_new_text()
-            if new_text:
-                checked_from = len(self._text)
-                self._text += new_text
-                if (stop := self._check_stop_strings(checked_from)) is not None:
-                    return stop
+            if new_text and (stop := self._add_text(new_text)) is not None:
+                return stop
         return None
 
     def output_text(self, finished: bool) -> str:
@@ -108,36 +105,21 @@ class IncrementalDetokenizer:
         full_text = self._decode(self._prefix_offset)
         self._prefix_offset, self._read_offset = self._read_offset, len(self._token_ids)
         if len(full_text) > len(prefix_text):
-            checked_from = len(self._text)
-            self._text += full_text[len(prefix_text):]
-            self._check_stop_strings(checked_from)
+            self._add_text(full_text[len(prefix_text):])
 
-    def _check_stop_strings(self, new_text_start: int) -> str | None:
-        """Find the earliest stop string ending in the text added at `new_text_start`.
-
-        A match may begin before the new text, by up to the longest stop string's length - 1.
-        """
-        if not self._stop_strings:
+    def _add_text(self, new_text: str) -> str | None:
+        """Append text; on a stop string ending in it (the earliest-starting one when
+        several do), cut the text there and return the stop string."""
+        self._text += new_text
+        if self._stops is None:
             return None
-        search_from = max(0, new_text_start - (self._max_stop_len - 1))
-        best: tuple[int, str] | None = None
-        for stop in self._stop_strings:
-            position = self._text.find(stop, search_from)
-            if position != -1 and (best is None or position < best[0]):
-                best = (position, stop)
-        if best is None:
+        match = self._stops.feed(new_text)
+        if match is None:
             return None
-        position, stop = best
-        self._text = self._text[: position + len(stop) if self._include_stop else position]
-        self._stop_string = stop
-        return stop
+        self._text = self._text[: match.start + len(match.stop) if self._include_stop else match.start]
+        self._stop_string = match.stop
+        return match.stop
 
     def _partial_stop_length(self) -> int:
         """Length of the longest suffix of the text that is a proper prefix of a stop string."""
-        longest = 0
-        for stop in self._stop_strings:
-            for length in range(min(len(stop) - 1, len(self._text)), longest, -1):
-                if self._text.endswith(stop[:length]):
-                    longest = length
-                    break
-        return longest
+        return 0 if self._stops is None else self._stops.held_length

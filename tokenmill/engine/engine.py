@@ -172,6 +172,17 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def requests_queued_since(self, arrived_before: float) -> list[str]:
+        """Ids of the requests that arrived before `arrived_before` (time.monotonic) and
+        have never been scheduled (a server's queue-wait limit aborts them)."""
+        owners = {
+            self.output_processor.sample_owner[r.request_id][0].request_id
+            for r in self.scheduler.waiting
+            if r.first_scheduled_time is None and r.arrival_time < arrived_before
+            and r.request_id in self.output_processor.sample_owner
+        }
+        return sorted(owners)
+
     # ----- the step ------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:

@@ -17,6 +17,9 @@ from tokenmill.runner.plan import ExecutionPlan
 from tokenmill.runner.threads import ThreadGovernor
 from tokenmill.sampling.sampler import Sampler, SamplingRow, compute_token_logprobs
 
+# Prompt positions whose logprobs are computed together (bounds the [rows, vocab] logits).
+_PROMPT_LOGPROBS_ROWS = 128
+
 
 class ModelRunner:
     def __init__(
@@ -129,8 +132,14 @@ class ModelRunner:
             targets = item.prompt_logprobs_targets
             if not targets:
                 continue
-            rows = hidden[starts[i] : starts[i] + len(targets)]
-            logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
-            target_ids = torch.tensor(targets, device=self.device)
-            entries = compute_token_logprobs(logprobs, target_ids, item.params.prompt_logprobs)
+            # A few rows at a time: logits of a whole 2048-token chunk are [2048, vocab]
+            # floats twice over (~0.8 GB for a 49k vocabulary), which one small request
+            # with echo and logprobs could otherwise make the server allocate.
+            entries = []
+            for first in range(0, len(targets), _PROMPT_LOGPROBS_ROWS):
+                block = targets[first : first + _PROMPT_LOGPROBS_ROWS]
+                rows = hidden[starts[i] + first : starts[i] + first + len(block)]
+                logprobs = torch.log_softmax(self.model.compute_logits(rows), dim=-1)
+                target_ids = torch.tensor(block, device=self.device)
+                entries += compute_token_logprobs(logprobs, target_ids, item.params.prompt_logprobs)
             output.prompt_logprobs[item.request_id] = PromptLogprobsChunk(item.start_pos + 1, entries)

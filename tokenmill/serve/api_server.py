@@ -2,32 +2,54 @@
 
 `create_server()` wires the pieces: the AsyncEngine (engine thread), the
 metrics it reports to, the request handling, and the app whose lifespan starts
-the engine thread and drains it at shutdown.
+the engine thread and stops it at shutdown. Around the routes sit four pure-ASGI
+middlewares (outermost first): HTTP metrics, a guard that turns any unexpected
+exception into a plain 500 (and keeps the connection usable), the API key check,
+and the request-body size limit. docs/reliability.md is the contract they keep.
 """
 
 from __future__ import annotations
 
 import asyncio
 import hmac
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.serve.async_engine import AsyncEngine
-from tokenmill.serve.errors import bad_request, error_response, install_error_handlers
+from tokenmill.serve.errors import bad_request, error_response, install_error_handlers, internal_error_response
+from tokenmill.serve.faults import FaultInjector
+from tokenmill.serve.limits import RequestLimits, payload_too_large
 from tokenmill.serve.metrics import ServerMetrics
-from tokenmill.serve.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from tokenmill.serve.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    CompletionRequest,
+    CompletionResponse,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ErrorResponse,
+    HealthResponse,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
 from tokenmill.serve.serving import ClientDisconnected, OpenAIServing
 
-# Routes that stay open without the API key: probes and scrapers carry no secrets.
+logger = logging.getLogger(__name__)
+
+# Routes that stay open without the API key unless --protect-health-and-metrics:
+# probes and scrapers carry no secrets.
 OPEN_PATHS = frozenset({"/health", "/metrics"})
 
 
@@ -35,10 +57,14 @@ OPEN_PATHS = frozenset({"/health", "/metrics"})
 class ServerSettings:
     served_model_names: list[str] | None = None
     api_key: str | None = None
+    protect_health_and_metrics: bool = False  # the API key also guards /health and /metrics
     max_queued_requests: int | None = None
+    max_queue_wait_s: float | None = None  # a request not scheduled in this long gets 503
     shutdown_timeout: float = 30.0  # graceful drain of running requests
     health_stall_timeout: float = 60.0  # /health fails when work sits this long without a step
-    on_fatal: Callable[[BaseException], None] | None = None  # e.g. stop uvicorn when loading fails
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    trust_request_chat_template: bool = False
+    on_fatal: Callable[[BaseException], None] | None = None  # e.g. stop uvicorn when the engine dies
 
 
 @dataclass
@@ -47,22 +73,33 @@ class Server:
     engine: AsyncEngine
     serving: OpenAIServing
     metrics: ServerMetrics
+    settings: ServerSettings
+
+    async def drain(self) -> bool:
+        """SIGTERM's first half: refuse new requests with 503, let the admitted ones finish
+        within the shutdown timeout, abort the rest (finish_reason "abort"). False when the
+        engine was dead or stuck."""
+        return await self.engine.drain(self.settings.shutdown_timeout)
 
 
 def create_server(build_engine: Callable[[], LLMEngine], settings: ServerSettings) -> Server:
     # The metrics read the engine's stats and the model's name through closures: both
     # exist only after the metrics (the engine's observer) are built.
     metrics = ServerMetrics(lambda: engine.stats, lambda: (serving.model_names or [""])[0])
+    faults = FaultInjector.from_env()
     engine = AsyncEngine(
         build_engine,
         max_queued_requests=settings.max_queued_requests,
+        max_queue_wait=settings.max_queue_wait_s,
         stall_timeout=settings.health_stall_timeout,
         observers=[metrics],
         on_fatal=settings.on_fatal,
+        before_step=faults.before_step if faults else None,
     )
-    serving = OpenAIServing(engine, settings.served_model_names)
+    serving = OpenAIServing(engine, settings.served_model_names, settings.limits,
+                            settings.trust_request_chat_template)
     app = _build_app(engine, serving, metrics, settings)
-    return Server(app, engine, serving, metrics)
+    return Server(app, engine, serving, metrics, settings)
 
 
 def _build_app(engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetrics,
@@ -71,34 +108,46 @@ def _build_app(engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetri
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start(asyncio.get_running_loop())
         yield
-        # uvicorn has already waited (up to the shutdown timeout) for open responses;
-        # what is left is aborted after a short grace period.
+        # A SIGTERM has drained already; otherwise (engine death) what is left is aborted.
         await engine.shutdown(timeout=min(5.0, settings.shutdown_timeout))
+        serving.close()
 
     app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnected, _client_gone)
+    # add_middleware puts each new one outside the previous ones.
+    app.add_middleware(BodyLimitMiddleware, limit=settings.limits.max_request_body_bytes)
     if settings.api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key)
+        open_paths = frozenset() if settings.protect_health_and_metrics else OPEN_PATHS
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
+    app.add_middleware(ErrorGuardMiddleware)
+    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)
     _add_routes(app, engine, serving, metrics)
     return app
+
+
+# Declared in the OpenAPI schema: every error is an ErrorResponse.
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)
+}
+_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
 
 
 def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetrics) -> None:
     started = int(time.time())
 
-    @app.get("/health")
+    @app.get("/health", responses={200: {"model": HealthResponse}, 503: {"model": ErrorResponse}})
     async def health() -> Response:
         ok, reason = engine.health()
         if ok:
             return JSONResponse({"status": "ok"})
-        return error_response(503, reason)
+        return error_response(503, reason, code="unhealthy")
 
-    @app.get("/metrics")
+    @app.get("/metrics", responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def prometheus_metrics() -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses={200: {"model": ModelList}, **_ERRORS})
     async def list_models() -> Response:
         core = engine.engine
         cards = [
@@ -108,51 +157,57 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
         ]
         return JSONResponse({"object": "list", "data": cards})
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions",
+              responses={200: {"model": CompletionResponse, "content": _SSE}, **_ERRORS})
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await serving.create_completion(body, raw)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions",
+              responses={200: {"model": ChatCompletionResponse, "content": _SSE}, **_ERRORS})
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.create_chat_completion(body, raw)
 
-    @app.post("/tokenize")
+    @app.post("/tokenize", responses={200: {"model": TokenizeResponse}, **_ERRORS})
     async def tokenize(body: TokenizeRequest) -> Response:
         serving.check_model(body.model)
         core = serving.core
         if (body.prompt is None) == (body.messages is None):
             raise bad_request("send exactly one of 'prompt' or 'messages'")
         if body.messages is not None:
-            tokens = serving.encode_chat(body.messages, body.add_generation_prompt)
+            tokens = await serving.encode_chat(body.messages, body.add_generation_prompt, body.chat_template,
+                                               body.chat_template_kwargs)
         else:
-            tokens = core.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+            tokens = await serving.off_loop(core.tokenizer.encode, body.prompt or "", body.add_special_tokens)
         return JSONResponse({"tokens": tokens, "count": len(tokens), "max_model_len": core.max_model_len})
 
-    @app.post("/detokenize")
+    @app.post("/detokenize", responses={200: {"model": DetokenizeResponse}, **_ERRORS})
     async def detokenize(body: DetokenizeRequest) -> Response:
         serving.check_model(body.model)
         core = serving.core
         bad = next((t for t in body.tokens if not 0 <= t < core.vocab_size), None)
         if bad is not None:
             raise bad_request(f"token id {bad} is out of the vocabulary (size {core.vocab_size})", param="tokens")
-        return JSONResponse({"prompt": core.tokenizer.decode(body.tokens)})
+        return JSONResponse({"prompt": await serving.off_loop(core.tokenizer.decode, body.tokens)})
 
 
 async def _client_gone(_: Request, __: Exception) -> Response:
     return Response(status_code=499)  # nginx's "client closed request"; nobody reads it
 
 
-class APIKeyMiddleware:
-    """Bearer-token check for every route but OPEN_PATHS. Pure ASGI (not
-    BaseHTTPMiddleware), so it neither buffers streams nor hides disconnects, and
-    it runs before the body is parsed: a bad key is 401 even for a bad body."""
+# ----- middlewares (pure ASGI: they neither buffer streams nor hide disconnects) -----------
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+
+class APIKeyMiddleware:
+    """Bearer-token check for every route but `open_paths`. It runs before the body is
+    read: a bad key is 401 even for a bad or huge body."""
+
+    def __init__(self, app: ASGIApp, api_key: str, open_paths: frozenset[str] = OPEN_PATHS) -> None:
         self.app = app
         self._expected = api_key.encode()
+        self._open_paths = open_paths
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or self._authorized(scope):
+        if scope["type"] != "http" or scope["path"] in self._open_paths or self._authorized(scope):
             await self.app(scope, receive, send)
             return
         response = error_response(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
@@ -163,3 +218,121 @@ class APIKeyMiddleware:
         scheme, _, token = Headers(scope=scope).get("authorization", "").partition(" ")
         return scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode(), self._expected)
 
+
+class _BodyTooLarge(Exception):
+    pass
+
+
+class BodyLimitMiddleware:
+    """413 for a body over `limit` bytes, before it is parsed: at once when Content-Length
+    says so, else as soon as the received bytes pass the limit. The rest of the body is
+    read and dropped (up to DRAIN_BYTES), so that the client, still sending, gets to read
+    the 413 instead of a reset connection."""
+
+    DRAIN_BYTES = 64 * 2**20
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.limit:
+            await self._refuse(scope, receive, send, body_done=False)
+            return
+        received = 0
+        exceeded = False
+        body_done = False
+
+        async def limited_receive() -> Message:
+            nonlocal received, exceeded, body_done
+            message = await receive()
+            if message["type"] == "http.request":
+                received += len(message.get("body", b""))
+                body_done = not message.get("more_body", False)
+                if received > self.limit:
+                    exceeded = True
+                    raise _BodyTooLarge()
+            return message
+
+        async def guarded_send(message: Message) -> None:
+            if not exceeded:  # once over the limit, the app's own answer is dropped
+                await send(message)
+
+        try:
+            await self.app(scope, limited_receive, guarded_send)
+        except _BodyTooLarge:
+            pass
+        if exceeded:
+            await self._refuse(scope, receive, send, body_done)
+
+    async def _refuse(self, scope: Scope, receive: Receive, send: Send, body_done: bool) -> None:
+        drained = 0
+        while not body_done and drained < self.DRAIN_BYTES:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client is gone
+            drained += len(message.get("body", b""))
+            body_done = not message.get("more_body", False)
+        error = payload_too_large(self.limit)
+        await error_response(413, error.message, code=error.code, headers=error.headers)(scope, receive, send)
+
+
+class ErrorGuardMiddleware:
+    """Any exception that escapes a route becomes a 500 with no internals in it. Not
+    re-raised (Starlette's own handler re-raises, and uvicorn then drops the keep-alive
+    connection, failing the client's next request too)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+            await send(message)
+
+        try:
+            await self.app(scope, receive, tracking_send)
+        except Exception as exc:  # noqa: BLE001 - the whole point
+            if started:  # a stream broke after its headers: only the log can tell
+                logger.error("error after the response started", exc_info=exc)
+                return
+            await internal_error_response(exc)(scope, receive, send)
+
+
+class HTTPMetricsMiddleware:
+    """Counts every answer by method, route and status (tokenmill:http_requests_total);
+    unknown paths share one label, so fuzzing cannot grow the label set."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+
+        async def recording_send(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, recording_send)
+        finally:
+            route = scope.get("route")
+            handler = getattr(route, "path", None) or "unmatched"
+            self.metrics.observe_http(scope["method"], handler, status)

@@ -61,6 +61,10 @@ class QueueFullError(RuntimeError):
     """The waiting queue is at --max-queued-requests (429)."""
 
 
+class QueueTimeoutError(EngineUnavailableError):
+    """The request waited in the queue longer than --max-queue-wait-s (503)."""
+
+
 class EngineState(enum.Enum):
     LOADING = "loading"
     READY = "ready"
@@ -86,6 +90,7 @@ class _Add:
 @dataclass
 class _Abort:
     request_ids: list[str]
+    notify: bool = False  # hand the final outputs to their streams (a drain); else nobody listens
 
 
 class _Channel:
@@ -164,13 +169,18 @@ class AsyncEngine:
         build_engine: Callable[[], LLMEngine],
         *,
         max_queued_requests: int | None = None,
+        max_queue_wait: float | None = None,
         stall_timeout: float = 60.0,
         observers: list[StepObserver] = (),
         on_fatal: Callable[[BaseException], None] | None = None,
+        before_step: Callable[[], None] | None = None,
     ) -> None:
+        """`before_step` runs on the engine thread before every step (fault injection)."""
         self._build_engine = build_engine
         self._max_queued = max_queued_requests
+        self._max_queue_wait = max_queue_wait
         self._stall_timeout = stall_timeout
+        self._before_step = before_step
         self._observers = list(observers)  # attached to the engine once it is built
         self._on_fatal = on_fatal
         self.engine: LLMEngine | None = None
@@ -195,15 +205,33 @@ class AsyncEngine:
         self._thread = threading.Thread(target=self._run, name="tokenmill-engine", daemon=True)
         self._thread.start()
 
-    async def shutdown(self, timeout: float) -> None:
-        """Refuse new requests, let running ones finish within `timeout`, then stop."""
+    async def drain(self, timeout: float) -> bool:
+        """Refuse new requests (503), let the admitted ones finish within `timeout`, then
+        abort what is left: each gets its final output, finish_reason "abort". Returns
+        False when the engine could not do that (dead or stuck): then the waiters were
+        failed from here, with EngineUnavailableError."""
         if self.state in (EngineState.READY, EngineState.LOADING):
             self.state = EngineState.STOPPING
         deadline = time.monotonic() + timeout
         while self._has_work() and time.monotonic() < deadline and self._thread_alive():
             await asyncio.sleep(0.05)
-        if self._has_work():
-            logger.warning("shutdown timeout (%.0f s) reached: aborting unfinished requests", timeout)
+        if not self._streams:
+            return self.state != EngineState.DEAD
+        logger.warning("drain timeout (%.0f s) reached: aborting %d unfinished requests", timeout, len(self._streams))
+        self._submit(_Abort(list(self._streams), notify=True))
+        grace = time.monotonic() + 2.0  # one step, unless the engine is stuck
+        while self._streams and time.monotonic() < grace and self._thread_alive():
+            await asyncio.sleep(0.02)
+        if not self._streams:
+            return self.state != EngineState.DEAD
+        logger.error("the engine did not abort its requests: failing %d of them from the server", len(self._streams))
+        self._fail_streams(list(self._streams), EngineUnavailableError("the server is shutting down"))
+        return False
+
+    async def shutdown(self, timeout: float) -> None:
+        """Drain within `timeout` (see drain), then stop the engine thread."""
+        await self.drain(timeout)
+        deadline = time.monotonic() + 1.0
         with self._cond:
             self._stop_requested = True
             self._cond.notify()
@@ -225,6 +253,11 @@ class AsyncEngine:
         if self._busy and stalled_for > self._stall_timeout:
             return False, f"the engine has work but completed no step in {stalled_for:.0f} s"
         return True, "ok"
+
+    @property
+    def num_active_streams(self) -> int:
+        """Engine requests whose handlers still wait for outputs."""
+        return len(self._streams)
 
     # ----- requests --------------------------------------------------------------------
 
@@ -275,6 +308,7 @@ class AsyncEngine:
                 if commands is None:
                     break
                 self._apply(commands)
+                self._expire_queued()
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self.stats = self.engine.stats()
@@ -302,9 +336,25 @@ class AsyncEngine:
     def _apply(self, commands: list[_Add | _Abort]) -> None:
         for command in commands:
             if isinstance(command, _Abort):
-                self._abort_in_thread(command.request_ids)
+                outputs = self._abort_in_thread(command.request_ids)
+                if command.notify and outputs:
+                    self._call_in_loop(self._dispatch, outputs)
             else:
                 self._add_in_thread(command)
+
+    def _expire_queued(self) -> None:
+        """Abort the requests that waited longer than --max-queue-wait-s without being
+        scheduled; their handlers answer 503."""
+        if self._max_queue_wait is None:
+            return
+        assert self.engine is not None
+        expired = self.engine.requests_queued_since(time.monotonic() - self._max_queue_wait)
+        if expired:
+            self._abort_in_thread(expired)
+            error = QueueTimeoutError(
+                f"the request waited more than {self._max_queue_wait:g} s in the queue; the server is "
+                "overloaded, retry later")
+            self._call_in_loop(self._fail_streams, expired, error)
 
     def _add_in_thread(self, command: _Add) -> None:
         assert self.engine is not None
@@ -338,13 +388,19 @@ class AsyncEngine:
                 f"the server is busy: {waiting} requests are waiting (limit {self._max_queued}); retry later"
             )
 
-    def _abort_in_thread(self, request_ids: list[str]) -> None:
+    def _abort_in_thread(self, request_ids: list[str]) -> list[RequestOutput]:
         assert self.engine is not None
+        outputs = []
         for request_id in request_ids:
-            self.engine.abort_request(request_id)  # the engine tells its observers
+            output = self.engine.abort_request(request_id)  # the engine tells its observers
+            if output is not None:
+                outputs.append(output)
+        return outputs
 
     def _step(self) -> None:
         assert self.engine is not None
+        if self._before_step is not None:
+            self._before_step()
         outputs = self.engine.step()
         if outputs:
             self._call_in_loop(self._dispatch, outputs)
@@ -380,11 +436,21 @@ class AsyncEngine:
             if output.finished:
                 del self._streams[output.request_id]
 
+    def _fail_streams(self, request_ids: list[str], error: BaseException) -> None:
+        """Fail the groups of these requests (each group once); their handlers answer."""
+        channels = {}
+        for request_id in request_ids:
+            entry = self._streams.pop(request_id, None)
+            if entry is not None:
+                channels[id(entry[0])] = entry[0]
+        for channel in channels.values():
+            channel.fail(error)
+
     def _fail_all(self, error: BaseException) -> None:
-        failure = EngineUnavailableError(f"the engine failed: {type(error).__name__}: {error}")
-        for channel in {channel for channel, _ in self._streams.values()}:
-            channel.fail(failure)
-        self._streams.clear()
+        # The exception's text stays in the log: it may name files and internals.
+        failure = EngineUnavailableError(
+            f"the engine failed ({type(error).__name__}); see the server log. No request can be served")
+        self._fail_streams(list(self._streams), failure)
         with self._cond:
             commands, self._commands = self._commands, []
         for command in commands:
@@ -393,11 +459,20 @@ class AsyncEngine:
 
     # ----- helpers -----------------------------------------------------------------------
 
+    def check_available(self) -> None:
+        """Raise EngineUnavailableError unless new requests are accepted now."""
+        self._check_available()
+
     def _check_available(self) -> None:
         if self.state == EngineState.LOADING:
             raise EngineUnavailableError("the model is still loading; retry shortly")
+        if self.state == EngineState.STOPPING:
+            raise EngineUnavailableError("the server is shutting down; no new requests are accepted")
         if self.state != EngineState.READY or not self._thread_alive():
             raise EngineUnavailableError(f"the engine is {self.state.value}; no new requests are accepted")
+        healthy, reason = self.health()
+        if not healthy:
+            raise EngineUnavailableError(f"the server is unhealthy ({reason}); retry elsewhere or later")
 
     def _submit(self, command: _Add | _Abort) -> None:
         with self._cond:

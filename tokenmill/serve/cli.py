@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import signal
 from typing import Any
 
 logger = logging.getLogger("tokenmill.serve")
@@ -47,6 +46,8 @@ def register(sub) -> None:
 
 
 def add_server_args(parser: argparse.ArgumentParser) -> None:
+    from tokenmill.serve.limits import RequestLimits
+
     group = parser.add_argument_group("server")
     group.add_argument("--config", default=None, help="YAML file of flag values (command-line flags win)")
     group.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1; 0.0.0.0 for all)")
@@ -55,12 +56,30 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="require 'Authorization: Bearer KEY' (default: $TOKENMILL_API_KEY, else none)")
     group.add_argument("--served-model-name", nargs="+", default=None,
                        help="model name(s) clients use (default: the model's name)")
-    group.add_argument("--max-queued-requests", type=int, default=None,
-                       help="answer 429 when this many requests already wait (default: no limit)")
+    group.add_argument("--protect-health-and-metrics", action="store_true",
+                       help="with --api-key, require the key on /health and /metrics too (default: open)")
+    group.add_argument("--max-queued-requests", type=int, default=1024,
+                       help="answer 429 (with Retry-After) when this many sequences already wait (default 1024)")
+    group.add_argument("--max-queue-wait-s", type=float, default=None,
+                       help="answer 503 (with Retry-After) to a request not scheduled within this many seconds "
+                            "(default: no limit)")
+    group.add_argument("--max-request-body-bytes", type=int, default=RequestLimits.max_request_body_bytes,
+                       help="answer 413 to a larger body, before parsing it (default 4 MiB)")
+    group.add_argument("--max-sequences-per-request", type=int, default=RequestLimits.max_sequences_per_request,
+                       help="most sequences (prompts in a list times n) one request may ask for (default 256)")
+    group.add_argument("--max-stop-sequences", type=int, default=RequestLimits.max_stop_sequences,
+                       help="most stop strings one request may give (default 64)")
+    group.add_argument("--max-logprobs", type=int, default=RequestLimits.max_logprobs,
+                       help="largest logprobs / top_logprobs a request may ask for (default 20, as vLLM)")
+    group.add_argument("--trust-request-chat-template", action="store_true",
+                       help="accept a chat_template in requests (rendered in the sandbox, within its limits)")
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
-                       help="seconds to let running requests finish on SIGTERM (default 30)")
+                       help="on SIGTERM/SIGINT, seconds to let admitted requests finish before aborting them; "
+                            "a second signal exits at once (default 30)")
     group.add_argument("--health-stall-timeout", type=float, default=60.0,
                        help="/health fails when the engine has work but no step ended for this long (default 60)")
+    group.add_argument("--keep-alive-on-engine-death", action="store_true",
+                       help="keep serving 503s when the engine loop dies, instead of exiting with status 1")
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     group.add_argument("--disable-access-log", action="store_true", help="do not log every HTTP request")
     scale = parser.add_argument_group("scale-out")
@@ -161,55 +180,51 @@ def serve(settings: argparse.Namespace) -> int:
     from tokenmill.builder import build_engine
     from tokenmill.config import config_from_args
     from tokenmill.serve.api_server import ServerSettings, create_server
+    from tokenmill.serve.draining import DrainingServer
+    from tokenmill.serve.limits import RequestLimits
 
     logging.getLogger().setLevel(settings.log_level.upper())
     engine_config = config_from_args(settings)
-    if settings.max_queued_requests is not None and settings.max_queued_requests < 1:
-        raise ValueError(f"max_queued_requests must be at least 1, got {settings.max_queued_requests}")
+    for name in ("max_queued_requests",):
+        if getattr(settings, name) is not None and getattr(settings, name) < 1:
+            raise ValueError(f"{name} must be at least 1, got {getattr(settings, name)}")
+    if settings.max_queue_wait_s is not None and settings.max_queue_wait_s <= 0:
+        raise ValueError(f"max_queue_wait_s must be positive, got {settings.max_queue_wait_s}")
+    limits = RequestLimits(
+        max_request_body_bytes=settings.max_request_body_bytes,
+        max_sequences_per_request=settings.max_sequences_per_request,
+        max_stop_sequences=settings.max_stop_sequences, max_logprobs=settings.max_logprobs,
+    )
     fatal: list[BaseException] = []
-    uvicorn_server: uvicorn.Server | None = None
+    uvicorn_server: DrainingServer | None = None  # set once built; on_fatal may run before
 
-    def on_fatal(error: BaseException) -> None:
+    def on_fatal(error: BaseException) -> None:  # the engine thread
         fatal.append(error)
-        if uvicorn_server is not None:
+        if uvicorn_server is not None and not settings.keep_alive_on_engine_death:
             uvicorn_server.should_exit = True  # read by uvicorn's main loop each tick
 
     server = create_server(
         lambda: build_engine(engine_config),
         ServerSettings(
             served_model_names=settings.served_model_name, api_key=settings.api_key,
-            max_queued_requests=settings.max_queued_requests, shutdown_timeout=settings.shutdown_timeout,
-            health_stall_timeout=settings.health_stall_timeout, on_fatal=on_fatal,
+            protect_health_and_metrics=settings.protect_health_and_metrics,
+            max_queued_requests=settings.max_queued_requests, max_queue_wait_s=settings.max_queue_wait_s,
+            shutdown_timeout=settings.shutdown_timeout, health_stall_timeout=settings.health_stall_timeout,
+            limits=limits, trust_request_chat_template=settings.trust_request_chat_template, on_fatal=on_fatal,
         ),
     )
     config = uvicorn.Config(
         server.app, host=settings.host, port=settings.port, log_level=settings.log_level,
         access_log=not settings.disable_access_log, lifespan="on",
-        timeout_graceful_shutdown=settings.shutdown_timeout,
+        # The drain has already waited for the requests; this only covers closing.
+        timeout_graceful_shutdown=5,
     )
-    uvicorn_server = uvicorn.Server(config)
-    with _signals_handled_by_uvicorn():
-        uvicorn_server.run()
+    uvicorn_server = DrainingServer(config, server.drain)
+    uvicorn_server.run()
     if fatal:
-        logger.error("the engine failed: %s", fatal[0])
+        logger.error("exiting with status 1: the engine failed (%s)", type(fatal[0]).__name__)
+        return 1
+    if not uvicorn_server.drained_cleanly:
+        logger.error("exiting with status 1: the engine could not finish or abort its requests")
         return 1
     return 0
-
-
-class _signals_handled_by_uvicorn:
-    """uvicorn stops gracefully on SIGTERM/SIGINT, then re-raises the signal to the
-    handler it found installed. Installing a no-op one first makes that re-raise
-    harmless, so a graceful stop exits 0 instead of dying by the signal."""
-
-    _SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
-    def __enter__(self) -> None:
-        self._previous = {sig: signal.signal(sig, _already_handled) for sig in self._SIGNALS}
-
-    def __exit__(self, *_: object) -> None:
-        for sig, handler in self._previous.items():
-            signal.signal(sig, handler)
-
-
-def _already_handled(signum: int, _frame: object) -> None:
-    logger.debug("signal %d: already handled by the server's graceful shutdown", signum)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import re
+import uuid
 from http import HTTPStatus
 from typing import Any
 
@@ -25,6 +26,7 @@ _ERROR_TYPES = {
     401: "authentication_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    413: "invalid_request_error",
     429: "rate_limit_error",
     500: "internal_server_error",
     503: "service_unavailable",
@@ -65,7 +67,14 @@ def from_value_error(error: ValueError) -> APIError:
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     error_type = _ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
-    return {"error": {"message": message, "type": error_type, "param": param, "code": code}}
+    return {"error": {"message": _encodable(message), "type": error_type,
+                      "param": None if param is None else _encodable(param), "code": code}}
+
+
+def _encodable(text: str) -> str:
+    """The text with anything UTF-8 cannot encode (a lone surrogate quoted back from the
+    request) escaped, so that the error itself can always be sent."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def error_response(
@@ -106,8 +115,15 @@ async def _http_error(_: Request, exc: Exception) -> JSONResponse:
 
 
 async def _internal_error(_: Request, exc: Exception) -> JSONResponse:
-    logger.exception("unhandled error while serving a request", exc_info=exc)
-    return error_response(500, f"internal server error: {type(exc).__name__}: {exc}")
+    return internal_error_response(exc)
+
+
+def internal_error_response(exc: BaseException) -> JSONResponse:
+    """A 500 that says nothing of the server's insides (no exception text, which may name
+    files): the log has the traceback, under the id the client is given."""
+    error_id = uuid.uuid4().hex[:12]
+    logger.error("unhandled error %s while serving a request", error_id, exc_info=exc)
+    return error_response(500, f"internal server error (logged as {error_id})", code="internal_error")
 
 
 def describe_validation_errors(errors: Any) -> tuple[str, str | None]:

@@ -9,9 +9,11 @@ CollectorRegistry, so two servers in one process (tests) do not collide.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -25,6 +27,7 @@ _TTFT_BUCKETS = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
                  2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
 _ITL_BUCKETS = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0,
                 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0]
+_TOKEN_BUCKETS = [1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000]
 _REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0,
                     50.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0]
 
@@ -35,6 +38,10 @@ class ServerMetrics(StepObserver):
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(_EngineStatsCollector(stats, model_name))
+        self.registry.register(_ServerCollector())
+        # process_resident_memory_bytes, process_open_fds, ...: what the default registry
+        # of vLLM's server exposes; the reliability suite watches them for leaks.
+        ProcessCollector(registry=self.registry)
         labels = ["model_name"]
         self.request_success = Counter(
             PREFIX + "request_success", "Count of finished requests, by finish reason.",
@@ -52,14 +59,35 @@ class ServerMetrics(StepObserver):
             PREFIX + "e2e_request_latency_seconds", "End-to-end request latency in seconds.",
             labels, buckets=_REQUEST_BUCKETS, registry=self.registry,
         )
+        self.prompt_tokens = Counter(
+            PREFIX + "prompt_tokens", "Prompt tokens of the requests whose prefill completed (as clients' "
+            "usage.prompt_tokens counts them: once per prompt, prefix-cache hits included).",
+            labels, registry=self.registry,
+        )
+        self.request_prompt_tokens = Histogram(
+            PREFIX + "request_prompt_tokens", "Number of prefill tokens processed, per finished request.",
+            labels, buckets=_TOKEN_BUCKETS, registry=self.registry,
+        )
+        self.request_generation_tokens = Histogram(
+            PREFIX + "request_generation_tokens", "Number of generation tokens processed, per finished request.",
+            labels, buckets=_TOKEN_BUCKETS, registry=self.registry,
+        )
+        self.http_requests = Counter(
+            PREFIX + "http_requests", "HTTP requests answered, by method, route and status code.",
+            ["method", "handler", "status"], registry=self.registry,
+        )
         self.queue_time = Histogram(
             PREFIX + "request_queue_time_seconds", "Time a request waited before it was first scheduled, in seconds.",
             labels, buckets=_REQUEST_BUCKETS, registry=self.registry,
         )
-        self._last_token_time: dict[str, float] = {}  # engine thread only
+        # Requests that produced an output, with their last token's time: engine thread only.
+        self._last_token_time: dict[str, float | None] = {}
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def observe_http(self, method: str, handler: str, status: int) -> None:
+        self.http_requests.labels(method, handler, str(status)).inc()
 
     # ----- StepObserver (engine thread) ---------------------------------------------------
 
@@ -75,6 +103,10 @@ class ServerMetrics(StepObserver):
     # ----- internals -----------------------------------------------------------------------
 
     def _observe_step(self, output: RequestOutput) -> None:
+        first_output = output.request_id not in self._last_token_time
+        if first_output:  # the prefill is done: count the prompt once
+            self.prompt_tokens.labels(self.model_name()).inc(len(output.prompt_token_ids))
+            self._last_token_time[output.request_id] = None
         metrics = output.metrics
         if metrics is None or metrics.last_token_time is None:
             return
@@ -84,13 +116,19 @@ class ServerMetrics(StepObserver):
         self._last_token_time[output.request_id] = metrics.last_token_time
 
     def _observe_finished(self, output: RequestOutput) -> None:
+        started = output.request_id in self._last_token_time
         self._last_token_time.pop(output.request_id, None)
-        reason = output.outputs[0].finish_reason if output.outputs else None
-        self.request_success.labels(self.model_name(), reason or "abort").inc()
+        name = self.model_name()
+        for completion in output.outputs or [None]:
+            # One count per choice: a request with n=2 ends two sequences, each its own reason.
+            reason = completion.finish_reason if completion is not None else None
+            self.request_success.labels(name, reason or "abort").inc()
+        if started:
+            self.request_prompt_tokens.labels(name).observe(len(output.prompt_token_ids))
+        self.request_generation_tokens.labels(name).observe(sum(len(c.token_ids) for c in output.outputs))
         metrics = output.metrics
         if metrics is None:
             return
-        name = self.model_name()
         if metrics.first_token_time is not None:
             self.ttft.labels(name).observe(metrics.first_token_time - metrics.arrival_time)
         if metrics.first_scheduled_time is not None:
@@ -111,7 +149,8 @@ class _EngineStatsCollector(Collector):
         ("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
         ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens served from the prefix cache."),
         ("num_preemptions", "num_preemptions", "Cumulative number of preemptions."),
-        ("prompt_tokens", "num_prompt_tokens", "Prompt tokens computed (prefill work)."),
+        ("prompt_tokens_computed", "num_prompt_tokens",
+         "Prompt tokens computed (prefill work: prefix-cache hits excluded, recomputation after preemption included)."),
         ("generation_tokens", "num_generation_tokens", "Tokens generated."),
     ]
 
@@ -130,6 +169,25 @@ class _EngineStatsCollector(Collector):
             family = CounterMetricFamily(PREFIX + metric, doc, labels=["model_name"])
             family.add_metric([name], float(getattr(stats, field)) if stats else 0.0)
             yield family
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())
+
+
+class _ServerCollector(Collector):
+    """The HTTP side's own gauges, read at scrape time (on the event loop's thread)."""
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            tasks = len(asyncio.all_tasks())
+        except RuntimeError:  # no running loop (a scrape from a test's thread)
+            tasks = 0
+        family = GaugeMetricFamily(PREFIX + "server_asyncio_tasks", "asyncio tasks alive in the server's event loop.")
+        family.add_metric([], float(tasks))
+        yield family
+        family = GaugeMetricFamily(PREFIX + "server_threads", "Python threads alive in the server process.")
+        family.add_metric([], float(threading.active_count()))
+        yield family
 
     def describe(self) -> Iterator[Metric]:
         return iter(())

@@ -5,14 +5,22 @@ OpenAI's server rejects what these reject; unknown fields are ignored, because
 OpenAI clients send fields this server has no use for (`user`, `store`, ...).
 Value ranges that SamplingParams already checks are left to it, so that one
 place owns each rule; only limits that SamplingParams cannot see (the seed's
-64 bits, OpenAI's `n` ceiling) are declared here.
+64 bits, OpenAI's `n` ceiling) are declared here, and the server's own request
+limits (serve/limits.py) are checked by the handlers.
+
+The response models at the end are what the routes declare in the OpenAPI schema
+(the handlers build plain dicts of the same shape); the reliability suite checks
+every 2xx response against them.
 """
 
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
+from pydantic_core import PydanticCustomError
+
+from tokenmill.serve.limits import MAX_N
 
 TokenIds = list[StrictInt]
 
@@ -21,15 +29,53 @@ class OpenAIModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", allow_inf_nan=False)
 
 
+class RequestBody(OpenAIModel):
+    """A whole request body: its strings must be valid Unicode. JSON may spell a lone
+    UTF-16 surrogate ("\\ud800"), which Python keeps in a str but no tokenizer or
+    UTF-8 encoder accepts; it is refused here, naming where it is."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_lone_surrogates(cls, data: Any) -> Any:
+        where = _find_lone_surrogate(data)
+        if where is not None:
+            raise PydanticCustomError(
+                "lone_surrogate", "{where}: the string holds a lone surrogate (U+{code}), which is not valid "
+                "Unicode; encode the text as UTF-8", {"where": where[0] or "body", "code": where[1]})
+        return data
+
+
+def _find_lone_surrogate(data: Any) -> tuple[str, str] | None:
+    """(dotted path, code point) of the first string, key or value, that cannot be
+    encoded as UTF-8; iterative, so a deeply nested body cannot exhaust the stack."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:
+        path, value = stack.pop()
+        if isinstance(value, str):
+            try:
+                value.encode("utf-8")
+            except UnicodeEncodeError as error:
+                return path, f"{ord(value[error.start]):04X}"
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                # Escaped: pydantic cannot even render a message that holds a surrogate.
+                name = str(key).encode("utf-8", "backslashreplace").decode("utf-8")
+                stack.append((f"{path}.{name}" if path else name, key))
+                stack.append((f"{path}.{name}" if path else name, item))
+        elif isinstance(value, list):
+            stack.extend((f"{path}.{index}" if path else str(index), item) for index, item in enumerate(value))
+    return None
+
+
 class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
-class SamplingFields(OpenAIModel):
+class SamplingFields(RequestBody):
     """Fields shared by /v1/completions and /v1/chat/completions."""
 
     model: str | None = None
-    n: Annotated[int, Field(ge=1, le=128)] = 1
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -54,7 +100,7 @@ class SamplingFields(OpenAIModel):
 class CompletionRequest(SamplingFields):
     # One prompt (text or token ids) or a batch of them.
     prompt: str | TokenIds | list[str] | list[TokenIds]
-    logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    logprobs: Annotated[int, Field(ge=0)] | None = None  # at most --max-logprobs
     echo: bool = False
 
 
@@ -71,6 +117,20 @@ class ChatMessage(OpenAIModel):
     content: str | list[TextPart] | None = None
     name: str | None = None
 
+    @field_validator("content", mode="before")
+    @classmethod
+    def _text_parts_only(cls, content: Any) -> Any:
+        if isinstance(content, list):
+            for index, part in enumerate(content):
+                kind = part.get("type") if isinstance(part, dict) else None
+                if isinstance(kind, str) and kind != "text":
+                    raise PydanticCustomError(
+                        "unsupported_content_part",
+                        "content part {index} has type '{kind}': this server's model reads text only, so only "
+                        "parts of type 'text' are supported (no images, audio or files)",
+                        {"index": index, "kind": kind})
+        return content
+
     def to_template_dict(self) -> dict[str, Any]:
         """The message as a chat template expects it: content as one string."""
         message = self.model_dump(exclude_none=True)
@@ -83,20 +143,24 @@ class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: int | None = None
     logprobs: bool = False
-    top_logprobs: Annotated[int, Field(ge=0, le=20)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0)] | None = None  # at most --max-logprobs
     add_generation_prompt: bool = True
+    # vLLM's fields; a request's own template is refused unless --trust-request-chat-template.
+    chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
-class TokenizeRequest(OpenAIModel):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
 
 
-class DetokenizeRequest(OpenAIModel):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: TokenIds
 
@@ -113,3 +177,107 @@ class Usage(BaseModel):
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
         )
+
+
+# ----- responses (declared in the OpenAPI schema) ------------------------------------------
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | int | None
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx and 5xx body."""
+
+    error: ErrorDetail
+
+
+class CompletionLogprobsBody(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobsBody | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+    stop_reason: int | str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class ChatLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob]
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatLogprob] | None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"]
+    content: str | None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length", "abort"] | None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    root: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[ModelCard]
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int]
+    count: int
+    max_model_len: int
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
+
+
+class HealthResponse(BaseModel):
+    status: Literal["ok"]

@@ -1,22 +1,31 @@
 """OpenAI requests -> engine requests -> OpenAI responses and SSE streams.
 
-A handler checks everything it can see itself (model name, parameters, the
-prompt's length against max_model_len) before queueing anything, then hands the
-engine one group of requests (one per prompt); the engine thread runs the
-checks that need the engine (token ids in the vocabulary, KV capacity, the
-waiting queue's limit) and answers through a future, so a bad request is
+A handler checks everything it can see itself (model name, the request limits,
+parameters, the prompt's length against max_model_len) before queueing anything,
+then hands the engine one group of requests (one per prompt); the engine thread
+runs the checks that need the engine (token ids in the vocabulary, KV capacity,
+the waiting queue's limit) and answers through a future, so a bad request is
 refused before any step works on it.
+
+Tokenizing and rendering chat templates run in a small thread pool, never on the
+event loop (the tokenizer releases the GIL while it works), so a big prompt does
+not stall /health or the other streams. A streamed response starts (status 200
+and headers) only once the engine has produced its first output, so everything
+that can fail before that (queue full or timed out, engine failure) is a plain
+HTTP error, and the first chunk a client sees carries the first token.
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -30,8 +39,10 @@ from tokenmill.serve.async_engine import (
     NewRequest,
     OutputStream,
     QueueFullError,
+    QueueTimeoutError,
 )
-from tokenmill.serve.errors import APIError, bad_request, from_value_error
+from tokenmill.serve.errors import APIError, bad_request, error_body, from_value_error
+from tokenmill.serve.limits import RequestLimits, check_prompt_chars
 from tokenmill.serve.logprobs import CompletionLogprobs, chat_logprobs
 from tokenmill.serve.protocol import (
     ChatCompletionRequest,
@@ -41,8 +52,16 @@ from tokenmill.serve.protocol import (
     Usage,
 )
 
-# Seconds a client told "queue full" should wait before retrying.
+# Seconds a client told "queue full" or "queue wait too long" should wait before retrying.
 RETRY_AFTER_SECONDS = 1
+# OpenAI's and vLLM's max_tokens when a completion request does not say (chat has none:
+# it runs until the context ends, as in vLLM).
+DEFAULT_COMPLETION_MAX_TOKENS = 16
+# Threads that tokenize prompts and render chat templates: a burst of big prompts
+# queues here instead of taking every core from the engine.
+PROMPT_THREADS = 2
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -58,9 +77,30 @@ class ClientDisconnected(Exception):
 class OpenAIServing:
     """Request handling shared by the endpoints; one per server."""
 
-    def __init__(self, engine: AsyncEngine, served_model_names: list[str] | None = None) -> None:
+    def __init__(self, engine: AsyncEngine, served_model_names: list[str] | None = None,
+                 limits: RequestLimits | None = None, trust_request_chat_template: bool = False) -> None:
         self.engine = engine
         self._served_names = served_model_names
+        self.limits = limits or RequestLimits()
+        self.trust_request_chat_template = trust_request_chat_template
+        self._prompt_pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="tokenmill-prompts")
+
+    async def off_loop(self, function: Callable[..., T], *args: Any) -> T:
+        """Run CPU work on the prompt threads (ValueError becomes a 400)."""
+        loop = asyncio.get_running_loop()
+        try:
+            return await loop.run_in_executor(self._prompt_pool, functools.partial(function, *args))
+        except ValueError as error:
+            raise from_value_error(error) from error
+
+    def close(self) -> None:
+        self._prompt_pool.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """The longest text that could still fit the context (see Tokenizer.max_token_chars)."""
+        core = self.core
+        return core.max_model_len * core.tokenizer.max_token_chars
 
     # ----- model and engine --------------------------------------------------------------
 
@@ -95,33 +135,51 @@ class OpenAIServing:
 
     # ----- /v1/completions ---------------------------------------------------------------
 
+    def check_accepting(self) -> None:
+        """503 before any work when no request can be admitted (draining, dead, stuck)."""
+        try:
+            self.engine.check_available()
+        except EngineUnavailableError as error:
+            raise unavailable(error) from error
+
     async def create_completion(self, body: CompletionRequest, raw: Request) -> Response:
+        self.check_accepting()
         model = self.check_model(body.model)
         _check_stream_options(body)
-        echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
-        params = _sampling_params(body, body.max_tokens, body.logprobs, prompt_logprobs=echo_logprobs)
+        texts = _prompt_list(body.prompt)
+        self._check_limits(body, len(texts))
+        self.limits.check_logprobs(body.logprobs, "logprobs")
         core = self.core
-        prompts = [Prompt(_encode_or_ids(core, p), p if isinstance(p, str) else None)
-                   for p in _prompt_list(body.prompt)]
+        for text in texts:
+            if isinstance(text, str):
+                check_prompt_chars(len(text), self.max_prompt_chars)
+        prompts = await self.off_loop(_encode_prompts, core, texts)
+        max_tokens = body.max_tokens
+        if max_tokens is None:  # OpenAI's default, within what the context leaves
+            room = core.max_model_len - max(len(p.token_ids) for p in prompts)
+            max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, room) if room > 0 else DEFAULT_COMPLETION_MAX_TOKENS
         for prompt in prompts:
-            self._check_fits(len(prompt.token_ids), body.max_tokens)
+            self._check_fits(len(prompt.token_ids), max_tokens)
+        echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
+        params = _sampling_params(body, max_tokens, body.logprobs, prompt_logprobs=echo_logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = await self._submit(request_id, [p.token_ids for p in prompts], params)
         renderer = _CompletionRenderer(request_id, model, prompts, body, core)
-        if body.stream:
-            return _sse(_stream_events(stream, renderer, _include_usage(body)))
-        finals = await _collect(stream, raw)
-        return JSONResponse(renderer.response(finals))
+        return await _respond(stream, renderer, body, raw)
 
     # ----- /v1/chat/completions ----------------------------------------------------------
 
     async def create_chat_completion(self, body: ChatCompletionRequest, raw: Request) -> Response:
+        self.check_accepting()
         model = self.check_model(body.model)
         _check_stream_options(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
+        self._check_limits(body, 1)
+        self.limits.check_logprobs(body.top_logprobs, "top_logprobs")
         core = self.core
-        prompt_ids = self.encode_chat(body.messages, body.add_generation_prompt, body.chat_template_kwargs)
+        prompt_ids = await self.encode_chat(body.messages, body.add_generation_prompt, body.chat_template,
+                                            body.chat_template_kwargs)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = _sampling_params(body, max_tokens, num_logprobs)
@@ -129,25 +187,38 @@ class OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self._submit(request_id, [prompt_ids], params)
         renderer = _ChatRenderer(request_id, model, len(prompt_ids), body, core)
-        if body.stream:
-            return _sse(_stream_events(stream, renderer, _include_usage(body)))
-        finals = await _collect(stream, raw)
-        return JSONResponse(renderer.response(finals))
+        return await _respond(stream, renderer, body, raw)
 
-    def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
-                    template_kwargs: dict[str, Any] | None = None) -> list[int]:
-        tokenizer = self.core.tokenizer
+    async def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
+                          chat_template: str | None = None,
+                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Render and tokenize a conversation on the prompt threads."""
+        if chat_template is not None and not self.trust_request_chat_template:
+            raise bad_request("this server does not accept chat templates in requests (the operator can allow "
+                              "them with --trust-request-chat-template)", param="chat_template")
+        dicts = [m.to_template_dict() for m in messages]
         try:
-            text = tokenizer.apply_chat_template(
-                [m.to_template_dict() for m in messages],
-                add_generation_prompt=add_generation_prompt, **(template_kwargs or {}),
-            )
-        except ValueError as error:
-            raise bad_request(str(error), param="messages") from error
+            return await self.off_loop(self._render_and_encode, dicts, add_generation_prompt, chat_template,
+                                       template_kwargs)
+        except APIError as error:
+            error.param = error.param or "messages"
+            raise
+
+    def _render_and_encode(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                           chat_template: str | None, template_kwargs: dict[str, Any] | None) -> list[int]:
+        tokenizer = self.core.tokenizer
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
+                                             chat_template=chat_template, template_kwargs=template_kwargs)
+        check_prompt_chars(len(text), self.max_prompt_chars, param="messages")
         # The template writes its own special tokens (BOS included), as LLM.encode_chat does.
         return tokenizer.encode(text, add_special_tokens=False)
 
     # ----- admission -----------------------------------------------------------------------
+
+    def _check_limits(self, body: SamplingFields, num_prompts: int) -> None:
+        self.limits.check_sequences(num_prompts, body.n)
+        self.limits.check_stop(body.stop, body.stop_token_ids)
+        self.limits.check_logit_bias(body.logit_bias)
 
     def _check_fits(self, prompt_len: int, max_tokens: int | None) -> None:
         """Refuse a prompt that cannot fit max_model_len, alone or with max_tokens
@@ -181,7 +252,16 @@ class OpenAIServing:
             raise APIError(429, str(error), code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from error
         except EngineUnavailableError as error:
-            raise APIError(503, str(error)) from error
+            raise unavailable(error) from error
+
+
+def unavailable(error: EngineUnavailableError) -> APIError:
+    """503; a queue timeout says when to retry."""
+    if isinstance(error, QueueTimeoutError):
+        return APIError(503, str(error), code="queue_timeout", headers={"Retry-After": str(RETRY_AFTER_SECONDS)})
+    # Connection: close, so that a load balancer's next request opens a fresh connection
+    # (to another replica, while this one drains or restarts).
+    return APIError(503, str(error), code="engine_unavailable", headers={"Connection": "close"})
 
 
 # ----- request -> engine ---------------------------------------------------------------------
@@ -195,11 +275,10 @@ def _prompt_list(prompt: str | list[int] | list[str] | list[list[int]]) -> list[
     return list(prompt)
 
 
-def _encode_or_ids(core: LLMEngine, prompt: str | list[int]) -> list[int]:
+def _encode_prompts(core: LLMEngine, prompts: list[str | list[int]]) -> list[Prompt]:
     # An empty string stays empty (no BOS-only prompt), so the engine refuses it by name.
-    if isinstance(prompt, str):
-        return core.tokenizer.encode(prompt) if prompt else []
-    return prompt
+    return [Prompt(core.tokenizer.encode(p) if p else [], p) if isinstance(p, str) else Prompt(p)
+            for p in prompts]
 
 
 def _check_stream_options(body: SamplingFields) -> None:
@@ -256,31 +335,39 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 # ----- engine -> responses -------------------------------------------------------------------
 
 
-async def _collect(stream: OutputStream, raw: Request) -> dict[int, RequestOutput]:
-    """Wait for every request of the group to finish; abort them all if the client
-    disconnects first."""
+async def _respond(stream: OutputStream, renderer: _Renderer, body: SamplingFields, raw: Request) -> Response:
+    if body.stream:
+        # The response starts with the first output: errors before it are plain HTTP errors.
+        first = await _unless_disconnected(stream.get(), stream, raw)
+        return _sse(_stream_events(stream, renderer, _include_usage(body), first))
+    return JSONResponse(renderer.response(await _unless_disconnected(_collect(stream), stream, raw)))
+
+
+async def _collect(stream: OutputStream) -> dict[int, RequestOutput]:
+    """Every request of the group, finished."""
     finals: dict[int, RequestOutput] = {}
+    async for batch in stream:
+        finals.update(batch)
+    return finals
 
-    async def drain() -> None:
-        async for batch in stream:
-            finals.update(batch)
 
-    work = asyncio.ensure_future(drain())
+async def _unless_disconnected(work: Awaitable[T], stream: OutputStream, raw: Request) -> T:
+    """Await `work`; abort the group if the client disconnects first (ClientDisconnected)."""
+    task = asyncio.ensure_future(work)
     disconnect = asyncio.ensure_future(_wait_for_disconnect(raw))
     try:
-        await asyncio.wait({work, disconnect}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({task, disconnect}, return_when=asyncio.FIRST_COMPLETED)
     finally:  # also when this handler is cancelled (e.g. shutdown timeout)
         disconnect.cancel()
-        if not work.done():
-            work.cancel()
+        if not task.done():
+            task.cancel()
             stream.abort()
-    if not work.done() or work.cancelled():
+    if not task.done() or task.cancelled():
         raise ClientDisconnected()
     try:
-        work.result()
+        return task.result()
     except EngineUnavailableError as error:
-        raise APIError(503, str(error)) from error
-    return finals
+        raise unavailable(error) from error
 
 
 async def _wait_for_disconnect(raw: Request) -> None:
@@ -481,22 +568,29 @@ class _ChatRenderer(_Renderer):
                 "model": self.model, "choices": choices, "usage": self.usage()}
 
 
-async def _stream_events(stream: OutputStream, renderer: _Renderer, include_usage: bool) -> AsyncIterator[str]:
-    """SSE events: one per choice with news each engine step, then usage and [DONE].
-    Whatever ends this generator early (a disconnect cancels it) aborts the requests."""
+async def _stream_events(stream: OutputStream, renderer: _Renderer, include_usage: bool,
+                         first: list[tuple[int, RequestOutput]]) -> AsyncIterator[str]:
+    """SSE events: the opening chunks (chat's role) with the first output, then one per
+    choice with news each engine step, then usage and [DONE]. Whatever ends this
+    generator early (a disconnect cancels it) aborts the requests."""
     object_name = "chat.completion.chunk" if isinstance(renderer, _ChatRenderer) else "text_completion"
     try:
         for chunk in renderer.opening_chunks():
             yield _event(chunk)
-        async for batch in stream:
+        batch = first
+        while True:
             for prompt_index, output in batch:
                 for chunk in renderer.chunks(prompt_index, output):
                     yield _event(chunk)
+            if stream.finished:
+                break
+            batch = await stream.get()
         if include_usage:
             yield _event(renderer.usage_chunk(object_name))
     except EngineUnavailableError as error:
         # Headers are sent; the error can only travel as an event.
-        yield _event({"error": {"message": str(error), "type": "service_unavailable", "param": None, "code": 503}})
+        api_error = unavailable(error)
+        yield _event(error_body(api_error.status, api_error.message, code=api_error.code))
     finally:
         stream.abort()
     yield "data: [DONE]\n\n"

@@ -1,0 +1,136 @@
+"""Fuzzing every route from the server's own OpenAPI schema (schemathesis: schema-valid
+and schema-violating requests), plus hand-written hostile bodies. No answer is a 5xx,
+every 4xx is an OpenAI error object, every 2xx matches the response schema the route
+declares; the server is healthy and idle afterwards."""
+
+from __future__ import annotations
+
+import collections
+import json
+import socket
+
+import httpx
+import pytest
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from schemathesis import GenerationMode
+from schemathesis.checks import not_a_server_error
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    negative_data_rejection,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from tests.reliability.support import RESULTS, long_run
+from tests.server_utils import http_request, raw_exchange
+
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance,
+          negative_data_rejection]
+
+
+def assert_openai_error(status: int, body: bytes) -> None:
+    error = json.loads(body)
+    assert set(error) == {"error"}, body[:300]
+    assert set(error["error"]) == {"message", "type", "param", "code"}, body[:300]
+    assert isinstance(error["error"]["message"], str) and error["error"]["message"], body[:300]
+    assert "Traceback" not in error["error"]["message"] and "site-packages" not in error["error"]["message"]
+
+
+def test_fuzz_every_route_from_the_openapi_schema(rserver, request):
+    examples = 500 if long_run(request.config) else 25
+    schema = schemathesis.openapi.from_url(rserver.url + "/openapi.json")
+    statuses: collections.Counter[str] = collections.Counter()
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/tokenize",
+                                              "/detokenize", "/v1/models", "/health", "/metrics"}
+    for operation in operations:
+        modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if operation.method.upper() == "POST" else [])
+        for mode in modes:
+            @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
+                      suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+            @given(case=operation.as_strategy(generation_mode=mode))
+            def run(case) -> None:
+                response = case.call(base_url=rserver.url, timeout=300)
+                statuses[f"{response.status_code // 100}xx"] += 1
+                if 400 <= response.status_code < 500:
+                    assert_openai_error(response.status_code, response.content)
+                case.validate_response(response, checks=CHECKS)
+
+            run()
+    assert statuses["5xx"] == 0
+    health = httpx.get(rserver.url + "/health", timeout=10)
+    assert health.status_code == 200
+    idle = rserver.wait_idle(timeout=30)
+    assert idle["tokenmill:num_requests_running"] == 0
+    RESULTS["fuzz"] = {"operations": len(operations), "cases": sum(statuses.values()), **dict(statuses)}
+
+
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+HOSTILE: list[tuple[str, str, bytes, set[int]]] = [
+    ("over the body limit", COMPLETIONS, json.dumps({"prompt": "x" * 70_000}).encode(), {413}),
+    ("1 MB of JSON", CHAT, b'{"messages": [' + b'{"role": "user", "content": "a"},' * 40_000 + b"]}", {413}),
+    ("deep nesting", COMPLETIONS, b'{"prompt": ' + b"[" * 20_000 + b"]" * 20_000 + b"}", {400}),
+    ("deep nesting in a message", CHAT,
+     b'{"messages": [{"role": "user", "content": "hi", "x": ' + b"[" * 5_000 + b"]" * 5_000 + b"}]}", {200, 400}),
+    ("NaN", COMPLETIONS, b'{"prompt": "a", "temperature": NaN}', {400}),
+    ("Infinity", COMPLETIONS, b'{"prompt": "a", "top_p": Infinity}', {400}),
+    ("-Infinity logit bias", COMPLETIONS, b'{"prompt": "a", "logit_bias": {"5": -Infinity}}', {400}),
+    ("invalid UTF-8", COMPLETIONS, b'{"prompt": "\xff\xfe\xfd"}', {400}),
+    ("truncated UTF-8", CHAT, b'{"messages": [{"role": "user", "content": "\xe2\x82"}]}', {400}),
+    ("lone high surrogate", COMPLETIONS, b'{"prompt": "\\ud800", "max_tokens": 1}', {400}),
+    ("lone low surrogate in a key", CHAT,
+     b'{"messages": [{"role": "user", "content": "hi", "\\udc00": 1}], "max_tokens": 1}', {400}),
+    ("NUL bytes", COMPLETIONS, b'{"prompt": "a\\u0000b\\u0000", "max_tokens": 2}', {200}),
+    ("NUL in a role", CHAT, b'{"messages": [{"role": "us\\u0000er", "content": "hi"}], "max_tokens": 2}', {200, 400}),
+    ("wrong types everywhere", COMPLETIONS,
+     b'{"prompt": {"a": 1}, "max_tokens": "many", "n": [], "stream": 1, "stop": 5}', {400}),
+    ("booleans as numbers", COMPLETIONS, b'{"prompt": "a", "max_tokens": true}', {400}),
+    ("huge integers", COMPLETIONS, b'{"prompt": "a", "max_tokens": 1' + b"0" * 400 + b"}", {400}),
+    ("huge seed", COMPLETIONS, b'{"prompt": "a", "seed": -1' + b"0" * 30 + b"}", {400}),
+    ("float token ids", COMPLETIONS, b'{"prompt": [1.0, 2.5]}', {400}),
+    ("unknown fields", COMPLETIONS, b'{"prompt": "a", "max_tokens": 2, "frobnicate": {"x": [1, 2]}, "user": "u"}',
+     {200}),
+    ("duplicate keys", COMPLETIONS, b'{"prompt": "a", "prompt": [1, 2], "max_tokens": 2}', {200}),
+    ("empty object", CHAT, b"{}", {400}),
+    ("null body", COMPLETIONS, b"null", {400}),
+    ("a number", COMPLETIONS, b"12345", {400}),
+    ("trailing garbage", COMPLETIONS, b'{"prompt": "a"} xyz', {400}),
+    ("a thousand stop strings", COMPLETIONS,
+     json.dumps({"prompt": "a", "stop": [f"s{i}" for i in range(1000)]}).encode(), {400}),
+    ("a long stop string", COMPLETIONS, json.dumps({"prompt": "a", "stop": "y" * 5000}).encode(), {400}),
+    ("many logit biases", CHAT, json.dumps({"messages": [{"role": "user", "content": "hi"}],
+                                            "logit_bias": {str(i): 0 for i in range(2000)}}).encode(), {400}),
+    ("thousands of prompts", COMPLETIONS, json.dumps({"prompt": ["a"] * 5000}).encode(), {400}),
+    ("template injection", CHAT,
+     b'{"messages": [{"role": "user", "content": "{{ cycler.__init__.__globals__.os.popen(\'id\').read() }}"}],'
+     b' "max_tokens": 2}', {200}),
+    ("hostile template kwargs", CHAT,
+     b'{"messages": [{"role": "user", "content": "hi"}], "chat_template_kwargs": {"messages": 1}}', {400}),
+    ("request template", CHAT,
+     b'{"messages": [{"role": "user", "content": "hi"}], "chat_template": "{% for i in range(99999999) %}{% endfor %}"}',
+     {400}),
+    ("image part", CHAT, b'{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}',
+     {400}),
+    ("tool message without content", CHAT, b'{"messages": [{"role": "tool"}], "max_tokens": 2}', {200, 400}),
+    ("tokenize both", "/tokenize", b'{"prompt": "a", "messages": []}', {400}),
+    ("detokenize huge id", "/detokenize", b'{"tokens": [99999999999999999999]}', {400}),
+    ("detokenize negative id", "/detokenize", b'{"tokens": [-1]}', {400}),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "expected"), [case[1:] for case in HOSTILE], ids=[c[0] for c in HOSTILE])
+def test_hostile_bodies(rserver, path, body, expected):
+    with socket.create_connection(("127.0.0.1", rserver.port), timeout=120) as sock:
+        status, headers, payload = raw_exchange(sock, http_request("POST", path, body))
+        assert status in expected, (status, payload[:300])
+        if status >= 400:
+            assert_openai_error(status, payload)
+        else:
+            assert "choices" in json.loads(payload) or path.startswith("/")
+        if status != 413:  # a 413 closes the connection; anything else keeps it
+            status, _, _ = raw_exchange(sock, http_request("GET", "/health"))
+            assert status == 200
+    hostile = RESULTS.setdefault("hostile_bodies", {"cases": 0, "5xx": 0})
+    hostile["cases"] += 1  # type: ignore[index]

@@ -1,0 +1,236 @@
+"""The failures issue 18 found on the server, each checked against a real `tokenmill
+serve`: every one of these failed before the fix (500s, a dropped keep-alive
+connection, a frozen event loop, 10,000 queued sequences, 7 minutes of generation...).
+
+One server for the module, with --api-key and --protect-health-and-metrics (so that
+the probes' protection is checked too) and a 256 KiB body limit.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.server_utils import ServerProcess, assert_error, http_request, raw_exchange, sse_json
+
+API_KEY = "hardening-key"
+BODY_LIMIT = 256 * 1024
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
+HI = [{"role": "user", "content": "hi"}]
+
+
+@pytest.fixture(scope="module")
+def server():
+    process = ServerProcess("--protect-health-and-metrics", "--max-request-body-bytes", str(BODY_LIMIT),
+                            api_key=API_KEY).start()
+    yield process
+    assert process.stop() == 0, process.log_tail()
+
+
+def raw_json(server: ServerProcess, method: str, path: str, body: str) -> bytes:
+    return http_request(method, path, body.encode(), {"Authorization": f"Bearer {API_KEY}"})
+
+
+# ----- lone surrogates -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("path", "body", "where"), [
+    (COMPLETIONS, '{"prompt": "a\\ud800b", "max_tokens": 2}', "prompt"),
+    (CHAT, '{"messages": [{"role": "user", "content": "a\\udfffb"}], "max_tokens": 2}', "messages.0.content"),
+    (CHAT, '{"messages": [{"role": "user", "content": "hi"}], "stop": ["\\ud83d"], "max_tokens": 2}', "stop.0"),
+    ("/tokenize", '{"prompt": "x\\ud800"}', "prompt"),
+])
+def test_a_lone_surrogate_is_a_400_and_the_connection_survives(server, path, body, where):
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        status, headers, payload = raw_exchange(sock, raw_json(server, "POST", path, body))
+        assert status == 400, payload
+        error = json.loads(payload)["error"]
+        assert "lone surrogate" in error["message"] and where in error["message"], error
+        assert headers.get("connection") != "close"
+        # The next request on the same connection is served.
+        ok = '{"prompt": "Hello", "max_tokens": 2}'
+        status, _, payload = raw_exchange(sock, raw_json(server, "POST", COMPLETIONS, ok))
+        assert status == 200, payload
+    # A valid pair (an emoji spelled as two escapes) is fine.
+    response = server.post(COMPLETIONS, content=b'{"prompt": "a\\ud83e\\udd99b", "max_tokens": 1}',
+                           headers={"content-type": "application/json"})
+    assert response.status_code == 200, response.text
+
+
+# ----- chat templates --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs", [{"add_generation_prompt": True}, {"messages": []}, {"tools": None},
+                                    {"chat_template": "{{ 1 }}"}])
+def test_reserved_chat_template_kwargs_are_a_400(server, kwargs):
+    response = server.post(CHAT, json={"messages": HI, "max_tokens": 2, "chat_template_kwargs": kwargs})
+    assert "set by the server" in assert_error(response, 400, "messages")["message"]
+
+
+def test_a_request_chat_template_is_refused_unless_trusted(server):
+    for path, body in ((CHAT, {"messages": HI, "max_tokens": 2}), ("/tokenize", {"messages": HI})):
+        response = server.post(path, json={**body, "chat_template": "{{ messages[0].content }}"})
+        assert "--trust-request-chat-template" in assert_error(response, 400, "chat_template")["message"]
+
+
+def test_template_syntax_in_messages_is_text(server):
+    content = "{{ 7 * 7 }}{% for i in range(10**9) %}x{% endfor %}{{ ''.__class__ }}"
+    tokens = server.post("/tokenize", json={"messages": [{"role": "user", "content": content}]}).json()["tokens"]
+    text = server.post("/detokenize", json={"tokens": tokens}).json()["prompt"]
+    assert content in text
+
+
+@pytest.mark.parametrize("part", [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+                                  {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}])
+def test_an_image_or_audio_part_says_only_text_is_supported(server, part):
+    messages = [{"role": "user", "content": [{"type": "text", "text": "what is this?"}, part]}]
+    error = assert_error(server.post(CHAT, json={"messages": messages}), 400, "messages.0.content")
+    assert part["type"] in error["message"] and "text only" in error["message"], error
+
+
+# ----- sizes -----------------------------------------------------------------------------------
+
+
+def test_a_body_over_the_limit_is_413_before_parsing(server):
+    big = json.dumps({"prompt": "word " * (BODY_LIMIT // 5 + 10)}).encode()
+    response = server.post(COMPLETIONS, content=big, headers={"content-type": "application/json"})
+    error = assert_error(response, 413)
+    assert str(BODY_LIMIT) in error["message"] and error["code"] == "request_too_large"
+
+    def chunks():  # no Content-Length: counted as it arrives
+        for start in range(0, len(big), 16384):
+            yield big[start:start + 16384]
+
+    response = server.post(COMPLETIONS, content=chunks(), headers={"content-type": "application/json"})
+    assert_error(response, 413)
+    assert server.get("/health").status_code == 200
+
+
+def test_a_prompt_too_long_for_any_context_is_refused_without_tokenizing(server):
+    # Under the body limit, but more characters than max_model_len tokens can hold.
+    started = time.monotonic()
+    response = server.post(COMPLETIONS, json={"prompt": "x" * (BODY_LIMIT - 100)})
+    assert "characters" in assert_error(response, 400, "prompt")["message"]
+    assert time.monotonic() - started < 30
+
+
+def test_tokenizing_a_big_prompt_does_not_stall_the_event_loop(server):
+    """/tokenize of a ~250 KB prompt (no context limit applies there) takes a few hundred
+    ms of tokenizer time; /health polled meanwhile keeps being answered (before the fix
+    the loop froze for the whole tokenization)."""
+    prompt = "lorem ipsum dolor sit amet " * (BODY_LIMIT // 28 - 10)
+    window: dict[str, float] = {}
+
+    def tokenize() -> None:
+        window["start"] = time.monotonic()
+        response = server.post("/tokenize", json={"prompt": prompt})
+        window["end"] = time.monotonic()
+        window["count"] = response.json()["count"]
+
+    answered: list[tuple[float, float]] = []
+    worker = threading.Thread(target=tokenize)
+    with httpx.Client(headers=server.headers, timeout=30) as client:
+        worker.start()
+        while worker.is_alive():
+            sent = time.monotonic()
+            assert client.get(server.url + "/health").status_code == 200
+            answered.append((sent, time.monotonic()))
+    worker.join()
+    assert window["count"] > 40_000
+    inside = [(s, e) for s, e in answered if window["start"] < s and e < window["end"]]
+    duration = window["end"] - window["start"]
+    print(f"tokenize took {duration:.2f} s; /health answered {len(inside)} times inside it, "
+          f"slowest {max((e - s for s, e in inside), default=0) * 1000:.0f} ms")
+    assert len(inside) >= 2, (duration, answered[:5])
+
+
+@pytest.mark.parametrize(("body", "param"), [
+    ({"prompt": ["a"] * 10_000, "max_tokens": 1}, "prompt"),
+    ({"prompt": ["a", "b", "c"], "n": 128, "max_tokens": 1}, "prompt"),
+    ({"prompt": "a", "n": 129}, "n"),
+    ({"prompt": "a", "stop": [f"s{i}" for i in range(10_000)]}, "stop"),
+    ({"prompt": "a", "stop": ["x" * 2000]}, "stop"),
+    ({"prompt": "a", "stop_token_ids": list(range(2000))}, "stop_token_ids"),
+    ({"prompt": "a", "logit_bias": {str(i): 1 for i in range(301)}}, "logit_bias"),
+    ({"prompt": "a", "logprobs": 21}, "logprobs"),
+])
+def test_request_caps(server, body, param):
+    started = time.monotonic()
+    assert_error(server.post(COMPLETIONS, json=body), 400, param)
+    assert time.monotonic() - started < 30
+
+
+def test_top_logprobs_cap(server):
+    assert_error(server.post(CHAT, json={"messages": HI, "logprobs": True, "top_logprobs": 21}), 400, "top_logprobs")
+    assert server.post(CHAT, json={"messages": HI, "logprobs": True, "top_logprobs": 20, "max_tokens": 1}
+                       ).status_code == 200
+
+
+def test_nothing_was_queued_by_the_refused_requests(server):
+    metrics = server.wait_idle()
+    assert metrics["tokenmill:num_requests_waiting"] == 0 and metrics["tokenmill:num_requests_running"] == 0
+
+
+# ----- defaults and streams --------------------------------------------------------------------
+
+
+def test_completions_default_to_16_tokens_and_chat_to_the_context(server):
+    body = server.post(COMPLETIONS, json={"prompt": "Once upon a time", "ignore_eos": True}).json()
+    assert body["usage"]["completion_tokens"] == 16 and body["choices"][0]["finish_reason"] == "length"
+    # A prompt that leaves less room gets what is left, not an error.
+    ids = server.post("/tokenize", json={"prompt": "hi " * 1100}).json()["tokens"][:1024 - 5]
+    body = server.post(COMPLETIONS, json={"prompt": ids, "ignore_eos": True}).json()
+    assert body["usage"]["completion_tokens"] == 5
+
+
+def test_the_chat_role_chunk_comes_with_the_first_token(server):
+    """The stream's first chunk is sent once a token exists: the engine has generated
+    one by the time the client holds it (before the fix it came before the prefill)."""
+    server.wait_idle()
+    before = server.metrics()["tokenmill:generation_tokens_total"]
+    messages = [{"role": "user", "content": "Summarize: " + "the quick brown fox jumps over the lazy dog. " * 80}]
+    with httpx.stream("POST", server.url + CHAT, headers=server.headers, timeout=120,
+                      json={"messages": messages, "max_tokens": 40, "stream": True, "ignore_eos": True}) as response:
+        assert response.status_code == 200
+        lines = response.iter_lines()
+        first = json.loads(next(line for line in lines if line.startswith("data: "))[len("data: "):])
+        generated = server.metrics()["tokenmill:generation_tokens_total"] - before
+        rest = "\n\n".join(lines)
+    assert first["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert generated >= 1
+    assert rest.rstrip().endswith("data: [DONE]")
+
+
+def test_streamed_errors_before_the_first_token_are_plain_http_errors(server):
+    with httpx.stream("POST", server.url + COMPLETIONS, headers=server.headers, timeout=60,
+                      json={"prompt": [1, 10**6], "stream": True}) as response:
+        assert response.status_code == 400
+        response.read()
+    body = {"prompt": "One, two,", "max_tokens": 3, "stream": True, "ignore_eos": True}
+    with httpx.stream("POST", server.url + COMPLETIONS, headers=server.headers, timeout=60, json=body) as response:
+        chunks = sse_json("".join(response.iter_text()))
+    assert [c["choices"][0]["finish_reason"] for c in chunks if c["choices"]].count("length") == 1
+
+
+# ----- probes, metrics -------------------------------------------------------------------------
+
+
+def test_the_probes_can_be_closed_too(server):
+    for path in ("/health", "/metrics", "/openapi.json"):
+        assert assert_error(httpx.get(server.url + path), 401)["code"] == "invalid_api_key"
+        assert server.get(path).status_code == 200
+
+
+def test_http_answers_are_counted_by_route_and_status(server):
+    server.post(COMPLETIONS, json={"prompt": "a", "n": 999})
+    httpx.get(server.url + "/no/such/route/" + "x" * 50, headers=server.headers)
+    metrics = server.metrics()
+    assert metrics['tokenmill:http_requests_total{handler="/v1/completions",method="POST",status="400"}'] >= 1
+    assert metrics['tokenmill:http_requests_total{handler="unmatched",method="GET",status="404"}'] >= 1
+    assert not [key for key in metrics if "xxxxx" in key]
