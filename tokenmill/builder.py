@@ -1,9 +1,10 @@
 """The composition root: an EngineConfig in, a running engine out.
 
-`build_executor` resolves the device and dtypes, loads the model, chooses the execution
-plan and the attention backend, allocates the KV cache and builds the runner; it returns
-them with the tokenizer and the `EngineFacts` found on the way. `build_engine` wraps
-that in an `LLMEngine`. `LLM`, `tokenmill serve` and the bench all start here.
+`build_executor` resolves the device and dtypes, loads the model (and a draft model for
+speculative decoding), chooses the execution plan and the attention backend, allocates the
+KV cache and builds the runner and the proposer; it returns them with the tokenizer and
+the `EngineFacts` found on the way. `build_engine` wraps that in an `LLMEngine`. `LLM`,
+`tokenmill serve` and the bench all start here.
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ import torch
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.attention.kv_cache import KVCacheSpec, PagedKVCache
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
-from tokenmill.config import EngineConfig, EngineFacts
-from tokenmill.engine.engine import LLMEngine
+from tokenmill.config import EngineConfig, EngineFacts, SpeculativeConfig
+from tokenmill.engine.engine import LLMEngine, Proposer
 from tokenmill.hardware import cpu_info
 from tokenmill.model.loader import LoadedModel, load_model
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.runner.plan import ExecutionPlan, apply_plan, cpu_native_plan, reference_plan
+from tokenmill.spec_decode.draft import DraftModelProposer, check_draft
+from tokenmill.spec_decode.ngram import NgramProposer
 from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -36,11 +39,12 @@ class BuiltExecutor:
     executor: ModelRunner
     tokenizer: Tokenizer
     facts: EngineFacts
+    proposer: Proposer | None = None  # speculative decoding's
 
 
 def build_engine(config: EngineConfig) -> LLMEngine:
     built = build_executor(config)
-    return LLMEngine(config, built.executor, built.tokenizer, built.facts)
+    return LLMEngine(config, built.executor, built.tokenizer, built.facts, proposer=built.proposer)
 
 
 def build_executor(config: EngineConfig) -> BuiltExecutor:
@@ -50,24 +54,29 @@ def build_executor(config: EngineConfig) -> BuiltExecutor:
     dtype = resolve_dtype(config.model.dtype, device)
     loaded = load_model(config.model.model, dtype.compute, device, max_positions=config.model.max_model_len)
     max_model_len = resolve_max_model_len(config, loaded)
+    speculative = config.speculative.speculative_config
+    draft = load_draft(config, device, loaded, max_model_len) if _has_draft(speculative) else None
     kernels_ok = device.type == "cpu" and config.device.native_kernels and _cpu_kernels_build()
     backend = select_attention_backend(config.device.attention_backend, device, kernels_ok)
     plan = apply_plan(loaded.model, choose_plan(config, device, dtype, kernels_ok, backend))
     spec = KVCacheSpec(loaded.arch.num_layers, loaded.arch.num_kv_heads, loaded.arch.head_dim,
                        config.cache.block_size, _DTYPES[dtype.kv_cache])
     memory = config.cache.kv_cache_memory or default_kv_cache_memory(device)
-    num_blocks = spec.num_blocks_for(memory)
+    # A draft keeps the KV of the same tokens: the memory is split so both hold as many.
+    bytes_per_block = spec.bytes_per_block + (draft.kv_spec.bytes_per_block if draft else 0)
+    num_blocks = memory // bytes_per_block
     if num_blocks < 1:
-        raise ValueError(f"kv_cache_memory {memory} bytes is less than one KV block ({spec.bytes_per_block} bytes)")
+        raise ValueError(f"kv_cache_memory {memory} bytes is less than one KV block ({bytes_per_block} bytes)")
     kv_cache = PagedKVCache(spec, num_blocks, device)
     runner = ModelRunner(loaded.model, kv_cache, backend, plan, device, seed=config.model.seed)
+    proposer = build_proposer(config, runner, draft, kernels_ok) if speculative else None
     facts = EngineFacts(
         model_name=loaded.name, model_path=loaded.path, architecture=loaded.arch.architecture,
         vocab_size=loaded.arch.vocab_size, max_model_len=max_model_len, device=str(device),
         compute_dtype=dtype.compute, weight_format=plan.weight_format.name, kv_cache_dtype=dtype.kv_cache,
         num_blocks=num_blocks, block_size=config.cache.block_size, kv_bytes_per_token=spec.bytes_per_token,
         attention_backend=backend.name, execution_plan=plan.describe(), num_threads=threads,
-        load_seconds=time.perf_counter() - start,
+        load_seconds=time.perf_counter() - start, speculative=describe_speculation(speculative, proposer),
     )
     logger.info(
         "loaded %s (%s) on %s in %.1f s: %d KV blocks of %d tokens (%.2f GiB, %d bytes per token), "
@@ -75,7 +84,72 @@ def build_executor(config: EngineConfig) -> BuiltExecutor:
         spec.block_size, kv_cache.nbytes / 2**30, spec.bytes_per_token, max_model_len, backend.name,
     )
     logger.info("execution plan (%s): %s", plan.tier, plan.describe())
-    return BuiltExecutor(runner, loaded.tokenizer, facts)
+    if proposer is not None:
+        logger.info("speculative decoding: %s", facts.speculative)
+    return BuiltExecutor(runner, loaded.tokenizer, facts, proposer)
+
+
+# ----- speculative decoding ------------------------------------------------------------------
+
+
+@dataclass
+class LoadedDraft:
+    loaded: LoadedModel
+    dtype: DtypePlan
+    kv_spec: KVCacheSpec
+
+
+def _has_draft(speculative: SpeculativeConfig | None) -> bool:
+    return speculative is not None and speculative.method == "draft_model"
+
+
+def load_draft(config: EngineConfig, device: torch.device, target: LoadedModel, max_model_len: int) -> LoadedDraft:
+    """Load the draft model and check it can propose for the target (same tokenizer,
+    context for max_model_len) before anything is allocated."""
+    speculative = config.speculative.speculative_config
+    dtype = resolve_dtype(speculative.dtype or config.model.dtype, device)
+    draft = load_model(speculative.model, dtype.compute, device, max_positions=max_model_len)
+    check_draft(draft.arch.vocab_size, target.arch.vocab_size, _token_table(draft.tokenizer),
+                _token_table(target.tokenizer), draft.context_len, draft.arch.sliding_window, max_model_len)
+    kv_spec = KVCacheSpec(draft.arch.num_layers, draft.arch.num_kv_heads, draft.arch.head_dim,
+                          config.cache.block_size, _DTYPES[dtype.kv_cache])
+    return LoadedDraft(draft, dtype, kv_spec)
+
+
+def build_proposer(config: EngineConfig, runner: ModelRunner, draft: LoadedDraft | None,
+                   kernels_ok: bool) -> Proposer:
+    """n-gram: model-free. Draft model: its own plan, runner and KV cache (as many
+    tokens as the target's, plus room for every running request's proposals); the target
+    runner asks it for the distributions its proposals were drawn from."""
+    speculative = config.speculative.speculative_config
+    k = speculative.num_speculative_tokens
+    if speculative.method == "ngram":
+        return NgramProposer(k, speculative.prompt_lookup_min, speculative.prompt_lookup_max)
+    device = runner.device
+    plan = apply_plan(draft.loaded.model, choose_plan(config, device, draft.dtype, kernels_ok, runner.backend))
+    block_size = config.cache.block_size
+    lookahead = config.scheduler.max_num_seqs * -(-(k - 1) // block_size)
+    cache = PagedKVCache(draft.kv_spec, runner.kv_cache.num_blocks + lookahead, device)
+    draft_runner = ModelRunner(draft.loaded.model, cache, runner.backend, plan, device, seed=config.model.seed)
+    proposer = DraftModelProposer(draft_runner, k, config.scheduler.max_num_batched_tokens,
+                                  config.cache.enable_prefix_caching, seed=config.model.seed)
+    runner.draft_probs = proposer.draft_probs
+    return proposer
+
+
+def describe_speculation(speculative: SpeculativeConfig | None, proposer: Proposer | None) -> str:
+    if speculative is None:
+        return ""
+    text = f"{speculative.method}, {speculative.num_speculative_tokens} tokens"
+    if speculative.method == "ngram":
+        return text + f", lookup {speculative.prompt_lookup_min}-{speculative.prompt_lookup_max}"
+    runner = proposer.runner
+    return (f"{text}, draft {speculative.model} ({runner.plan.describe()}; {runner.kv_cache.num_blocks} KV blocks, "
+            f"{runner.kv_cache.nbytes / 2**30:.2f} GiB)")
+
+
+def _token_table(tokenizer: Tokenizer) -> dict[str, int]:
+    return tokenizer.backend.get_vocab(with_added_tokens=True)
 
 
 # ----- what the config leaves to the machine ----------------------------------------------

@@ -375,6 +375,7 @@ class EngineFacts:
     execution_plan: str  # what runs a step, chosen once at load (logged)
     num_threads: int = 1
     load_seconds: float = 0.0
+    speculative: str = ""  # speculative decoding as configured ("" = off)
 
     @property
     def kv_capacity_tokens(self) -> int:
