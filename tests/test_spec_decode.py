@@ -1,0 +1,339 @@
+"""Speculative decoding: n-gram and draft-model proposers, verification in the real
+runner, the engine's seam, metrics and start-up errors.
+
+Tiny random Llama models built in memory (a target and a draft made from it with noise
+added, so the draft is often but not always right) run through the real runner, the real
+attention backend and execution plan, and the real engine. The exactness tests compare
+greedy outputs with speculation on and off token for token; the losslessness tests compare
+the distribution of sampled continuations with the target's exact one (chi-square over
+>= 10,000 samples, fixed seeds), and show that a wrong acceptance rule fails the same test.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import math
+import random
+
+import numpy as np
+import pytest
+import torch
+from fakes import FakeTokenizer, fake_facts
+
+from tokenmill.attention.kv_cache import KVCacheSpec, PagedKVCache
+from tokenmill.builder import LoadedDraft, build_proposer, select_attention_backend
+from tokenmill.config import EngineConfig
+from tokenmill.engine.engine import LLMEngine
+from tokenmill.engine.request import Request
+from tokenmill.kernels import cpu_kernels_available
+from tokenmill.model.config import ModelArchConfig
+from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.loader import LoadedModel
+from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.runner.plan import apply_plan, cpu_native_plan, reference_plan
+from tokenmill.sampling.params import SamplingParams
+from tokenmill.spec_decode.ngram import NgramProposer, ngram_lookup
+from tokenmill.spec_decode.rejection import RejectionSampler, accept_greedy
+
+NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+DRAFT = {"method": "draft_model", "model": "in-memory", "num_speculative_tokens": 3}
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread():
+    """Tiny models: two OpenMP threads on a busy 2-core machine only wait for each other
+    (a tiny decode layer took 30 ms instead of 0.1 ms)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+# ----- tiny models and engines ----------------------------------------------------------------
+
+
+def tiny_arch(vocab_size: int) -> ModelArchConfig:
+    return ModelArchConfig("llama", vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_layers=2,
+                           num_heads=4, num_kv_heads=2, head_dim=16, max_position_embeddings=256)
+
+
+def tiny_pair(vocab_size: int, noise: float, seed: int = 0, scale: float = 1.0) -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    """A random target, and a draft: the target with Gaussian noise of `noise` x each
+    weight's std added (a smaller `noise`, a more often right draft). `scale` multiplies
+    the LM head: larger, more peaked distributions."""
+    torch.manual_seed(seed)
+    target = LlamaForCausalLM(tiny_arch(vocab_size)).eval()
+    with torch.no_grad():
+        target.lm_head.weight.mul_(scale)
+        for name, p in target.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    draft = copy.deepcopy(target)
+    generator = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for p in draft.parameters():
+            p.add_(torch.randn(p.shape, generator=generator) * noise * p.std())
+    return target, draft
+
+
+def _native() -> bool:
+    if not cpu_kernels_available():
+        pytest.fail("the native CPU kernels did not build (python -m tokenmill.kernels -v shows why)")
+    return True
+
+
+def planned(model: LlamaForCausalLM, native: bool = True):
+    """The model set up as the builder sets up a float32 CPU model (idempotent)."""
+    plan = cpu_native_plan(torch.float32, onednn=False) if native and _native() else reference_plan(torch.float32)
+    return apply_plan(model, plan)
+
+
+def tiny_engine(target: LlamaForCausalLM, draft: LlamaForCausalLM | None = None, speculative: dict | None = None,
+                num_blocks: int = 64, block_size: int = 4, max_model_len: int = 128, native: bool = True,
+                **settings: object) -> LLMEngine:
+    """An engine over the real runner, backend and plan for a tiny model, as the builder
+    wires one (the proposer comes from the builder's own `build_proposer`)."""
+    backend = select_attention_backend("cpu_native" if native else "torch_sdpa", torch.device("cpu"),
+                                       native and _native())
+    plan = planned(target, native)
+    arch = target.cfg
+    spec = KVCacheSpec(arch.num_layers, arch.num_kv_heads, arch.head_dim, block_size, torch.float32)
+    runner = ModelRunner(target, PagedKVCache(spec, num_blocks, torch.device("cpu")), backend, plan,
+                         torch.device("cpu"), seed=0)
+    config = EngineConfig.from_kwargs(block_size=block_size, speculative_config=speculative, **settings)
+    proposer = None
+    if speculative is not None:
+        loaded_draft = None
+        if draft is not None:
+            darch = draft.cfg
+            loaded = LoadedModel(draft, darch, None, "draft", darch.max_position_embeddings)
+            kv_spec = KVCacheSpec(darch.num_layers, darch.num_kv_heads, darch.head_dim, block_size, torch.float32)
+            from tokenmill.builder import DtypePlan
+
+            loaded_draft = LoadedDraft(loaded, DtypePlan("float32", "float32"), kv_spec)
+        proposer = build_proposer(config, runner, loaded_draft, native)
+    facts = dataclasses.replace(fake_facts(num_blocks, block_size, max_model_len), vocab_size=arch.vocab_size)
+    return LLMEngine(config, runner, FakeTokenizer(), facts, proposer=proposer)
+
+
+def run(engine: LLMEngine, prompts: list[list[int]], params: SamplingParams | list[SamplingParams],
+        abort_after: dict[str, int] | None = None) -> dict[str, list[int]]:
+    """Generate to the end; returns each request's output token ids by request id."""
+    params = params if isinstance(params, list) else [params] * len(prompts)
+    for i, (prompt, p) in enumerate(zip(prompts, params)):
+        engine.add_request(str(i), prompt, p)
+    outputs: dict[str, object] = {}
+    steps = 0
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                outputs[out.request_id] = out
+        steps += 1
+        for rid, at in (abort_after or {}).items():
+            if steps == at:
+                engine.abort_request(rid)
+    return outputs
+
+
+def assert_no_kv_held(engine: LLMEngine) -> None:
+    kv = engine.scheduler.kv
+    kv.check_integrity()
+    assert kv.num_free_blocks == kv.num_blocks and not kv.req_blocks
+    proposer = engine.proposer
+    if proposer is not None and hasattr(proposer, "kv"):
+        proposer.kv.check_integrity()
+        assert proposer.kv.num_free_blocks == proposer.kv.num_blocks, "the draft's KV blocks leaked"
+        assert not proposer.kv.req_blocks and not proposer.sequences and not proposer.distributions
+
+
+# ----- n-gram lookup ---------------------------------------------------------------------------
+
+
+def brute_force_lookup(tokens: list[int], min_n: int, max_n: int, k: int) -> list[int]:
+    """The definition, spelled out: the longest suffix with length in [min_n, max_n] that
+    occurs earlier (ending before the last token), its latest such occurrence, then what
+    followed it."""
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n:]
+        for start in range(length - n - 1, -1, -1):  # latest first
+            if tokens[start : start + n] == suffix:
+                return tokens[start + n : start + n + k]
+    return []
+
+
+def test_ngram_lookup_matches_its_definition() -> None:
+    rng = random.Random(0)
+    for _ in range(3000):
+        tokens = [rng.randrange(rng.choice([2, 3, 5, 50])) for _ in range(rng.randint(0, 40))]
+        min_n = rng.randint(1, 3)
+        max_n = rng.randint(min_n, 5)
+        k = rng.randint(1, 6)
+        got = ngram_lookup(np.asarray(tokens, dtype=np.int64), min_n, max_n, k)
+        assert got == brute_force_lookup(tokens, min_n, max_n, k), (tokens, min_n, max_n, k)
+
+
+def test_ngram_lookup_examples() -> None:
+    def lookup(tokens, lo=2, hi=4, k=3):
+        return ngram_lookup(np.asarray(tokens), lo, hi, k)
+
+    assert lookup([1, 2, 3, 4, 5, 9, 1, 2, 3, 4, 7, 8, 2, 3, 4]) == [7, 8, 2]  # latest of the longest (3)
+    assert lookup([5, 6, 7, 5, 6]) == [7, 5, 6]
+    assert lookup([1, 2, 3]) == []  # nothing re-occurs
+    assert lookup([1, 2, 9, 2], lo=2) == []  # a 1-token match is below prompt_lookup_min
+    assert lookup([1, 2, 9, 2], lo=1) == [9, 2]
+
+
+def test_ngram_proposer_stays_within_the_room_left() -> None:
+    proposer = NgramProposer(4, 1, 2)
+    request = Request("a", [5, 6, 7, 5, 6, 7, 5], SamplingParams(max_tokens=3), max_total_tokens=64)
+    request.append_output_token(6)  # one output, two more allowed: at most one proposal
+    proposer.propose([request])
+    assert request.spec_token_ids == [7]
+    request.append_output_token(7)
+    proposer.propose([request])
+    assert request.spec_token_ids == []
+
+
+def test_accept_greedy() -> None:
+    assert accept_greedy([4, 5, 6], [4, 5, 6, 7]) == [4, 5, 6, 7]
+    assert accept_greedy([4, 5, 6], [4, 9, 6, 7]) == [4, 9]
+    assert accept_greedy([4, 5, 6], [1, 5, 6, 7]) == [1]
+    assert accept_greedy([], [3]) == [3]
+
+
+# ----- greedy: token for token what decoding without speculation gives -------------------------
+
+VOCAB = 64
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    """Peaked distributions (no near-ties for greedy), and a draft right most of the time."""
+    return tiny_pair(VOCAB, noise=0.3, scale=6.0)
+
+
+def greedy_workload(seed: int = 0, count: int = 10) -> tuple[list[list[int]], list[SamplingParams]]:
+    """Prompts with repeats (for n-gram matches) and a shared prefix (for prefix caching);
+    greedy parameters that touch every stop and logit rule."""
+    rng = random.Random(seed)
+    shared = [rng.randrange(3, VOCAB) for _ in range(9)]
+    prompts, params = [], []
+    for i in range(count):
+        body = [rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 12))]
+        prompt = (shared if i % 2 else []) + body + body[: rng.randint(1, len(body))]
+        prompts.append(prompt)
+        extra = [dict(), dict(logprobs=2), dict(stop_token_ids=[rng.randrange(3, VOCAB)]), dict(min_tokens=6),
+                 dict(repetition_penalty=1.3, frequency_penalty=0.5), dict(ignore_eos=True),
+                 dict(logit_bias={rng.randrange(3, VOCAB): 3.0})][i % 7]
+        params.append(SamplingParams(temperature=0.0, max_tokens=rng.randint(5, 40), **extra))
+    return prompts, params
+
+
+def outputs_of(results: dict) -> dict[str, tuple]:
+    return {rid: (out.outputs[0].token_ids, out.outputs[0].finish_reason, out.outputs[0].text)
+            for rid, out in results.items()}
+
+
+def logprobs_of(results: dict) -> dict[str, list[list[tuple[int, int, float]]]]:
+    """Per position: (token id, rank, logprob) of the emitted token and the top ones."""
+    return {rid: [[(t, lp.rank, lp.logprob) for t, lp in position.items()] for position in out.outputs[0].logprobs]
+            for rid, out in results.items() if out.outputs[0].logprobs is not None}
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+@pytest.mark.parametrize("caching", [True, False], ids=["prefix-caching", "no-caching"])
+def test_greedy_output_is_identical_with_speculation(pair, method: str, caching: bool) -> None:
+    target, draft = pair
+    prompts, params = greedy_workload()
+    settings = dict(enable_prefix_caching=caching, max_num_seqs=6, max_num_batched_tokens=48)
+    plain = tiny_engine(target, **settings)
+    expected = run(plain, prompts, params)
+    spec_config = NGRAM if method == "ngram" else DRAFT
+    spec = tiny_engine(target, draft if method == "draft_model" else None, spec_config, **settings)
+    got = run(spec, prompts, params)
+    assert outputs_of(got) == outputs_of(expected)
+    got_logprobs, expected_logprobs = logprobs_of(got), logprobs_of(expected)
+    assert set(got_logprobs) == set(expected_logprobs) and got_logprobs
+    for rid, positions in got_logprobs.items():
+        reference = expected_logprobs[rid]
+        assert [[(t, r) for t, r, _ in p] for p in positions] == [[(t, r) for t, r, _ in p] for p in reference]
+        flat = [lp for p in positions for _, _, lp in p]
+        assert flat == pytest.approx([lp for p in reference for _, _, lp in p], abs=1e-4)
+    stats = spec.stats().spec_decode
+    # Both paths ran: proposals accepted and rejected, and steps were saved.
+    assert 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    assert spec.num_steps < plain.num_steps
+    assert_no_kv_held(spec)
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"])
+def test_greedy_is_identical_under_preemption_and_draft_kv_is_released(pair, method: str) -> None:
+    target, draft = pair
+    prompts, params = greedy_workload(seed=1, count=8)
+    params = [dataclasses.replace(p, max_tokens=40, ignore_eos=True, stop_token_ids=[], min_tokens=0)
+              for p in params]
+    settings = dict(num_blocks=24, max_num_seqs=8, max_num_batched_tokens=64)
+    expected = run(tiny_engine(target, **settings), prompts, params)
+    spec = tiny_engine(target, draft if method == "draft_model" else None,
+                       NGRAM if method == "ngram" else DRAFT, **settings)
+    live_drafts: list[tuple[set, set]] = []
+
+    class Watch:
+        def on_step(self, record, outputs):
+            if hasattr(spec.proposer, "sequences"):
+                running = {r.request_id for r in spec.scheduler.running}
+                live_drafts.append((set(spec.proposer.sequences), running))
+
+        def on_aborted(self, output):
+            pass
+
+    spec.add_observer(Watch())
+    got = run(spec, prompts, params)
+    assert outputs_of(got) == outputs_of(expected)
+    assert spec.scheduler.num_preemptions > 0 and spec.stats().spec_decode.num_accepted_tokens > 0
+    for drafted, running in live_drafts:  # a preempted or finished request holds no draft KV
+        assert drafted <= running
+    assert_no_kv_held(spec)
+
+
+def test_abort_frees_the_draft_kv_at_once(pair) -> None:
+    target, draft = pair
+    spec = tiny_engine(target, draft, DRAFT)
+    params = SamplingParams(temperature=0.0, max_tokens=30, ignore_eos=True)
+    for rid, prompt in (("a", [5, 6, 7, 8]), ("b", [9, 10, 11, 12, 13])):
+        spec.add_request(rid, prompt, params)
+    for _ in range(3):
+        spec.step()
+    proposer = spec.proposer
+    assert set(proposer.sequences) == {"a", "b"} and proposer.kv.get_block_ids("a")
+    spec.abort_request("a")
+    assert "a" not in proposer.sequences and not proposer.kv.get_block_ids("a")
+    assert proposer.kv.get_block_ids("b")
+    while spec.has_unfinished_requests():
+        spec.step()
+    assert_no_kv_held(spec)
+
+
+def test_disable_by_batch_size_turns_speculation_off_per_step(pair) -> None:
+    target, _ = pair
+    prompts, _ = greedy_workload(seed=2, count=4)
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (8, 12, 24, 40)]
+    spec = tiny_engine(target, None, {**NGRAM, "disable_by_batch_size": 3})
+    drafted_with = []
+
+    class Watch:
+        def on_step(self, record, outputs):
+            if record.spec_decode is not None:
+                drafted_with.append(record.num_scheduled)
+
+        def on_aborted(self, output):
+            pass
+
+    spec.add_observer(Watch())
+    got = run(spec, prompts, params)
+    assert outputs_of(got) == outputs_of(run(tiny_engine(target), prompts, params))
+    # Four requests run together until two finish: no proposals while 3 or more run.
+    assert drafted_with and max(drafted_with) <= 2
