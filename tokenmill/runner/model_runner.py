@@ -21,6 +21,14 @@ from tokenmill.runner.plan import ExecutionPlan
 from tokenmill.sampling.sampler import Sampler, SamplingRow, compute_token_logprobs
 from tokenmill.spec_decode.rejection import RejectionSampler, Verification
 
+# A chunk of at most this many tokens after earlier context (a verification: the last
+# known token and its proposals; a draft catching up) attends as that many one-token
+# rows, each over its own context length. Every backend writes the step's KV before any
+# attention reads it, so row j sees exactly the positions up to its own (the chunk's
+# bottom-right causal mask) with no per-chunk gather and SDPA call, and a step made only
+# of such rows can run the fused decode layer.
+SHORT_CHUNK_TOKENS = 8
+
 # (request id, proposals) -> the [len(proposals), V] distributions a draft sampled them
 # from, or None for point masses; set by the builder when a draft model proposes.
 DraftProbs = Callable[[str, list[int]], "torch.Tensor | None"]
@@ -47,6 +55,7 @@ class ModelRunner:
         self.draft_probs: DraftProbs | None = None
         self.requests = RequestTable()
         self.generators: dict[str, torch.Generator] = {}
+        self.short_chunks_as_decodes = True  # off: every multi-token chunk attends as one (benchmarks)
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
@@ -69,26 +78,33 @@ class ModelRunner:
         positions = torch.tensor(
             [p for r in items for p in range(r.start_pos, r.context_len)], dtype=torch.long, device=self.device
         )
-        if self.plan.use_fused_decode(len(items), layout.all_decode):
+        if self.plan.use_fused_decode(len(layout.query_lens), layout.all_decode):
             ctx = ForwardContext(self.backend, None, self.kv_cache, PagedDecode.from_layout(layout, self.device))
         else:
             ctx = ForwardContext(self.backend, self.backend.build_metadata(layout, self.device), self.kv_cache)
         with forward_context(ctx):
             hidden = self.model(input_ids, positions)
-        return hidden, layout.query_starts
+        starts = [0]
+        for r in items:
+            starts.append(starts[-1] + r.num_tokens)
+        return hidden, starts
 
     def _layout(self, items: list[StepRequest]) -> BatchLayout:
         size = self.block_size
         slots = [
             r.block_ids[p // size] * size + p % size for r in items for p in range(r.start_pos, r.context_len)
         ]
-        return BatchLayout(
-            query_lens=[r.num_tokens for r in items],
-            context_lens=[r.context_len for r in items],
-            block_tables=[r.block_ids for r in items],
-            slot_mapping=slots,
-            block_size=size,
-        )
+        query_lens, context_lens, block_tables = [], [], []
+        for r in items:
+            if self.short_chunks_as_decodes and r.start_pos > 0 and 1 < r.num_tokens <= SHORT_CHUNK_TOKENS:
+                query_lens += [1] * r.num_tokens
+                context_lens += range(r.start_pos + 1, r.context_len + 1)
+                block_tables += [r.block_ids] * r.num_tokens
+            else:
+                query_lens.append(r.num_tokens)
+                context_lens.append(r.context_len)
+                block_tables.append(r.block_ids)
+        return BatchLayout(query_lens, context_lens, block_tables, slots, size)
 
     def _sample(self, items: list[StepRequest], hidden: torch.Tensor, starts: list[int], output: RunnerOutput) -> None:
         """One token after the last known token of each request that samples; for one with
