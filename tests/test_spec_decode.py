@@ -337,3 +337,130 @@ def test_disable_by_batch_size_turns_speculation_off_per_step(pair) -> None:
     assert outputs_of(got) == outputs_of(run(tiny_engine(target), prompts, params))
     # Four requests run together until two finish: no proposals while 3 or more run.
     assert drafted_with and max(drafted_with) <= 2
+
+
+# ----- sampling: lossless --------------------------------------------------------------------
+
+SMALL_VOCAB = 4
+PROMPT = [1, 3, 0, 1, 3]  # "1 3" re-occurs: the n-gram proposer has something to copy
+CONTINUATION = 4
+NUM_SAMPLES = 10_000
+SAMPLED = {
+    "plain": SamplingParams(temperature=1.0),
+    "filtered": SamplingParams(temperature=0.8, top_k=3, top_p=0.9, frequency_penalty=0.4, presence_penalty=0.3),
+}
+
+
+@pytest.fixture(scope="module")
+def small_pair() -> tuple[LlamaForCausalLM, LlamaForCausalLM]:
+    """A target with neither flat nor peaked distributions over 4 tokens, and a draft far
+    enough from it that rejections and residual draws are frequent."""
+    return tiny_pair(SMALL_VOCAB, noise=1.0, seed=3, scale=2.5)
+
+
+def reference_probs(logits: torch.Tensor, output: list[int], params: SamplingParams) -> torch.Tensor:
+    """The target's next-token distribution, written out plainly (vLLM's order: penalties
+    on the raw logits, temperature, top-k, then top-p over what is left)."""
+    logits = logits.double().clone()
+    for token in set(output):
+        logits[token] -= params.frequency_penalty * output.count(token) + params.presence_penalty
+    logits /= params.temperature
+    if params.top_k > 0:
+        logits[logits < logits.topk(params.top_k).values[-1]] = -math.inf
+    probs = torch.softmax(logits, dim=-1)
+    if params.top_p < 1.0:
+        order = probs.argsort(descending=True)
+        mass_before = probs[order].cumsum(0) - probs[order]
+        probs[order[mass_before >= params.top_p]] = 0.0
+        probs /= probs.sum()
+    return probs
+
+
+def exact_distribution(model: LlamaForCausalLM, params: SamplingParams) -> dict[tuple[int, ...], float]:
+    """Probability of every continuation, from dense forward passes of the target."""
+    exact = {}
+    with torch.inference_mode():
+        for continuation in itertools.product(range(SMALL_VOCAB), repeat=CONTINUATION):
+            ids = torch.tensor(PROMPT + list(continuation))
+            logits = model.compute_logits(model(ids, torch.arange(len(ids))))
+            p = 1.0
+            for t, token in enumerate(continuation):
+                p *= float(reference_probs(logits[len(PROMPT) - 1 + t], list(continuation[:t]), params)[token])
+            exact[continuation] = p
+    return exact
+
+
+def chi_square_p_value(counts: dict[tuple[int, ...], int], exact: dict[tuple[int, ...], float]) -> float:
+    """Goodness of fit of the observed continuations to the exact distribution; outcomes
+    expected fewer than 5 times are pooled into one bin."""
+    total = sum(counts.values())
+    assert set(counts) <= {c for c, p in exact.items() if p > 0}, "a continuation the target never produces"
+    observed, expected, pooled_o, pooled_e = [], [], 0, 0.0
+    for outcome, p in exact.items():
+        if p * total >= 5:
+            observed.append(counts.get(outcome, 0))
+            expected.append(p * total)
+        else:
+            pooled_o += counts.get(outcome, 0)
+            pooled_e += p * total
+    if pooled_e > 0:
+        observed.append(pooled_o)
+        expected.append(pooled_e)
+    statistic = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
+    dof = len(observed) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
+                                         torch.tensor(statistic / 2, dtype=torch.float64)))
+
+
+def sample_continuations(engine: LLMEngine, params: SamplingParams) -> dict[tuple[int, ...], int]:
+    params = dataclasses.replace(params, n=NUM_SAMPLES, max_tokens=CONTINUATION, ignore_eos=True)
+    engine.add_request("samples", PROMPT, params, final_only=True)
+    final = None
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                final = out
+    counts: dict[tuple[int, ...], int] = {}
+    for completion in final.outputs:
+        key = tuple(completion.token_ids)
+        counts[key] = counts.get(key, 0) + 1
+    return counts
+
+
+def sampling_engine(pair, method: str | None) -> LLMEngine:
+    target, draft = pair
+    speculative = {"ngram": {**NGRAM, "num_speculative_tokens": 3}, "draft_model": DRAFT, None: None}[method]
+    return tiny_engine(target, draft if method == "draft_model" else None, speculative, num_blocks=1600,
+                       max_num_seqs=256, max_num_batched_tokens=1024, max_model_len=16)
+
+
+@pytest.mark.parametrize("params", SAMPLED)
+@pytest.mark.parametrize("method", [None, "ngram", "draft_model"], ids=["off", "ngram", "draft"])
+def test_sampled_continuations_follow_the_target_distribution(small_pair, method: str | None, params: str) -> None:
+    engine = sampling_engine(small_pair, method)
+    counts = sample_continuations(engine, SAMPLED[params])
+    p_value = chi_square_p_value(counts, exact_distribution(small_pair[0], SAMPLED[params]))
+    assert p_value > 1e-3, f"the sampled continuations do not follow the target's distribution (p = {p_value:.2g})"
+    if method is not None:
+        stats = engine.stats().spec_decode
+        # Proposals were verified, and both accepted and rejected: every path of the rule ran.
+        assert stats.num_drafts > NUM_SAMPLES // 2
+        assert 0.1 < stats.acceptance_rate < 0.9, stats
+    assert_no_kv_held(engine)
+
+
+# A rule that ignores q (accept with probability p(x)): right for point masses (n-gram),
+# wrong for a draft model. A residual that keeps the rejected token: wrong for n-gram.
+WRONG_RULES = {
+    "draft_model": ("accepts", staticmethod(lambda target_prob, draft_prob, uniform: uniform < target_prob)),
+    "ngram": ("residual", staticmethod(lambda target, draft_probs, j, proposal: target)),
+}
+
+
+@pytest.mark.parametrize("method", ["ngram", "draft_model"], ids=["ngram", "draft"])
+def test_a_wrong_acceptance_rule_fails_the_same_test(small_pair, method: str, monkeypatch) -> None:
+    name, wrong = WRONG_RULES[method]
+    monkeypatch.setattr(RejectionSampler, name, wrong)
+    counts = sample_continuations(sampling_engine(small_pair, method), SAMPLED["plain"])
+    p_value = chi_square_p_value(counts, exact_distribution(small_pair[0], SAMPLED["plain"]))
+    assert p_value < 1e-6, f"the test cannot tell a wrong rule ({name}) from the right one (p = {p_value:.2g})"
