@@ -464,3 +464,202 @@ def test_a_wrong_acceptance_rule_fails_the_same_test(small_pair, method: str, mo
     counts = sample_continuations(sampling_engine(small_pair, method), SAMPLED["plain"])
     p_value = chi_square_p_value(counts, exact_distribution(small_pair[0], SAMPLED["plain"]))
     assert p_value < 1e-6, f"the test cannot tell a wrong rule ({name}) from the right one (p = {p_value:.2g})"
+
+
+def test_short_chunks_attend_the_same_either_way(pair) -> None:
+    """Verification chunks as one-token rows (the default) or as chunks: same outputs."""
+    target, draft = pair
+    prompts, params = greedy_workload(seed=4, count=6)
+    outputs = []
+    for as_decodes in (True, False):
+        engine = tiny_engine(target, draft, DRAFT)
+        engine.executor.short_chunks_as_decodes = as_decodes
+        engine.proposer.runner.short_chunks_as_decodes = as_decodes
+        outputs.append(outputs_of(run(engine, prompts, params)))
+    assert outputs[0] == outputs[1]
+    assert outputs[0] == outputs_of(run(tiny_engine(target), prompts, params))
+
+
+def test_seeded_sampling_with_speculation_does_not_depend_on_the_batch(pair) -> None:
+    target, draft = pair
+    prompt = [7, 8, 9, 7, 8]
+    params = SamplingParams(temperature=0.9, top_p=0.95, seed=1234, max_tokens=30, ignore_eos=True)
+    alone = run(tiny_engine(target, draft, DRAFT), [prompt], params)["0"].outputs[0].token_ids
+    others = [[5, 6, 5, 6], [11, 12, 13]]
+    batched = run(tiny_engine(target, draft, DRAFT), [*others, prompt],
+                  [SamplingParams(temperature=1.0, max_tokens=25), SamplingParams(temperature=0.0, max_tokens=20),
+                   params])["2"].outputs[0].token_ids
+    assert alone == batched and len(alone) == 30
+
+
+# ----- start-up errors --------------------------------------------------------------------------
+
+
+def write_tiny_hf_dir(directory, vocab_size: int = VOCAB, seed: int = 0, max_positions: int = 256,
+                      token_prefix: str = "t"):
+    """A Hugging Face checkpoint directory of a tiny random Llama, with a word-level
+    tokenizer whose tokens are `token_prefix` + index."""
+    from tokenizers import Tokenizer as BackendTokenizer
+    from tokenizers import models, pre_tokenizers
+    from transformers import LlamaConfig
+    from transformers import LlamaForCausalLM as HFLlama
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                         tie_word_embeddings=False, eos_token_id=1)
+    HFLlama(config).save_pretrained(directory, safe_serialization=True)
+    vocab = {"<unk>": 0, "<eos>": 1, **{f"{token_prefix}{i}": i for i in range(2, vocab_size)}}
+    backend = BackendTokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    backend.save(str(directory / "tokenizer.json"))
+    (directory / "tokenizer_config.json").write_text('{"eos_token": "<eos>"}')
+    return str(directory)
+
+
+@pytest.fixture(scope="module")
+def hf_dirs(tmp_path_factory) -> dict[str, str]:
+    root = tmp_path_factory.mktemp("tiny-models")
+    specs = {"target": {}, "draft": dict(seed=1), "other_vocab": dict(vocab_size=96),
+             "other_tokens": dict(token_prefix="w"), "short": dict(max_positions=64)}
+    dirs = {}
+    for name, kwargs in specs.items():
+        (root / name).mkdir()
+        dirs[name] = write_tiny_hf_dir(root / name, **kwargs)
+    return dirs
+
+
+TINY_LLM = dict(dtype="float32", max_model_len=128, kv_cache_memory="4MiB", num_threads=1, block_size=4)
+
+
+def test_llm_with_a_draft_model_from_disk(hf_dirs) -> None:
+    """The whole builder path: a draft directory, checked, loaded, planned, with its own
+    KV cache sized beside the target's; greedy output as without it."""
+    from tokenmill.llm import LLM
+
+    llm = LLM(hf_dirs["target"], speculative_config={"model": hf_dirs["draft"], "num_speculative_tokens": 2},
+              **TINY_LLM)
+    facts = llm.engine.facts
+    assert facts.speculative.startswith("draft_model, 2 tokens, draft ") and llm.engine.proposer.kv.num_blocks > 0
+    plain = LLM(hf_dirs["target"], **TINY_LLM)
+    # Target and draft share the KV memory: the target holds fewer blocks than alone.
+    assert facts.num_blocks < plain.engine.facts.num_blocks
+    prompts = [[5, 6, 7, 5, 6], [9, 10, 11, 12]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
+    assert got == [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    assert llm.engine.stats().spec_decode.num_drafts > 0
+    assert_no_kv_held(llm.engine)
+
+
+@pytest.mark.parametrize(("draft", "message"), [
+    ("other_vocab", "vocabulary has 96 tokens, the target's 64"),
+    ("other_tokens", "tokenizer differs from the target's"),
+    ("short", "context is 64 tokens, less than max_model_len 128"),
+])
+def test_an_unfit_draft_is_refused_before_anything_is_allocated(hf_dirs, draft: str, message: str,
+                                                                monkeypatch) -> None:
+    import tokenmill.builder as builder
+    from tokenmill.llm import LLM
+
+    allocated = []
+    monkeypatch.setattr(builder, "PagedKVCache", lambda *a, **k: allocated.append(a))
+    with pytest.raises(ValueError, match=message):
+        LLM(hf_dirs["target"], speculative_config={"model": hf_dirs[draft], "num_speculative_tokens": 2},
+            **TINY_LLM)
+    assert allocated == []
+
+
+@pytest.mark.parametrize(("config", "message"), [
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens must be an integer >= 1"),
+    ({"method": "ngram", "num_speculative_tokens": -2}, "num_speculative_tokens must be an integer >= 1"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, "unknown method 'eagle'"),
+    ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
+    ({"num_speculative_tokens": 2}, "needs 'method'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "lookahead": 1}, r"unknown key\(s\) \['lookahead'\]"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     r"prompt_lookup_min \(4\) must not exceed prompt_lookup_max \(2\)"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 0}, "prompt_lookup_min must be"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs 'model'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "disable_by_batch_size": 1}, "disable_by_batch_size"),
+    ('{"method": "ngram", ', "not valid JSON"),
+    ([1, 2], "must be a JSON object"),
+])
+def test_bad_speculative_configs_are_refused_before_loading(config, message: str, monkeypatch) -> None:
+    import tokenmill.builder as builder
+    from tokenmill.llm import LLM
+
+    monkeypatch.setattr(builder, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    with pytest.raises(ValueError, match=message):
+        LLM(speculative_config=config)
+
+
+def test_a_missing_draft_model_is_a_clear_error(hf_dirs, tmp_path) -> None:
+    from tokenmill.llm import LLM
+
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LLM(hf_dirs["target"], speculative_config={"model": str(tmp_path / "nope"), "num_speculative_tokens": 2},
+            **TINY_LLM)
+
+
+def test_vllm_defaults_for_prompt_lookup() -> None:
+    def lookup(**keys):
+        spec = EngineConfig.from_kwargs(speculative_config={"method": "ngram", "num_speculative_tokens": 2, **keys})
+        spec = spec.speculative.speculative_config
+        return spec.prompt_lookup_min, spec.prompt_lookup_max
+
+    assert lookup() == (5, 5)
+    assert lookup(prompt_lookup_max=4) == (4, 4)
+    assert lookup(prompt_lookup_min=2) == (2, 2)
+    assert lookup(prompt_lookup_min=2, prompt_lookup_max=4) == (2, 4)
+
+
+def test_serve_flag_and_yaml_key(tmp_path) -> None:
+    import argparse
+
+    from tokenmill.config import config_from_args
+    from tokenmill.serve import cli as serve_cli
+
+    parser = argparse.ArgumentParser()
+    serve_cli.register(parser.add_subparsers())
+    flag = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+    settings = serve_cli.resolve_settings(parser.parse_args(["serve", "--speculative-config", flag]))
+    spec = config_from_args(settings).speculative.speculative_config
+    assert (spec.method, spec.num_speculative_tokens, spec.prompt_lookup_min, spec.prompt_lookup_max) == \
+        ("ngram", 4, 2, 4)
+    yaml = tmp_path / "serve.yaml"
+    yaml.write_text("speculative-config:\n  method: draft_model\n  model: /m.gguf\n  num_speculative_tokens: 3\n")
+    settings = serve_cli.resolve_settings(parser.parse_args(["serve", "--config", str(yaml)]))
+    spec = config_from_args(settings).speculative.speculative_config
+    assert (spec.method, spec.model, spec.num_speculative_tokens) == ("draft_model", "/m.gguf", 3)
+
+
+# ----- metrics ----------------------------------------------------------------------------------
+
+
+def test_prometheus_counters_follow_the_step_records(pair) -> None:
+    from tokenmill.serve.metrics import ServerMetrics
+
+    target, draft = pair
+    engine = tiny_engine(target, draft, DRAFT)
+    metrics = ServerMetrics(engine.stats, lambda: "tiny")
+    engine.add_observer(metrics)
+    prompts, params = greedy_workload(seed=5, count=4)
+    run(engine, prompts, params)
+    stats = engine.stats().spec_decode
+    assert stats.num_drafts > 0 and 0 < stats.num_accepted_tokens < stats.num_draft_tokens
+    text = metrics.render().decode()
+
+    def value(name: str, extra: str = "") -> float:
+        line = next(li for li in text.splitlines() if li.startswith(f'tokenmill:{name}{{model_name="tiny"{extra}}}'))
+        return float(line.rsplit(" ", 1)[1])
+
+    assert value("spec_decode_num_drafts_total") == stats.num_drafts
+    assert value("spec_decode_num_draft_tokens_total") == stats.num_draft_tokens
+    assert value("spec_decode_num_accepted_tokens_total") == stats.num_accepted_tokens
+    per_position = [value("spec_decode_num_accepted_tokens_per_pos_total", f',position="{i}"')
+                    for i in range(len(stats.accepted_per_position))]
+    assert per_position == stats.accepted_per_position and sum(per_position) == stats.num_accepted_tokens
+    assert per_position == sorted(per_position, reverse=True)  # position i+1 is accepted only after i
+    assert 0 < stats.acceptance_rate < 1 and stats.mean_acceptance_length == 1 + stats.num_accepted_tokens / \
+        stats.num_drafts
