@@ -663,3 +663,52 @@ def test_prometheus_counters_follow_the_step_records(pair) -> None:
     assert per_position == sorted(per_position, reverse=True)  # position i+1 is accepted only after i
     assert 0 < stats.acceptance_rate < 1 and stats.mean_acceptance_length == 1 + stats.num_accepted_tokens / \
         stats.num_drafts
+
+
+# ----- the default model, float32 ---------------------------------------------------------------
+
+PASSAGE = ("The lighthouse keeper climbed the spiral stairs every evening at dusk. He trimmed the wick, "
+           "polished the great lens, and wrote the weather in a leather logbook. Ships passing the rocky "
+           "point saw the beam sweep across the water every twelve seconds.")
+GROUNDED = [
+    f"Repeat the following text exactly, word for word:\n\n{PASSAGE}",
+    f"Rewrite the following text in the past perfect tense:\n\n{PASSAGE}",
+    "Add type hints to this Python function and return the whole function:\n\n"
+    "def scale(values, factor):\n    result = []\n    for value in values:\n        result.append(value * factor)\n"
+    "    return result\n",
+]
+
+
+def _grounded_prompts(llm) -> list[list[int]]:
+    return [llm.encode_chat([{"role": "user", "content": text}]) for text in GROUNDED]
+
+
+def test_default_model_greedy_is_identical_with_ngram(llm_f32) -> None:
+    from tokenmill.llm import LLM
+
+    prompts = _grounded_prompts(llm_f32)
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    expected = [o.outputs[0].token_ids for o in llm_f32.generate(prompts, params)]
+    spec = LLM.from_engine(llm_f32.engine.sibling(speculative_config=NGRAM, proposer=NgramProposer(3, 1, 3)))
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+    assert got == expected
+    stats = spec.engine.stats().spec_decode
+    assert stats.acceptance_rate > 0.3 and spec.engine.num_steps < llm_f32.engine.num_steps
+    assert_no_kv_held(spec.engine)
+
+
+def test_default_model_greedy_is_identical_with_its_bf16_weights_as_draft(llm_f32) -> None:
+    """The GGUF's own weights stored in bfloat16 drafting for the same model in float32."""
+    from tokenmill.llm import LLM
+    from tokenmill.model.loader import default_model_path
+
+    draft = {"method": "draft_model", "model": default_model_path(), "dtype": "bfloat16", "num_speculative_tokens": 3}
+    spec = LLM(dtype="float32", max_model_len=1024, kv_cache_memory="128MiB", seed=0, num_threads=1,
+               speculative_config=draft)
+    prompts = _grounded_prompts(llm_f32)
+    params = SamplingParams(temperature=0.0, max_tokens=48)
+    expected = [o.outputs[0].token_ids for o in llm_f32.generate(prompts, params)]
+    got = [o.outputs[0].token_ids for o in spec.generate(prompts, params)]
+    assert got == expected
+    assert spec.engine.stats().spec_decode.acceptance_rate > 0.8
+    assert_no_kv_held(spec.engine)
