@@ -55,8 +55,8 @@ def build_executor(config: EngineConfig) -> BuiltExecutor:
     loaded = load_model(config.model.model, dtype.compute, device, max_positions=config.model.max_model_len)
     max_model_len = resolve_max_model_len(config, loaded)
     speculative = config.speculative.speculative_config
-    draft = load_draft(config, device, loaded, max_model_len) if _has_draft(speculative) else None
     kernels_ok = device.type == "cpu" and config.device.native_kernels and _cpu_kernels_build()
+    draft = load_draft(config, device, loaded, max_model_len, dtype, kernels_ok) if _has_draft(speculative) else None
     backend = select_attention_backend(config.device.attention_backend, device, kernels_ok)
     plan = apply_plan(loaded.model, choose_plan(config, device, dtype, kernels_ok, backend))
     spec = KVCacheSpec(loaded.arch.num_layers, loaded.arch.num_kv_heads, loaded.arch.head_dim,
@@ -103,17 +103,29 @@ def _has_draft(speculative: SpeculativeConfig | None) -> bool:
     return speculative is not None and speculative.method == "draft_model"
 
 
-def load_draft(config: EngineConfig, device: torch.device, target: LoadedModel, max_model_len: int) -> LoadedDraft:
+def load_draft(config: EngineConfig, device: torch.device, target: LoadedModel, max_model_len: int,
+               target_dtype: DtypePlan, kernels_ok: bool) -> LoadedDraft:
     """Load the draft model and check it can propose for the target (same tokenizer,
     context for max_model_len) before anything is allocated."""
     speculative = config.speculative.speculative_config
-    dtype = resolve_dtype(speculative.dtype or config.model.dtype, device)
+    dtype = resolve_draft_dtype(speculative.dtype or config.model.dtype, device, target_dtype, kernels_ok)
     draft = load_model(speculative.model, dtype.compute, device, max_positions=max_model_len)
     check_draft(draft.arch.vocab_size, target.arch.vocab_size, _token_table(draft.tokenizer),
                 _token_table(target.tokenizer), draft.context_len, draft.arch.sliding_window, max_model_len)
     kv_spec = KVCacheSpec(draft.arch.num_layers, draft.arch.num_kv_heads, draft.arch.head_dim,
                           config.cache.block_size, _DTYPES[dtype.kv_cache])
     return LoadedDraft(draft, dtype, kv_spec)
+
+
+def resolve_draft_dtype(dtype: str, device: torch.device, target: DtypePlan, kernels_ok: bool) -> DtypePlan:
+    """As the target's, except a bfloat16 draft beside a float32 target on a CPU with the
+    native kernels: bfloat16 weights with float32 compute even where the CPU computes
+    bf16 natively. A draft only runs decode steps of a few rows, where the tiled bf16
+    weights and the fused decode layer are fastest (measured 0.67x a float32 decode step
+    on a Xeon with AMX, against 1.02x for bf16 compute by PyTorch ops)."""
+    if dtype == "bfloat16" and device.type == "cpu" and kernels_ok and target.compute == "float32":
+        return DtypePlan(compute="float32", weights="bfloat16", kv="bfloat16")
+    return resolve_dtype(dtype, device)
 
 
 def build_proposer(config: EngineConfig, runner: ModelRunner, draft: LoadedDraft | None,
