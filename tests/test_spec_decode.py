@@ -268,6 +268,20 @@ def test_greedy_output_is_identical_with_speculation(pair, method: str, caching:
     assert spec.num_steps < plain.num_steps
     assert_no_kv_held(spec)
 
+    # Stop strings that end the text inside a run of accepted proposals: two letters from
+    # the middle of each answer (FakeTokenizer: one letter per token).
+    texts = [expected[str(i)].outputs[0].text for i in range(len(prompts))]
+    stopped = [dataclasses.replace(p, stop=[t[len(t) // 2 : len(t) // 2 + 2]], logprobs=1)
+               for p, t in zip(params, texts) if len(t) >= 6]
+    prompts = [p for p, t in zip(prompts, texts) if len(t) >= 6]
+    expected = run(tiny_engine(target, **settings), prompts, stopped)
+    got = run(tiny_engine(target, draft if method == "draft_model" else None, spec_config, **settings), prompts,
+              stopped)
+    assert outputs_of(got) == outputs_of(expected)
+    assert [len(p) for p in logprobs_of(got).values()] == [len(o.outputs[0].token_ids) for o in got.values()]
+    assert sum(o.outputs[0].finish_reason == "stop" and isinstance(o.outputs[0].stop_reason, str)
+               for o in got.values()) >= len(prompts) // 2
+
 
 @pytest.mark.parametrize("method", ["ngram", "draft_model"])
 def test_greedy_is_identical_under_preemption_and_draft_kv_is_released(pair, method: str) -> None:

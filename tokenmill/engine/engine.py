@@ -198,6 +198,8 @@ class LLMEngine:
         config = self.config.replace(**settings)
         if proposer is None and config.speculative == self.config.speculative:
             proposer = self.proposer
+        elif proposer is None and config.speculative.speculative_config is not None:
+            raise ValueError("a sibling engine with another speculative_config needs its proposer (proposer=...)")
         return LLMEngine(config, self.executor, self.tokenizer, facts, self.clock, proposer)
 
     # ----- requests ------------------------------------------------------------------
@@ -315,6 +317,8 @@ class LLMEngine:
         running = self.scheduler.running
         limit = self.config.speculative.speculative_config.disable_by_batch_size
         if limit is not None and len(running) >= limit:
+            for request in running:  # nothing left over from an earlier step either
+                request.spec_token_ids = []
             return
         ready = [r for r in running
                  if r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens >= r.params.min_tokens]
