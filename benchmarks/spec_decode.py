@@ -1,11 +1,11 @@
-"""What a speculative step costs at batch 1 against a plain decode step, on the default model.
+"""What a speculative step costs against a plain decode step, on the default model.
 
-    .venv/bin/python benchmarks/spec_decode.py [--threads 1] [--context 300] [--draft-dtype bfloat16]
+    .venv/bin/python benchmarks/spec_decode.py [--threads 1] [--context 300] [--batch 1] [--draft-dtype bfloat16]
 
-One request with `--context` tokens in the KV cache; each iteration times, back to back
+`--batch` requests with `--context` tokens each in the KV cache; each iteration times, back to back
 (so that a background load that drifts hits all alike), the target's forward pass plus
 LM head for:
-- decode: the last token (1 row; the fused decode layer);
+- decode: each request's last token (1 row each; the fused decode layer up to 16 rows);
 - verify k+1 as rows: the last token and k proposals as k+1 one-token rows over their own
   context lengths (the runner's path for short chunks: the fused decode layer);
 - verify k+1 as chunk: the same tokens as one chunk (per-op layers, SDPA with a
@@ -43,6 +43,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--context", type=int, default=300)
+    parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--draft-dtype", default="bfloat16")
     parser.add_argument("--iterations", type=int, default=15)
     parser.add_argument("--ks", default="2,4,7")
@@ -50,15 +51,20 @@ def main() -> None:
     ks = [int(k) for k in args.ks.split(",")]
     draft = {"method": "draft_model", "model": default_model_path(), "dtype": args.draft_dtype,
              "num_speculative_tokens": max(ks)}
-    llm = LLM(dtype="float32", max_model_len=2048, kv_cache_memory="256MiB", num_threads=args.threads,
+    llm = LLM(dtype="float32", max_model_len=2048, kv_cache_memory="1GiB", num_threads=args.threads,
               speculative_config=draft)
     target, drafter = llm.engine.executor, llm.engine.proposer.runner
     print(f"target: {llm.engine.facts.execution_plan}\ndraft: {drafter.plan.describe()}")
-    blocks = list(range(-(-(args.context + max(ks) + 1) // target.block_size)))
-    tokens = [1000 + i % 5000 for i in range(args.context + max(ks) + 1)]
-    state = RequestState("r", tokens, None, tokens, blocks)
-    for runner in (target, drafter):  # fill the KV caches of the context
-        timed(runner, [step_request(state, 0, args.context)])
+    print(f"{args.batch} request(s), {args.context} tokens of context each, {args.threads} thread(s)")
+    per_request = -(-(args.context + max(ks) + 1) // target.block_size)
+    states = []
+    for r in range(args.batch):
+        tokens = [1000 + (i * 7 + r) % 5000 for i in range(args.context + max(ks) + 1)]
+        blocks = list(range(r * per_request, (r + 1) * per_request))
+        states.append(RequestState(str(r), tokens, None, tokens, blocks))
+    for runner in (target, drafter):  # fill the KV caches of the contexts
+        for state in states:
+            timed(runner, [step_request(state, 0, args.context)])
 
     cases = {"decode": (target, 1, True)}
     for k in ks:
@@ -69,7 +75,7 @@ def main() -> None:
     for _ in range(args.iterations + 1):  # the first round warms up
         for name, (runner, n, as_rows) in cases.items():
             runner.short_chunks_as_decodes = as_rows
-            times[name].append(timed(runner, [step_request(state, args.context, n)]))
+            times[name].append(timed(runner, [step_request(state, args.context, n) for state in states]))
     base = times["decode"][1:]
     print(f"\n{'step':<22} {'ms':>8} {'x decode':>9}")
     for name, values in times.items():

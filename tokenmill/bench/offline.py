@@ -205,7 +205,8 @@ def run_workload(
         is_warmup = rep < warmup
         tag = f"warmup{rep}" if is_warmup else str(rep - warmup)
         requests = build_requests(workload, sizes, repetition_rng(seed, workload, tag), pool, encode_chat)
-        for system in systems:
+        # Alternate which system goes first, so a load that drifts within a repetition favours neither.
+        for system in systems if rep % 2 == 0 else systems[::-1]:
             what = f"warm-up {rep + 1}/{warmup}" if is_warmup else f"run {rep - warmup + 1}/{runs}"
             progress(f"{workload} {what}: {LABELS.get(system.name, system.name)} ...")
             record = system.run(requests)
