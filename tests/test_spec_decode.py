@@ -454,7 +454,9 @@ def test_sampled_continuations_follow_the_target_distribution(small_pair, method
     engine = sampling_engine(small_pair, method)
     counts = sample_continuations(engine, SAMPLED[params])
     p_value = chi_square_p_value(counts, exact_distribution(small_pair[0], SAMPLED[params]))
-    assert p_value > 1e-3, f"the sampled continuations do not follow the target's distribution (p = {p_value:.2g})"
+    # Under the null hypothesis this fails once in 10,000 seeds; the wrong rules below give
+    # p < 1e-60 with the same seeds and sample counts.
+    assert p_value > 1e-4, f"the sampled continuations do not follow the target's distribution (p = {p_value:.2g})"
     if method is not None:
         stats = engine.stats().spec_decode
         # Proposals were verified, and both accepted and rejected: every path of the rule ran.
@@ -477,7 +479,7 @@ def test_a_wrong_acceptance_rule_fails_the_same_test(small_pair, method: str, mo
     monkeypatch.setattr(RejectionSampler, name, wrong)
     counts = sample_continuations(sampling_engine(small_pair, method), SAMPLED["plain"])
     p_value = chi_square_p_value(counts, exact_distribution(small_pair[0], SAMPLED["plain"]))
-    assert p_value < 1e-6, f"the test cannot tell a wrong rule ({name}) from the right one (p = {p_value:.2g})"
+    assert p_value < 1e-12, f"the test cannot tell a wrong rule ({name}) from the right one (p = {p_value:.2g})"
 
 
 def test_short_chunks_attend_the_same_either_way(pair) -> None:

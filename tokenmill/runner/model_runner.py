@@ -51,7 +51,7 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.spec.block_size
         self.sampler = Sampler(seed)
-        self.verifier = RejectionSampler(seed)
+        self.verifier = RejectionSampler(self.sampler)
         self.draft_probs: DraftProbs | None = None
         self.requests = RequestTable()
         self.generators: dict[str, torch.Generator] = {}

@@ -30,7 +30,7 @@ from tokenmill.engine.block_manager import KVBlockManager
 from tokenmill.engine.request import Request
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling.params import SamplingParams
-from tokenmill.sampling.sampler import SamplingRow
+from tokenmill.sampling.sampler import SamplingRow, make_generator
 from tokenmill.spec_decode.proposer import proposal_room
 from tokenmill.spec_decode.rejection import process_logits, sampling_probs
 
@@ -73,8 +73,7 @@ class DraftModelProposer:
         self.sequences: dict[str, DraftSequence] = {}
         self.distributions: dict[str, tuple[list[int], torch.Tensor]] = {}
         self.generators: dict[str, torch.Generator] = {}
-        self.shared_generator = torch.Generator(device=runner.device)
-        self.shared_generator.manual_seed(seed + 1)  # not the target sampler's stream
+        self.shared_generator = make_generator(seed + 1, runner.device)  # not the target sampler's stream
 
     # ----- the engine's side ----------------------------------------------------------------
 
@@ -241,8 +240,7 @@ class DraftModelProposer:
         else:
             generator = self.generators.get(job.request.request_id)
             if generator is None:
-                generator = torch.Generator(device=self.runner.device)
-                generator.manual_seed((seed ^ 0x5DEECE66D) & (2**63 - 1))
+                generator = make_generator((seed ^ 0x5DEECE66D) & (2**63 - 1), self.runner.device)
                 self.generators[job.request.request_id] = generator
         return float(torch.rand(1, generator=generator, device=self.runner.device))
 

@@ -29,6 +29,7 @@ import torch
 
 from tokenmill.sampling.logprobs import TokenLogprobs
 from tokenmill.sampling.sampler import (
+    Sampler,
     SamplingRow,
     apply_banned_tokens,
     apply_logit_bias,
@@ -97,9 +98,8 @@ def draw(probs: torch.Tensor, uniform: float) -> int:
 
 
 class RejectionSampler:
-    def __init__(self, seed: int | None = None) -> None:
-        self.seed = seed
-        self._generators: dict[torch.device, torch.Generator] = {}
+    def __init__(self, sampler: Sampler) -> None:
+        self.sampler = sampler  # its shared generator serves the requests without a seed
 
     def __call__(self, logits: torch.Tensor, requests: list[Verification]) -> list[Verified]:
         """`logits` [sum of num_rows, V]: each request's rows, in order."""
@@ -180,7 +180,8 @@ class RejectionSampler:
     def _uniforms(self, requests: list[Verification], device: torch.device) -> list[list[float]]:
         """num_rows draws per request: one per proposal, one for the emitted token. Seeded
         requests draw from their own generators, the rest share one."""
-        shared = torch.rand(sum(v.num_rows for v in requests), generator=self._shared(device), device=device).tolist()
+        generator = self.sampler.shared_generator(device)
+        shared = torch.rand(sum(v.num_rows for v in requests), generator=generator, device=device).tolist()
         out, offset = [], 0
         for v in requests:
             n = v.num_rows
@@ -190,17 +191,6 @@ class RejectionSampler:
                 out.append(shared[offset : offset + n])
             offset += n
         return out
-
-    def _shared(self, device: torch.device) -> torch.Generator:
-        generator = self._generators.get(device)
-        if generator is None:
-            generator = torch.Generator(device=device)
-            if self.seed is None:
-                generator.seed()
-            else:
-                generator.manual_seed(self.seed)
-            self._generators[device] = generator
-        return generator
 
     @staticmethod
     def _raw_logprobs(logits: torch.Tensor, requests: list[Verification], starts: list[int],
