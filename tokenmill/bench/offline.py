@@ -178,7 +178,7 @@ def systems_for(workload: str, tokenmill: TokenmillSystem, hf: Any | None, sizes
         if tokenmill.speculative:
             systems.append(System("tokenmill_spec_off",
                                   lambda r: tokenmill.run(r, workload=workload, speculative=False), threads))
-    if hf is not None:
+    if hf is not None and workload not in GROUNDED:  # transformers' baseline generates exactly n tokens
         batch = sizes.w4_requests if workload == "W4" else sizes.hf_batch_size
         systems.append(System("hf", lambda r: hf.run(r, batch_size=batch), threads))
     return systems
