@@ -117,7 +117,7 @@ def test_quick_cli_writes_every_key(tmp_path, capsys, restore_torch_threads) -> 
                     assert key in run, (name, key)
                     assert run[key] == run[key], (name, key)  # not NaN
             assert set(system["median"]) == set(WORKLOAD_METRICS[name])
-            assert all(v > 0 or k == "cached_prompt_tokens" for k, v in system["median"].items())
+            assert all(v > 0 or k in workloads.NOT_SPEEDUPS for k, v in system["median"].items())
     w4 = report["workloads"]["W4"]
     # The shared prefix is served from the cache only when caching is on.
     assert w4["systems"]["tokenmill_prefix_on"]["median"]["cached_prompt_tokens"] > 0
@@ -127,6 +127,45 @@ def test_quick_cli_writes_every_key(tmp_path, capsys, restore_torch_threads) -> 
         assert all(v > 0 for v in w4[key]["prefix_on_vs_off"].values())
     w1 = report["workloads"]["W1"]["systems"]["tokenmill"]["runs"][0]
     assert w1["output_tokens"] == QUICK.w1_new and w1["prompt_tokens"] == QUICK.w1_prompt
+
+
+def test_quick_cli_with_speculation_runs_it_on_and_off(tmp_path, restore_torch_threads) -> None:
+    """With --speculative-config the input-grounded workloads run with speculation and on a
+    sibling engine without it: same greedy tokens, a speedup column, the acceptance."""
+    from tokenmill.cli import main
+
+    out = tmp_path / "results.json"
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+    rc = main(["bench", "offline", "--quick", "--workloads", "W5,W6", "--runs", "1", "--warmup", "0",
+               "--output", str(out), "--speculative-config", spec, *QUICK_ENGINE])
+    assert rc == 0
+    report = json.loads(out.read_text())
+    assert report["machine"]["speculative"] == "ngram, 4 tokens, lookup 2-4"
+    for name in ("W5", "W6"):
+        result = report["workloads"][name]
+        assert set(result["systems"]) == {"tokenmill", "tokenmill_spec_off"}
+        on, off = (result["systems"][s]["median"] for s in ("tokenmill", "tokenmill_spec_off"))
+        assert on["acceptance_rate"] > 0 and on["mean_acceptance_length"] > 1
+        assert off["acceptance_rate"] == 0
+        assert set(result["speedup"]["spec_on_vs_off"]) == \
+            set(WORKLOAD_METRICS[name]) - set(workloads.NOT_SPEEDUPS)
+        agreement = result["spec_greedy_agreement"]
+        assert agreement["identical_requests"] == agreement["num_requests"] > 0
+
+
+def test_grounded_workloads_are_chat_prompts_over_given_passages() -> None:
+    from tokenmill.bench.grounded import PAIRS
+
+    seen = []
+    requests = build_requests("W6", FULL, random.Random(0), [], encode_chat=lambda m: seen.append(m) or [1, 2])
+    assert len(requests) == 32 and all(n == FULL.grounded_new for _, n in requests)
+    texts = [m[0]["content"] for m in seen]
+    # Every task/passage pair once before any repeats, each behind its own document number.
+    assert {next(i for i, (task, passage) in enumerate(PAIRS) if task in t and passage in t)
+            for t in texts[: len(PAIRS)]} == set(range(len(PAIRS)))
+    assert len(set(texts)) == 32
+    with pytest.raises(ValueError, match="chat template"):
+        build_requests("W5", FULL, random.Random(0), [])
 
 
 @pytest.mark.slow

@@ -405,3 +405,61 @@ def test_chat_run_against_tokenmill(server, tmp_path):
     assert result["output_lens"] == [6] * 3
     assert all(n > 24 for n in result["input_lens"])  # the chat template's tokens come on top
     assert all(len(itl) == 5 for itl in result["itls"])  # the role chunk is not a token
+
+
+# ----- speculative decoding ------------------------------------------------------------------
+
+
+def test_spec_decode_counters_parse_and_difference():
+    from tokenmill.bench.serve import parse_spec_decode, spec_decode_metrics
+
+    def exposition(drafts, tokens, accepted, per_pos, prefix="tokenmill"):
+        lines = ["# HELP x", f'{prefix}:spec_decode_num_drafts_total{{model_name="m"}} {drafts}',
+                 f'{prefix}:spec_decode_num_draft_tokens_total{{model_name="m"}} {tokens}',
+                 f'{prefix}:spec_decode_num_accepted_tokens_total{{model_name="m"}} {accepted}',
+                 f'{prefix}:spec_decode_num_drafts_created{{model_name="m"}} 1.7e9',
+                 f'{prefix}:generation_tokens_total{{model_name="m"}} 99.0']
+        lines += [f'{prefix}:spec_decode_num_accepted_tokens_per_pos_total{{model_name="m",position="{i}"}} {n}'
+                  for i, n in enumerate(per_pos)]
+        return "\n".join(lines)
+
+    assert parse_spec_decode('tokenmill:generation_tokens_total{model_name="m"} 3.0') is None
+    before = parse_spec_decode(exposition(10, 40, 20, [8, 6, 4, 2]))
+    after = parse_spec_decode(exposition(30, 120, 80, [28, 22, 18, 12]))
+    assert (after.drafts, after.draft_tokens, after.accepted_tokens) == (30, 120, 80)
+    m = spec_decode_metrics(before, after)
+    assert (m["spec_decode_num_drafts"], m["spec_decode_draft_tokens"], m["spec_decode_accepted_tokens"]) == \
+        (20, 80, 60)
+    assert m["spec_decode_acceptance_rate"] == pytest.approx(75.0)
+    assert m["spec_decode_acceptance_length"] == pytest.approx(4.0)
+    assert m["spec_decode_per_position_acceptance_rates"] == pytest.approx([1.0, 0.8, 0.7, 0.5])
+    assert parse_spec_decode(exposition(1, 2, 3, [3], prefix="vllm")).accepted_tokens == 3  # vLLM's names too
+    assert spec_decode_metrics(before, None) == {}
+    assert spec_decode_metrics(None, after)["spec_decode_num_drafts"] == 30  # no sample yet before the run
+
+
+@pytest.fixture(scope="module")
+def ngram_server():
+    spec = '{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4, "prompt_lookup_min": 2}'
+    process = ServerProcess("--speculative-config", spec).start()
+    yield process
+    assert process.stop() == 0, process.log_tail()
+
+
+def test_grounded_run_against_tokenmill_with_ngram_speculation(ngram_server, tmp_path, capsys):
+    """`tokenmill serve --speculative-config` end to end: /metrics counts the drafts, and
+    `bench serve` reports the run's acceptance from them."""
+    result = run_real(ngram_server, tmp_path, "spec", "--endpoint", "/v1/chat/completions", "--dataset",
+                      "grounded", "--num-prompts", "4", "--output-len", "48", "--max-concurrency", "2",
+                      "--temperature", "0")
+    assert (result["completed"], result["failed"]) == (4, 0)
+    assert result["ignore_eos"] is False and result["dataset_name"] == "grounded"
+    assert result["spec_decode_num_drafts"] > 0
+    assert 0 < result["spec_decode_accepted_tokens"] <= result["spec_decode_draft_tokens"]
+    assert result["spec_decode_acceptance_length"] == pytest.approx(
+        1 + result["spec_decode_accepted_tokens"] / result["spec_decode_num_drafts"])
+    rates = result["spec_decode_per_position_acceptance_rates"]
+    assert len(rates) == 4 and rates == sorted(rates, reverse=True) and rates[0] > 0
+    assert "Speculative Decoding" in capsys.readouterr().out
+    metrics = ngram_server.metrics()
+    assert metrics["tokenmill:spec_decode_num_draft_tokens_total"] >= result["spec_decode_draft_tokens"]

@@ -20,7 +20,7 @@ def test_every_setting_has_a_flag_help_and_a_group() -> None:
     for s in engine_settings():
         assert s.help and s.flag in text, s.name
     groups = {s.group for s in engine_settings()}
-    assert groups == {"model", "quantization", "device", "cache", "scheduler", "parallel"}
+    assert groups == {"model", "quantization", "device", "cache", "scheduler", "parallel", "speculative"}
     names = [s.name for s in engine_settings()]
     assert len(names) == len(set(names)), "flat setting names must be unique across groups"
 

@@ -1,9 +1,10 @@
 """The composition root: an EngineConfig in, a running engine out.
 
-`build_executor` resolves the device and dtypes, loads the model, chooses the execution
-plan and the attention backend, allocates the KV cache and builds the runner; it returns
-them with the tokenizer and the `EngineFacts` found on the way. `build_engine` wraps
-that in an `LLMEngine`. `LLM`, `tokenmill serve` and the bench all start here.
+`build_executor` resolves the device and dtypes, loads the model (and a draft model for
+speculative decoding), chooses the execution plan and the attention backend, allocates the
+KV cache and builds the runner and the proposer; it returns them with the tokenizer and
+the `EngineFacts` found on the way. `build_engine` wraps that in an `LLMEngine`. `LLM`,
+`tokenmill serve` and the bench all start here.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import torch
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.attention.kv_cache import KVCacheSpec, PagedKVCache
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
-from tokenmill.config import EngineConfig, EngineFacts
-from tokenmill.engine.engine import LLMEngine
+from tokenmill.config import EngineConfig, EngineFacts, SpeculativeConfig
+from tokenmill.engine.engine import LLMEngine, Proposer
 from tokenmill.hardware import cpu_info
 from tokenmill.model.config import ModelArchConfig
 from tokenmill.model.loader import LoadedModel, load_model, open_checkpoint
@@ -30,6 +31,8 @@ from tokenmill.quantization.dense import CPUMatmulChoice
 from tokenmill.runner import tune
 from tokenmill.runner.plan import ExecutionPlan, apply_plan, cpu_native_plan, quantized_plan, reference_plan
 from tokenmill.runner.threads import ThreadGovernor
+from tokenmill.spec_decode.draft import DraftModelProposer, check_draft
+from tokenmill.spec_decode.ngram import NgramProposer
 from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -42,6 +45,7 @@ class BuiltExecutor:
     executor: ModelRunner  # or anything with execute(SchedulerOutput) -> RunnerOutput
     tokenizer: Tokenizer
     facts: EngineFacts
+    proposer: Proposer | None = None  # speculative decoding's
 
 
 # A rank of a tensor/pipeline-parallel split: its ModelParallel from the model's shape and
@@ -57,7 +61,7 @@ class RankSetup:
 
 def build_engine(config: EngineConfig) -> LLMEngine:
     built = build_executor(config)
-    return LLMEngine(config, built.executor, built.tokenizer, built.facts)
+    return LLMEngine(config, built.executor, built.tokenizer, built.facts, proposer=built.proposer)
 
 
 def build_executor(config: EngineConfig) -> BuiltExecutor:
@@ -89,11 +93,14 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltExec
                         keep_quantized=keep_quantized)
     max_model_len = resolve_max_model_len(config, loaded)
     plan = apply_plan(loaded.model, chosen)
+    speculative = config.speculative.speculative_config
+    draft = load_draft(config, device, loaded, max_model_len, kernels_ok, backend) if _has_draft(speculative) else None
     layout = loaded.model.parallel.layout
     spec = KVCacheSpec(layout.layers.size, layout.kv_heads.size, loaded.arch.head_dim,
                        config.cache.block_size, _DTYPES[dtype.kv_cache])
     memory = config.cache.kv_cache_memory or default_kv_cache_memory(device)
-    bytes_per_block = spec.bytes_per_block
+    # A draft keeps the KV of the same tokens: the memory is split so both hold as many.
+    bytes_per_block = spec.bytes_per_block + (draft.kv_spec.bytes_per_block if draft else 0)
     if rank is not None:  # as many blocks as the rank holding most KV per token can have
         bytes_per_block = rank.max_kv_bytes_per_token(spec.element_size) * spec.block_size
     num_blocks = memory // bytes_per_block
@@ -102,13 +109,14 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltExec
     kv_cache = PagedKVCache(spec, num_blocks, device)
     runner_class = rank.runner_class if rank is not None else ModelRunner
     runner = runner_class(loaded.model, kv_cache, backend, plan, device, seed=config.model.seed, threads=governor)
+    proposer = build_proposer(config, runner, draft, kernels_ok) if speculative else None
     facts = EngineFacts(
         model_name=loaded.name, model_path=loaded.path, architecture=loaded.arch.architecture,
         vocab_size=loaded.arch.vocab_size, max_model_len=max_model_len, device=str(device),
         compute_dtype=dtype.compute, weight_format=weight_format_name(loaded.model, plan), kv_cache_dtype=dtype.kv_cache,
         num_blocks=num_blocks, block_size=config.cache.block_size, kv_bytes_per_token=spec.bytes_per_token,
         attention_backend=backend.name, execution_plan=plan.describe(), num_threads=torch.get_num_threads(),
-        load_seconds=time.perf_counter() - start,
+        load_seconds=time.perf_counter() - start, speculative=describe_speculation(speculative, proposer),
     )
     logger.info(
         "loaded %s (%s) on %s in %.1f s: %d KV blocks of %d tokens (%.2f GiB, %d bytes per token), "
@@ -116,7 +124,82 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltExec
         spec.block_size, kv_cache.nbytes / 2**30, spec.bytes_per_token, max_model_len, backend.name,
     )
     logger.info("execution plan (%s): %s", plan.tier, plan.describe())
-    return BuiltExecutor(runner, loaded.tokenizer, facts)
+    if proposer is not None:
+        logger.info("speculative decoding: %s", facts.speculative)
+    return BuiltExecutor(runner, loaded.tokenizer, facts, proposer)
+
+
+# ----- speculative decoding ------------------------------------------------------------------
+
+
+@dataclass
+class LoadedDraft:
+    loaded: LoadedModel
+    dtype: DtypePlan
+    kv_spec: KVCacheSpec
+    plan: ExecutionPlan
+
+
+def _has_draft(speculative: SpeculativeConfig | None) -> bool:
+    return speculative is not None and speculative.method == "draft_model"
+
+
+def load_draft(config: EngineConfig, device: torch.device, target: LoadedModel, max_model_len: int,
+               kernels_ok: bool, backend: AttentionBackend) -> LoadedDraft:
+    """Load the draft model (its own dtype and weight format: a GGUF's quantized blocks are
+    served as stored under dtype auto, as for a target) and check it can propose for the
+    target (same tokenizer, context for max_model_len) before anything is allocated."""
+    speculative = config.speculative.speculative_config
+    draft_config = config.replace(model=speculative.model, dtype=speculative.dtype or config.model.dtype,
+                                  quantization=None)
+    dtype = resolve_dtype(draft_config.model.dtype, device, kernels_ok)
+    checkpoint = open_checkpoint(speculative.model)
+    keep_quantized = quantized_as_stored(draft_config, checkpoint.quantized, kernels_ok)
+    chosen = choose_plan(draft_config, device, dtype, kernels_ok, backend, checkpoint.arch, keep_quantized)
+    draft = load_model(checkpoint, dtype.compute, device, max_model_len, chosen.weight_format,
+                       keep_quantized=keep_quantized)
+    check_draft(draft.arch.vocab_size, target.arch.vocab_size, _token_table(draft.tokenizer),
+                _token_table(target.tokenizer), draft.context_len, draft.arch.sliding_window, max_model_len)
+    plan = apply_plan(draft.model, chosen)
+    kv_spec = KVCacheSpec(draft.arch.num_layers, draft.arch.num_kv_heads, draft.arch.head_dim,
+                          config.cache.block_size, _DTYPES[dtype.kv_cache])
+    return LoadedDraft(draft, dtype, kv_spec, plan)
+
+
+def build_proposer(config: EngineConfig, runner: ModelRunner, draft: LoadedDraft | None,
+                   kernels_ok: bool) -> Proposer:
+    """n-gram: model-free. Draft model: its own plan, runner and KV cache (as many
+    tokens as the target's, plus room for every running request's proposals); the target
+    runner asks it for the distributions its proposals were drawn from."""
+    speculative = config.speculative.speculative_config
+    k = speculative.num_speculative_tokens
+    if speculative.method == "ngram":
+        return NgramProposer(k, speculative.prompt_lookup_min, speculative.prompt_lookup_max)
+    device = runner.device
+    plan = draft.plan
+    block_size = config.cache.block_size
+    lookahead = config.scheduler.max_num_seqs * -(-(k - 1) // block_size)
+    cache = PagedKVCache(draft.kv_spec, runner.kv_cache.num_blocks + lookahead, device)
+    draft_runner = ModelRunner(draft.loaded.model, cache, runner.backend, plan, device, seed=config.model.seed)
+    proposer = DraftModelProposer(draft_runner, k, config.scheduler.max_num_batched_tokens,
+                                  config.cache.enable_prefix_caching, seed=config.model.seed)
+    runner.draft_probs = proposer.draft_probs
+    return proposer
+
+
+def describe_speculation(speculative: SpeculativeConfig | None, proposer: Proposer | None) -> str:
+    if speculative is None:
+        return ""
+    text = f"{speculative.method}, {speculative.num_speculative_tokens} tokens"
+    if speculative.method == "ngram":
+        return text + f", lookup {speculative.prompt_lookup_min}-{speculative.prompt_lookup_max}"
+    runner = proposer.runner
+    return (f"{text}, draft {speculative.model} ({runner.plan.describe()}; {runner.kv_cache.num_blocks} KV blocks, "
+            f"{runner.kv_cache.nbytes / 2**30:.2f} GiB)")
+
+
+def _token_table(tokenizer: Tokenizer) -> dict[str, int]:
+    return tokenizer.backend.get_vocab(with_added_tokens=True)
 
 
 def weight_format_name(model: torch.nn.Module, plan: ExecutionPlan) -> str:

@@ -14,6 +14,7 @@ written back here.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -205,6 +206,100 @@ class QuantizationConfig:
         if self.quantization is not None:
             _check_choice("quantization", self.quantization, QUANTIZATION_CHOICES)
         _check_choice("quantization_group_size", self.quantization_group_size, (32, 64, 128))
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """vLLM's `speculative_config`, with its key names: what proposes tokens and how many
+    are verified per step. Built from a dict or a JSON string by `parse_speculative_config`."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_max: int | None = None  # ngram: longest suffix matched
+    prompt_lookup_min: int | None = None  # ngram: shortest suffix matched
+    model: str | None = None  # draft_model: the draft's GGUF file or Hugging Face directory
+    dtype: str | None = None  # draft_model: the draft's dtype (default: the target's dtype setting)
+    disable_by_batch_size: int | None = None  # no proposals in a step with this many running requests
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: unknown method {self.method!r}; "
+                             f"tokenmill supports {', '.join(SPECULATIVE_METHODS)}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or k < 1:
+            raise ValueError(f"speculative_config: num_speculative_tokens must be an integer >= 1, got {k!r}")
+        if self.method == "ngram":
+            self._check_lookup()
+            if self.model is not None:
+                raise ValueError("speculative_config: 'model' is for method 'draft_model', not 'ngram'")
+        else:
+            if not self.model:
+                raise ValueError("speculative_config: method 'draft_model' needs 'model' (the draft's path)")
+            if self.prompt_lookup_max is not None or self.prompt_lookup_min is not None:
+                raise ValueError("speculative_config: prompt_lookup_min/max are for method 'ngram'")
+        if self.dtype is not None:
+            _check_choice("speculative_config dtype", self.dtype, SUPPORTED_DTYPES)
+        size = self.disable_by_batch_size
+        if size is not None and (not isinstance(size, int) or size < 2):
+            raise ValueError(f"speculative_config: disable_by_batch_size must be an integer >= 2, got {size!r}")
+
+    def _check_lookup(self) -> None:
+        """vLLM's defaults: one bound gives the other; neither gives 5 and 5."""
+        low, high = self.prompt_lookup_min, self.prompt_lookup_max
+        if low is None and high is None:
+            low = high = 5
+        low, high = (high if low is None else low), (low if high is None else high)
+        for name, value in (("prompt_lookup_min", low), ("prompt_lookup_max", high)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be an integer >= 1, got {value!r}")
+        if low > high:
+            raise ValueError(f"speculative_config: prompt_lookup_min ({low}) must not exceed "
+                             f"prompt_lookup_max ({high})")
+        object.__setattr__(self, "prompt_lookup_min", low)
+        object.__setattr__(self, "prompt_lookup_max", high)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+
+def parse_speculative_config(value: str | dict | SpeculativeConfig | None) -> SpeculativeConfig | None:
+    """A JSON string (the flag), a dict (`LLM(...)`, YAML) or a config -> SpeculativeConfig.
+    Unknown keys are refused by name. A missing method with a model means a draft model."""
+    if value is None or isinstance(value, SpeculativeConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"speculative_config is not valid JSON: {exc}") from None
+        if value is None:
+            return None
+    if not isinstance(value, dict):
+        raise ValueError(f"speculative_config must be a JSON object or a dict, got {type(value).__name__}")
+    known = {f.name for f in dataclasses.fields(SpeculativeConfig)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"speculative_config: unknown key(s) {unknown}; known: {sorted(known)}")
+    settings = dict(value)
+    if settings.get("method") is None and settings.get("model") is not None:
+        settings["method"] = "draft_model"
+    for name in ("method", "num_speculative_tokens"):
+        if settings.get(name) is None:
+            raise ValueError(f"speculative_config needs {name!r}")
+    return SpeculativeConfig(**settings)
+
+
+@dataclass(frozen=True)
+class SpeculativeDecodingConfig:
+    """Speculative decoding: tokens proposed cheaply, verified by the model in one step."""
+
+    speculative_config: SpeculativeConfig | None = setting(
+        None, parse=parse_speculative_config, metavar="JSON",
+        help='speculative decoding, as vLLM\'s JSON: {"method": "ngram", "num_speculative_tokens": 4, '
+             '"prompt_lookup_max": 4, "prompt_lookup_min": 2} or {"method": "draft_model", "model": PATH, '
+             '"num_speculative_tokens": 4}; optional "disable_by_batch_size" (no speculation in a step with '
+             'that many running requests) and, for a draft, "dtype" (default: --dtype). Default: off')
 
 
 # The groups, in the order --help lists them.
@@ -215,6 +310,7 @@ GROUPS: dict[str, type] = {
     "cache": CacheConfig,
     "scheduler": SchedulingConfig,
     "parallel": ParallelConfig,
+    "speculative": SpeculativeDecodingConfig,
 }
 
 
@@ -226,6 +322,7 @@ class EngineConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulingConfig = field(default_factory=SchedulingConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    speculative: SpeculativeDecodingConfig = field(default_factory=SpeculativeDecodingConfig)
 
     @classmethod
     def from_kwargs(cls, **settings: Any) -> EngineConfig:
@@ -286,9 +383,11 @@ def engine_settings() -> Iterator[Setting]:
 
 
 def _parse(name: str, value: Any) -> Any:
+    """A field's parse hook sees every value (strings from flags, dicts or numbers from
+    keywords and YAML) and returns the field's type."""
     for group in GROUPS.values():
         for f in dataclasses.fields(group):
-            if f.name == name and f.metadata.get("parse") is not None and isinstance(value, str):
+            if f.name == name and f.metadata.get("parse") is not None:
                 return f.metadata["parse"](value)
     return value
 
@@ -353,6 +452,7 @@ class EngineFacts:
     execution_plan: str  # what runs a step, chosen once at load (logged)
     num_threads: int = 1
     load_seconds: float = 0.0
+    speculative: str = ""  # speculative decoding as configured ("" = off)
 
     @property
     def kv_capacity_tokens(self) -> int:

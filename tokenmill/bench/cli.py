@@ -41,7 +41,7 @@ def _run_kernels(args: argparse.Namespace) -> int:
 # name -> (help, registration) of the benchmarks that run in-process.
 BENCHMARKS: dict[str, tuple[str, Callable[[argparse.ArgumentParser], None]]] = {
     "offline": (
-        "throughput and latency of fixed workloads (W1-W4) through the offline API, "
+        "throughput and latency of fixed workloads (W1-W6) through the offline API, "
         "optionally against Hugging Face transformers",
         _register_offline,
     ),

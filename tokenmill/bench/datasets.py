@@ -1,4 +1,6 @@
-"""Prompts for `tokenmill bench serve`: random, shared-prefix and JSONL datasets.
+"""Prompts for `tokenmill bench serve`: random, shared-prefix, JSONL and input-grounded
+datasets (`grounded`: chat messages asking to repeat, correct, rewrite or summarize a
+passage given in the prompt, `tokenmill.bench.grounded`; the answers end at EOS).
 
 Random prompts are random token ids. Which ids are ordinary tokens comes from one of
 three token sources, in this order:
@@ -32,7 +34,8 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-DATASETS = ("random", "shared-prefix", "jsonl")
+DATASETS = ("random", "shared-prefix", "jsonl", "grounded")
+NEEDS_TOKEN_SOURCE = ("random", "shared-prefix")  # prompts made of token ids
 FALLBACK_ID_RANGE = (1000, 5000)
 # Keys of a JSONL line that give its output length, first match wins.
 OUTPUT_LEN_KEYS = ("output_len", "output_tokens", "max_tokens")
@@ -255,6 +258,8 @@ async def build_requests(config: DatasetConfig, source: TokenSource | None, chat
     count = config.num_prompts if count is None else count
     if config.name == "jsonl":
         return load_jsonl(config.path or "", count, config.output_len, chat)
+    if config.name == "grounded":
+        return grounded_requests(count, config.output_len, chat, config.seed + seed_offset)
     if source is None:
         raise ValueError(f"the {config.name} dataset needs a token source")
     rng = np.random.default_rng(config.seed + seed_offset)
@@ -271,6 +276,17 @@ async def build_requests(config: DatasetConfig, source: TokenSource | None, chat
         else:
             requests.append(SampleRequest(ids, output_len, len(ids)))
     return requests
+
+
+def grounded_requests(count: int, output_len: int, chat: bool, seed: int) -> list[SampleRequest]:
+    """Chat messages, or for /v1/completions the same text as a plain prompt."""
+    import random
+
+    from tokenmill.bench.grounded import grounded_messages
+
+    return [SampleRequest(None, output_len, None, messages) if chat
+            else SampleRequest(messages[0]["content"], output_len)
+            for messages in grounded_messages(count, random.Random(seed))]
 
 
 def load_jsonl(path: str, count: int, default_output_len: int, chat: bool) -> list[SampleRequest]:

@@ -1,7 +1,11 @@
 """`tokenmill bench offline`: fixed synthetic workloads through the offline API.
 
-The workloads W1-W4 are `tokenmill.bench.workloads`' (greedy, `ignore_eos=True`, so every
-request produces exactly the tokens asked for).
+The workloads W1-W6 are `tokenmill.bench.workloads`' (greedy; W1-W4 with `ignore_eos=True`,
+so every request produces exactly the tokens asked for; the input-grounded W5/W6 end at
+EOS, the same tokens whatever the engine settings, since greedy output does not change).
+With `--speculative-config`, every workload but W4 runs twice per repetition, back to
+back: as configured and on a sibling engine with speculation off (same model, same KV
+memory), and reports the speedup and the draft acceptance.
 
 Every repetition (and the warm-up) draws fresh token ids from its own seed, so no
 repetition can be served from an earlier one's prefix cache; W4's prefix is shared
@@ -29,6 +33,8 @@ from typing import Any
 from tokenmill.bench.report import LABELS, add_speedups, format_table, machine_info
 from tokenmill.bench.workloads import (
     FULL,
+    GROUNDED,
+    ONE_AT_A_TIME,
     QUICK,
     RUN_KEYS,
     WORKLOAD_METRICS,
@@ -55,41 +61,62 @@ __all__ = ["SCHEMA", "RUN_KEYS", "TokenmillSystem", "cmd_offline", "add_offline_
 
 
 class TokenmillSystem:
-    """Runs request lists through an `LLM`. `engines[flag]` is the LLM whose prefix
-    caching is `flag`; the second one shares the first one's model and KV memory
-    (used strictly one at a time), so W4 on/off costs a single model load."""
+    """Runs request lists through an `LLM`. `engines[(caching, speculation)]` is the LLM
+    with prefix caching `caching` and speculative decoding as configured (True) or off;
+    the others share the first one's model and KV memory (used strictly one at a time),
+    so W4 on/off and speculation on/off cost a single model load."""
 
     def __init__(self, llm: Any) -> None:
         self.default = llm  # W1-W3 run on the engine as configured
-        self.engines = {bool(llm.engine.config.cache.enable_prefix_caching): llm}
+        self.caching = bool(llm.engine.config.cache.enable_prefix_caching)
+        self.speculative = llm.engine.config.speculative.speculative_config is not None
+        self.engines = {(self.caching, self.speculative): llm}
         self._last: Any = llm
 
-    def llm(self, prefix_caching: bool | None = None) -> Any:
-        if prefix_caching is None:
-            return self.default
-        if prefix_caching not in self.engines:
-            self.engines[prefix_caching] = _sibling_llm(self.default, prefix_caching)
-        return self.engines[prefix_caching]
+    def llm(self, prefix_caching: bool | None = None, speculative: bool | None = None) -> Any:
+        key = (self.caching if prefix_caching is None else prefix_caching,
+               self.speculative if speculative is None else speculative)
+        if key not in self.engines:
+            settings = {"enable_prefix_caching": key[0]}
+            if not key[1]:
+                settings["speculative_config"] = None
+            self.engines[key] = _sibling_llm(self.default, **settings)
+        return self.engines[key]
 
-    def run(self, requests: list[Request], prefix_caching: bool | None = None) -> RunRecord:
-        from tokenmill.sampling.params import SamplingParams
-
-        llm = self.llm(prefix_caching)
+    def run(self, requests: list[Request], prefix_caching: bool | None = None, workload: str = "",
+            speculative: bool | None = None) -> RunRecord:
+        """Greedy; W1-W4 to exactly the tokens asked for, the input-grounded workloads to
+        EOS; W5's requests one at a time (each one's times from its own submission)."""
+        llm = self.llm(prefix_caching, speculative)
         if llm is not self._last:
             # The other engine wrote into the shared KV memory: forget what this one cached.
             _reset_prefix_cache(llm)
             self._last = llm
-        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for _, n in requests]
-        prompts = [p for p, _ in requests]
+        exact = workload not in GROUNDED
+        batches = [[r] for r in requests] if workload in ONE_AT_A_TIME else [requests]
         load = os.getloadavg()[0]
-        cpu0, t0, m0 = time.process_time(), time.perf_counter(), time.monotonic()
-        outputs = llm.generate(prompts, params)
-        wall = time.perf_counter() - t0
-        cpu = time.process_time() - cpu0
-        record = RunRecord(wall, [], [], [], [], [], cpu_s=cpu, loadavg_1m=load)
+        spec0 = _spec_counts(llm)
+        record = RunRecord(0.0, [], [], [], [], [], loadavg_1m=load)
+        cpu0 = time.process_time()
+        for batch in batches:
+            self._generate(llm, batch, exact, record)
+        record.cpu_s = time.process_time() - cpu0
+        spec1 = _spec_counts(llm)
+        record.spec_drafts, record.spec_draft_tokens, record.spec_accepted_tokens = (
+            b - a for a, b in zip(spec0, spec1))
+        return record
+
+    @staticmethod
+    def _generate(llm: Any, requests: list[Request], exact: bool, record: RunRecord) -> None:
+        from tokenmill.sampling.params import SamplingParams
+
+        params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=exact) for _, n in requests]
+        t0, m0 = time.perf_counter(), time.monotonic()
+        outputs = llm.generate([p for p, _ in requests], params)
+        record.wall_s += time.perf_counter() - t0
         for (prompt, n), out in zip(requests, outputs):
             tokens = out.outputs[0].token_ids
-            if len(tokens) != n:
+            if exact and len(tokens) != n:
                 raise RuntimeError(f"tokenmill generated {len(tokens)} tokens where {n} were asked for")
             m = out.metrics
             record.ttft_s.append(m.first_token_time - m0)
@@ -98,14 +125,22 @@ class TokenmillSystem:
             record.output_tokens.append(len(tokens))
             record.cached_tokens.append(out.num_cached_tokens)
             record.output_token_ids.append(list(tokens))
-        return record
 
 
-def _sibling_llm(llm: Any, enable_prefix_caching: bool) -> Any:
-    """An LLM on `llm`'s executor (model and KV tensors) with prefix caching switched."""
+def _as_dict(speculative: Any) -> dict[str, Any] | None:
+    return None if speculative is None else speculative.to_dict()
+
+
+def _spec_counts(llm: Any) -> tuple[int, int, int]:
+    stats = llm.engine.stats().spec_decode
+    return stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens
+
+
+def _sibling_llm(llm: Any, **settings: Any) -> Any:
+    """An LLM on `llm`'s executor (model and KV tensors) with some settings switched."""
     import copy
 
-    engine = llm.engine.sibling(enable_prefix_caching=enable_prefix_caching)
+    engine = llm.engine.sibling(**settings)
     from_engine = getattr(type(llm), "from_engine", None)
     if from_engine is not None:
         return from_engine(engine)
@@ -139,8 +174,11 @@ def systems_for(workload: str, tokenmill: TokenmillSystem, hf: Any | None, sizes
             System("tokenmill_prefix_off", lambda r: tokenmill.run(r, prefix_caching=False), threads),
         ]
     else:
-        systems = [System("tokenmill", lambda r: tokenmill.run(r), threads)]
-    if hf is not None:
+        systems = [System("tokenmill", lambda r: tokenmill.run(r, workload=workload), threads)]
+        if tokenmill.speculative:
+            systems.append(System("tokenmill_spec_off",
+                                  lambda r: tokenmill.run(r, workload=workload, speculative=False), threads))
+    if hf is not None and workload not in GROUNDED:  # transformers' baseline generates exactly n tokens
         batch = sizes.w4_requests if workload == "W4" else sizes.hf_batch_size
         systems.append(System("hf", lambda r: hf.run(r, batch_size=batch), threads))
     return systems
@@ -158,6 +196,7 @@ def run_workload(
     seed: int,
     runs: int,
     warmup: int,
+    encode_chat: Callable[[list[dict[str, str]]], list[int]] | None = None,
 ) -> dict[str, Any]:
     results: dict[str, Any] = {s.name: {"runs": []} for s in systems}
     first_outputs: dict[str, list[list[int]]] = {}
@@ -165,8 +204,9 @@ def run_workload(
     for rep in range(total):
         is_warmup = rep < warmup
         tag = f"warmup{rep}" if is_warmup else str(rep - warmup)
-        requests = build_requests(workload, sizes, repetition_rng(seed, workload, tag), pool)
-        for system in systems:
+        requests = build_requests(workload, sizes, repetition_rng(seed, workload, tag), pool, encode_chat)
+        # Alternate which system goes first, so a load that drifts within a repetition favours neither.
+        for system in systems if rep % 2 == 0 else systems[::-1]:
             what = f"warm-up {rep + 1}/{warmup}" if is_warmup else f"run {rep - warmup + 1}/{runs}"
             progress(f"{workload} {what}: {LABELS.get(system.name, system.name)} ...")
             record = system.run(requests)
@@ -188,6 +228,8 @@ def run_workload(
     if "hf" in first_outputs:
         ours = first_outputs.get("tokenmill") or first_outputs.get("tokenmill_prefix_on")
         out["greedy_agreement"] = agreement(ours, first_outputs["hf"])
+    if "tokenmill_spec_off" in first_outputs:  # greedy: speculation must not change a token
+        out["spec_greedy_agreement"] = agreement(first_outputs["tokenmill"], first_outputs["tokenmill_spec_off"])
     return out
 
 
@@ -196,6 +238,9 @@ def _headline(workload: str, entry: dict[str, Any]) -> str:
         return f"TTFT {entry['ttft_ms']:.0f} ms, decode {entry['decode_tok_s']:.1f} tok/s"
     if workload == "W2":
         return f"TTFT {entry['ttft_ms']:.0f} ms, prefill {entry['prefill_tok_s']:.0f} tok/s"
+    if workload in GROUNDED:
+        return (f"{entry['output_tok_s']:.1f} tok/s output, acceptance {entry['acceptance_rate']:.2f}, "
+                f"mean acceptance length {entry['mean_acceptance_length']:.2f}")
     return f"{entry['total_tok_s']:.0f} tok/s total, {entry['output_tok_s']:.1f} tok/s output"
 
 
@@ -204,7 +249,7 @@ def _headline(workload: str, entry: dict[str, Any]) -> str:
 
 def add_offline_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workloads", default=",".join(WORKLOADS),
-                        help="comma-separated subset of W1,W2,W3,W4 (default: all)")
+                        help=f"comma-separated subset of {','.join(WORKLOADS)} (default: all)")
     parser.add_argument("--runs", type=int, default=3, help="measured repetitions per workload; the median is reported")
     parser.add_argument("--warmup", type=int, default=1, help="unmeasured repetitions before the measured ones")
     parser.add_argument("--output", default=None, help="write the results as JSON to this file")
@@ -239,7 +284,9 @@ def cmd_offline(args: argparse.Namespace) -> int:
     load_s = {"tokenmill": time.perf_counter() - t0}
     tokenmill = TokenmillSystem(llm)
     if "W4" in workloads:
-        tokenmill.llm(prefix_caching=not kwargs["enable_prefix_caching"])  # build the sibling now
+        tokenmill.llm(prefix_caching=not kwargs["enable_prefix_caching"])  # build the siblings now
+    if tokenmill.speculative:
+        tokenmill.llm(speculative=False)
 
     import torch
 
@@ -260,13 +307,15 @@ def cmd_offline(args: argparse.Namespace) -> int:
     machine = machine_info(dtype)
     machine["weight_dtype"] = facts.weight_format
     machine["execution_plan"] = facts.execution_plan
+    machine["speculative"] = facts.speculative
     machine["loadavg_start"] = list(os.getloadavg())
 
     results: dict[str, Any] = {}
     for workload in workloads:
         progress(f"{workload}: {describe(workload, sizes)}")
         systems = systems_for(workload, tokenmill, hf, sizes, threads)
-        results[workload] = run_workload(workload, systems, sizes, pool, args.bench_seed, args.runs, args.warmup)
+        results[workload] = run_workload(workload, systems, sizes, pool, args.bench_seed, args.runs, args.warmup,
+                                         llm.encode_chat)
     machine["loadavg_end"] = list(os.getloadavg())
 
     report = {
@@ -282,7 +331,7 @@ def cmd_offline(args: argparse.Namespace) -> int:
             "quick": args.quick,
             "bench_seed": args.bench_seed,
             "baseline": args.baseline,
-            "engine": {**kwargs, "model": model_path},
+            "engine": {**kwargs, "model": model_path, "speculative_config": _as_dict(kwargs["speculative_config"])},
             "sizes": dataclasses.asdict(sizes),
             "hf": None if hf is None else hf.describe(),
         },

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from typing import Any
 
-from tokenmill.bench.workloads import METRICS, WORKLOAD_METRICS, speedup
+from tokenmill.bench.workloads import METRICS, NOT_SPEEDUPS, WORKLOAD_METRICS, speedup
 from tokenmill.hardware import cpu_info
 
 # Which pairs get a speedup column: (name, numerator system, denominator system).
@@ -21,13 +21,14 @@ COMPARISONS = {
     "W4": (("prefix_on_vs_off", "tokenmill_prefix_on", "tokenmill_prefix_off"),
            ("tokenmill_vs_hf", "tokenmill_prefix_on", "hf")),
 }
-DEFAULT_COMPARISONS = (("tokenmill_vs_hf", "tokenmill", "hf"),)
+DEFAULT_COMPARISONS = (("tokenmill_vs_hf", "tokenmill", "hf"), ("spec_on_vs_off", "tokenmill", "tokenmill_spec_off"))
 
 LABELS = {
     "tokenmill": "tokenmill",
     "tokenmill_prefix_on": "tokenmill (prefix cache on)",
     "tokenmill_prefix_off": "tokenmill (prefix cache off)",
     "hf": "transformers",
+    "tokenmill_spec_off": "tokenmill (speculation off)",
 }
 
 
@@ -40,7 +41,7 @@ def add_speedups(workload: str, result: dict[str, Any]) -> None:
     for key, a, b in COMPARISONS.get(workload, DEFAULT_COMPARISONS):
         if a not in systems or b not in systems:
             continue
-        metrics = [m for m in WORKLOAD_METRICS[workload] if m != "cached_prompt_tokens"]
+        metrics = [m for m in WORKLOAD_METRICS[workload] if m not in NOT_SPEEDUPS]
         result["speedup"][key] = {m: speedup(m, systems[a]["median"][m], systems[b]["median"][m]) for m in metrics}
         paired = {}
         for m in metrics:
@@ -141,6 +142,8 @@ def format_table(report: dict[str, Any]) -> str:
         f"tokenmill bench offline: {m['cpu_model']}, {m['cores']} cores, torch {m['torch']} "
         f"({m['torch_threads']} threads), {_dtype_text(m)}; median of {report['settings']['runs']} runs",
     ]
+    if m.get("speculative"):
+        lines.append(f"speculative decoding: {m['speculative']}")
     for workload, result in report["workloads"].items():
         systems = list(result["systems"])
         comparisons = list(result["speedup"])
@@ -157,13 +160,14 @@ def format_table(report: dict[str, Any]) -> str:
         for r in [header, *rows]:
             cells = [str(c).ljust(widths[0]) if i == 0 else str(c).rjust(widths[i]) for i, c in enumerate(r)]
             lines.append("  " + "  ".join(cells))
-        agreement = result.get("greedy_agreement")
-        if agreement:
-            lines.append(
-                f"  greedy outputs vs transformers: {agreement['identical_requests']}/{agreement['num_requests']} "
-                f"identical, mean common prefix {agreement['mean_common_prefix_tokens']:.1f} of "
-                f"{agreement['mean_output_tokens']:.1f} tokens"
-            )
+        for key, against in (("greedy_agreement", "transformers"), ("spec_greedy_agreement", "speculation off")):
+            agreement = result.get(key)
+            if agreement:
+                lines.append(
+                    f"  greedy outputs vs {against}: {agreement['identical_requests']}/{agreement['num_requests']} "
+                    f"identical, mean common prefix {agreement['mean_common_prefix_tokens']:.1f} of "
+                    f"{agreement['mean_output_tokens']:.1f} tokens"
+                )
     if any(result["speedup"] for result in report["workloads"].values()):
         lines.append("")
         lines.append("x columns: speedup, > 1 means the first system is faster (higher rate or lower time): "
@@ -221,7 +225,8 @@ def _paired(result: dict[str, Any], comparison: str, metric: str) -> float | Non
 
 
 def _comparison_label(key: str) -> str:
-    return {"tokenmill_vs_hf": "speedup vs transformers", "prefix_on_vs_off": "speedup prefix on vs off"}.get(key, key)
+    return {"tokenmill_vs_hf": "speedup vs transformers", "prefix_on_vs_off": "speedup prefix on vs off",
+            "spec_on_vs_off": "speedup speculation on vs off"}.get(key, key)
 
 
 def fmt_ratio(value: float | None, paired: float | None = None) -> str:

@@ -9,6 +9,11 @@ server sends no usage). Requests start at times drawn from a gamma process
 (`--request-rate`, `--burstiness`; rate inf sends them all at once), optionally
 capped at `--max-concurrency` in flight, each over its own HTTP/1.1 connection.
 
+When the server exports speculative decoding's counters (tokenmill's or vLLM's
+`spec_decode_*` on /metrics), they are read before and after the measured requests and
+the result reports the acceptance rate, the mean acceptance length and the acceptance
+per position over the run, as `vllm bench serve` does.
+
 A request fails (and is counted, with its reason, while the run goes on) on an
 HTTP status >= 400, an error event in the stream, a dropped connection, a
 timeout, or a stream that ends before `data: [DONE]` or a finish reason.
@@ -23,6 +28,7 @@ import logging
 import math
 import os
 import platform
+import re
 import time
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
@@ -34,6 +40,7 @@ import httpx
 import numpy as np
 
 from tokenmill.bench.datasets import (
+    NEEDS_TOKEN_SOURCE,
     DatasetConfig,
     IdRangeSource,
     LocalTokenSource,
@@ -89,7 +96,7 @@ class ServeConfig:
 
     @property
     def use_ignore_eos(self) -> bool:
-        return self.ignore_eos if self.ignore_eos is not None else self.dataset.name != "jsonl"
+        return self.ignore_eos if self.ignore_eos is not None else self.dataset.name in NEEDS_TOKEN_SOURCE
 
     def check(self) -> None:
         if self.endpoint not in ENDPOINTS:
@@ -279,7 +286,7 @@ async def open_session(config: ServeConfig, stack: AsyncExitStack) -> Session:
     ))
     headers = {"Authorization": f"Bearer {config.api_key}"} if config.api_key else {}
     model = config.model or await first_model(client, config.base_url, headers)
-    source = await token_source(config, client, model, headers) if config.dataset.name != "jsonl" else None
+    source = await token_source(config, client, model, headers) if config.dataset.name in NEEDS_TOKEN_SOURCE else None
     return Session(config, client, headers, model, source)
 
 
@@ -374,16 +381,85 @@ async def run_point(session: Session, request_rate: float | None = None, max_con
 
         progress = tqdm(total=len(requests), desc=f"rate {_rate_text(rate)}, concurrency {cap or 'unlimited'}",
                         unit="req", leave=False)
+    spec_before = await spec_decode_counters(session)
     try:
         records, duration = await _send_all(session, requests, arrivals, cap, progress)
     finally:
         if progress is not None:
             progress.close()
+    spec_after = await spec_decode_counters(session)
     result = result_header(config, session, rate, cap, len(requests))
     result.update(calculate_metrics(records, duration, config.goodput or None, config.percentiles))
+    result.update(spec_decode_metrics(spec_before, spec_after))
     if config.save_detailed:
         result["generated_texts"] = [r.generated_text for r in records]
     return result
+
+
+# ----- speculative decoding, from the server's counters -------------------------------------
+
+_SPEC_LINE = re.compile(r"^(?:tokenmill|vllm):spec_decode_num_(drafts|draft_tokens|accepted_tokens|"
+                        r"accepted_tokens_per_pos)(?:_total)?(\{[^}]*\})?\s+(\S+)")
+_POSITION = re.compile(r'position="(\d+)"')
+
+
+@dataclass
+class SpecCounters:
+    drafts: float = 0.0
+    draft_tokens: float = 0.0
+    accepted_tokens: float = 0.0
+    per_position: dict[int, float] = field(default_factory=dict)
+
+
+def parse_spec_decode(text: str) -> SpecCounters | None:
+    """Speculative decoding's counters in a Prometheus exposition, summed over label sets
+    (models); None when the server exports none."""
+    counters, found = SpecCounters(), False
+    for line in text.splitlines():
+        match = _SPEC_LINE.match(line)
+        if match is None:
+            continue
+        name, labels, value = match.group(1), match.group(2) or "", float(match.group(3))
+        found = True
+        if name == "accepted_tokens_per_pos":
+            position = _POSITION.search(labels)
+            if position is not None:
+                key = int(position.group(1))
+                counters.per_position[key] = counters.per_position.get(key, 0.0) + value
+        else:
+            setattr(counters, name, getattr(counters, name) + value)
+    return counters if found else None
+
+
+async def spec_decode_counters(session: Session) -> SpecCounters | None:
+    try:
+        response = await session.client.get(session.config.base_url.rstrip("/") + "/metrics",
+                                            headers=session.headers)
+    except httpx.HTTPError:
+        return None
+    return parse_spec_decode(response.text) if response.status_code == 200 else None
+
+
+def spec_decode_metrics(before: SpecCounters | None, after: SpecCounters | None) -> dict[str, Any]:
+    """vLLM's result keys for the run's drafts; empty when the server has no counters
+    after the run. None before it counts as zero: a labelled counter shows no sample
+    until its first increment."""
+    if after is None:
+        return {}
+    before = before or SpecCounters()
+    drafts = after.drafts - before.drafts
+    draft_tokens = after.draft_tokens - before.draft_tokens
+    accepted = after.accepted_tokens - before.accepted_tokens
+    positions = sorted(after.per_position)
+    per_position = [after.per_position[p] - before.per_position.get(p, 0.0) for p in positions]
+    return {
+        "spec_decode_num_drafts": int(drafts),
+        "spec_decode_draft_tokens": int(draft_tokens),
+        "spec_decode_accepted_tokens": int(accepted),
+        "spec_decode_acceptance_rate": 100 * accepted / draft_tokens if draft_tokens else None,
+        "spec_decode_acceptance_length": 1 + accepted / drafts if drafts else None,
+        "spec_decode_per_position_acceptance_rates": [a / drafts if drafts else None for a in per_position],
+    }
 
 
 def _rate_text(rate: float) -> str:
@@ -481,6 +557,15 @@ def format_table(result: dict[str, Any]) -> str:
         for p in result["percentiles"]:
             key = percentile_key(p)
             row(f"{key.upper()} {upper} (ms):", result[f"{key}_{name}_ms"], ".2f")
+    if result.get("spec_decode_num_drafts"):
+        lines.append("{:-^60}".format(" Speculative Decoding "))
+        row("Acceptance rate (%):", result["spec_decode_acceptance_rate"], ".2f")
+        row("Acceptance length:", result["spec_decode_acceptance_length"], ".2f")
+        row("Drafts:", result["spec_decode_num_drafts"])
+        row("Draft tokens:", result["spec_decode_draft_tokens"])
+        row("Accepted tokens:", result["spec_decode_accepted_tokens"])
+        lines.append("Per-position acceptance (%): " + ", ".join(
+            f"{100 * r:.1f}" for r in result["spec_decode_per_position_acceptance_rates"]))
     if result["failed_reasons"]:
         lines.append("{:-^60}".format(" Failed requests by reason "))
         for reason, count in result["failed_reasons"].items():

@@ -50,8 +50,9 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     server.add_argument("--timeout", type=float, default=3600.0, help="seconds one request may take (default 3600)")
 
     data = parser.add_argument_group("dataset")
-    data.add_argument("--dataset", default="random", choices=["random", "shared-prefix", "jsonl"],
-                      help="random token ids; random suffixes after shared prefixes; or a JSONL file")
+    data.add_argument("--dataset", default="random", choices=["random", "shared-prefix", "jsonl", "grounded"],
+                      help="random token ids; random suffixes after shared prefixes; a JSONL file; or "
+                           "input-grounded tasks (repeat/correct/rewrite/summarize a given passage, ending at EOS)")
     data.add_argument("--dataset-path", default=None,
                       help='JSONL file, one {"prompt": TEXT or [IDS]} or {"messages": [...]} per line, '
                            'optionally with "output_len"')

@@ -1,4 +1,4 @@
-"""The offline workloads W1-W4 and their metrics: shapes, request lists, per-run records.
+"""The offline workloads W1-W6 and their metrics: shapes, request lists, per-run records.
 
 Shared by `tokenmill bench offline`, the transformers baseline and the side-by-side
 harness (`benchmarks/compare.py`), so every system runs exactly the same requests.
@@ -10,20 +10,28 @@ harness (`benchmarks/compare.py`), so every system runs exactly the same request
   lengths uniform in [32, 256] -> total and output tokens/s, wall time.
 - W4: 32 requests sharing one 512-token prefix, each with its own 32-token suffix,
   64 new tokens each -> throughput and mean TTFT, with prefix caching on and off.
+- W5: input-grounded prompts (repeat, correct, rewrite, summarize a passage; annotate
+  code: `tokenmill.bench.grounded`) in the chat template, one request at a time, up to
+  256 new tokens each, stopping at EOS -> output tokens/s at batch 1, and the draft
+  acceptance when speculative decoding is on.
+- W6: the same kind of prompts, 32 at once -> output tokens/s under load.
 
-Prompts are random token ids drawn from the ordinary vocabulary (special and added tokens
-left out); every repetition draws fresh ids from its own seed (`repetition_rng`).
+W1-W4 prompts are random token ids drawn from the ordinary vocabulary (special and added
+tokens left out); every repetition draws fresh ids from its own seed (`repetition_rng`).
+W5/W6 draw their task/passage pairs and document numbers from it.
 """
 
 from __future__ import annotations
 
 import random
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-WORKLOADS = ("W1", "W2", "W3", "W4")
+WORKLOADS = ("W1", "W2", "W3", "W4", "W5", "W6")
+GROUNDED = ("W5", "W6")  # chat prompts over a given passage; outputs end at EOS
+ONE_AT_A_TIME = ("W5",)  # requests submitted one after the other (batch 1)
 
 # A request: (prompt token ids, number of tokens to generate).
 Request = tuple[list[int], int]
@@ -45,6 +53,9 @@ class Sizes:
     w4_prefix: int = 512
     w4_suffix: int = 32
     w4_new: int = 64
+    w5_requests: int = 6
+    w6_requests: int = 32
+    grounded_new: int = 256  # max_tokens of W5/W6; most answers end at EOS before it
     # transformers runs W3 as padded batches of this many requests (W4 goes as one batch).
     hf_batch_size: int = 16
 
@@ -54,6 +65,7 @@ QUICK = Sizes(
     w1_prompt=16, w1_new=8, w2_prompt=64, w2_new=4,
     w3_requests=4, w3_prompt=(8, 32), w3_new=(4, 12),
     w4_requests=4, w4_prefix=32, w4_suffix=8, w4_new=8,
+    w5_requests=2, w6_requests=4, grounded_new=12,
     hf_batch_size=2,
 )
 
@@ -66,12 +78,25 @@ def describe(name: str, s: Sizes) -> str:
     if name == "W3":
         return (f"{s.w3_requests} requests at once, prompts U[{s.w3_prompt[0]}, {s.w3_prompt[1]}], "
                 f"outputs U[{s.w3_new[0]}, {s.w3_new[1]}]")
-    return (f"{s.w4_requests} requests, shared {s.w4_prefix}-token prefix + {s.w4_suffix}-token suffix, "
-            f"{s.w4_new} new tokens each")
+    if name == "W4":
+        return (f"{s.w4_requests} requests, shared {s.w4_prefix}-token prefix + {s.w4_suffix}-token suffix, "
+                f"{s.w4_new} new tokens each")
+    if name == "W5":
+        return f"{s.w5_requests} input-grounded chat requests one at a time, up to {s.grounded_new} new tokens each"
+    return f"{s.w6_requests} input-grounded chat requests at once, up to {s.grounded_new} new tokens each"
 
 
-def build_requests(name: str, sizes: Sizes, rng: random.Random, pool: Sequence[int]) -> list[Request]:
-    """The requests of one repetition of a workload, drawn from `rng`."""
+def build_requests(name: str, sizes: Sizes, rng: random.Random, pool: Sequence[int],
+                   encode_chat: Callable[[list[dict[str, str]]], list[int]] | None = None) -> list[Request]:
+    """The requests of one repetition of a workload, drawn from `rng`. The input-grounded
+    workloads need `encode_chat` (messages -> prompt ids in the model's chat template)."""
+    if name in GROUNDED:
+        if encode_chat is None:
+            raise ValueError(f"{name} needs the model's chat template (encode_chat)")
+        from tokenmill.bench.grounded import grounded_messages
+
+        count = sizes.w5_requests if name == "W5" else sizes.w6_requests
+        return [(encode_chat(messages), sizes.grounded_new) for messages in grounded_messages(count, rng)]
 
     def ids(n: int) -> list[int]:
         return [pool[rng.randrange(len(pool))] for _ in range(n)]
@@ -131,6 +156,10 @@ class RunRecord:
     generated_tokens: int | None = None  # incl. tokens a static batch computed but nobody asked for
     cpu_s: float = 0.0
     loadavg_1m: float = 0.0
+    # Speculative decoding in this run (0 when off): drafts, proposed and accepted tokens.
+    spec_drafts: int = 0
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
 
 
 # name -> (label, unit scale, higher is better)
@@ -145,7 +174,12 @@ METRICS: dict[str, tuple[str, float, bool]] = {
     "total_tok_s": ("total (tok/s)", 1.0, True),
     "output_tok_s": ("output (tok/s)", 1.0, True),
     "cached_prompt_tokens": ("prompt tokens from cache", 1.0, True),
+    "output_tok_per_cpu_s": ("output (tok per CPU s)", 1.0, True),
+    "acceptance_rate": ("draft acceptance rate", 1.0, True),
+    "mean_acceptance_length": ("mean acceptance length", 1.0, True),
 }
+# Reported beside the speed, never compared as a speedup.
+NOT_SPEEDUPS = ("cached_prompt_tokens", "acceptance_rate", "mean_acceptance_length")
 
 # The metrics each workload reports, in table order.
 WORKLOAD_METRICS: dict[str, tuple[str, ...]] = {
@@ -153,6 +187,10 @@ WORKLOAD_METRICS: dict[str, tuple[str, ...]] = {
     "W2": ("ttft_ms", "prefill_tok_s", "e2e_s"),
     "W3": ("total_tok_s", "output_tok_s", "wall_s", "mean_ttft_ms"),
     "W4": ("total_tok_s", "output_tok_s", "mean_ttft_ms", "wall_s", "cached_prompt_tokens"),
+    "W5": ("output_tok_s", "output_tok_per_cpu_s", "tpot_ms", "mean_ttft_ms", "wall_s", "acceptance_rate",
+           "mean_acceptance_length"),
+    "W6": ("output_tok_s", "output_tok_per_cpu_s", "total_tok_s", "mean_ttft_ms", "wall_s", "acceptance_rate",
+           "mean_acceptance_length"),
 }
 
 # Keys of every run entry besides the workload's metrics.
@@ -179,7 +217,22 @@ def metrics_of(workload: str, record: RunRecord) -> dict[str, float]:
     }
     if workload == "W4":
         out["cached_prompt_tokens"] = float(sum(record.cached_tokens))
+    if workload == "W5":  # per request: its own decode time over its tokens after the first
+        decode = [(e - t) / (n - 1) for t, e, n in zip(record.ttft_s, record.e2e_s, record.output_tokens) if n > 1]
+        out["tpot_ms"] = 1000 * statistics.fmean(decode) if decode else float("nan")
+    if workload in GROUNDED:
+        # With one compute thread, CPU time is the work done whatever else shares the cores.
+        out["output_tok_per_cpu_s"] = n_out / record.cpu_s if record.cpu_s > 0 else float("nan")
+        out.update(acceptance(record))
     return out
+
+
+def acceptance(record: RunRecord) -> dict[str, float]:
+    """vLLM's two summaries: accepted / proposed tokens, and 1 + accepted per draft
+    (the tokens a verifying step emits per request). 0 when nothing was proposed."""
+    rate = record.spec_accepted_tokens / record.spec_draft_tokens if record.spec_draft_tokens else 0.0
+    length = 1.0 + record.spec_accepted_tokens / record.spec_drafts if record.spec_drafts else 0.0
+    return {"acceptance_rate": rate, "mean_acceptance_length": length}
 
 
 def run_entry(workload: str, record: RunRecord, seed: str, threads: int) -> dict[str, Any]:

@@ -5,6 +5,10 @@ RunnerOutput`, built (with the tokenizer and the facts found at load) by
 `tokenmill.builder.build_engine`. Every step is reported to the engine's observers as
 a `StepRecord` (what ran, what was preempted and finished, how long each phase took):
 metrics, the bench and a simulator read the same event stream. The clock is injected.
+
+With speculative decoding a proposer (built by the builder, see `tokenmill.spec_decode`)
+is called after each step with the running requests the next step may verify proposals
+for, and told which requests are gone (finished, aborted, preempted).
 """
 
 from __future__ import annotations
@@ -12,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -31,11 +35,77 @@ class Executor(Protocol):
     def execute(self, batch: SchedulerOutput) -> RunnerOutput: ...
 
 
+class Proposer(Protocol):
+    """Speculative decoding's proposer (implementations: `tokenmill.spec_decode`).
+
+    After every step it gets the running requests the next step may verify proposals for
+    (their known tokens all computed but the last, min_tokens no longer banning EOS) and
+    sets each one's `spec_token_ids` (up to num_speculative_tokens; none is a valid
+    answer). The scheduler counts them in the token budget and caps them so no request
+    passes max_tokens or max_model_len. `release` names requests that finished, were
+    aborted or preempted: the proposer frees what it holds for them (a draft's KV)."""
+
+    num_speculative_tokens: int
+
+    def propose(self, requests: Sequence[Request]) -> None: ...
+
+    def release(self, request_ids: Iterable[str]) -> None: ...  # unknown ids are ignored
+
+
+@dataclass
+class SpecDecodeStats:
+    """Proposals verified in one step, or summed over steps: vLLM's spec-decode counters.
+    A draft is one request's proposals in one step; position i counts the drafts whose
+    (i+1)-th proposal was accepted. Counted as verified, before any stop cuts a run."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of_step(cls, output: RunnerOutput) -> SpecDecodeStats:
+        stats = cls()
+        for request_id, num_draft in output.num_draft_tokens.items():
+            accepted = len(output.sampled_token_ids[request_id]) - 1
+            stats.add_draft(num_draft, accepted)
+        return stats
+
+    def add_draft(self, num_draft: int, num_accepted: int) -> None:
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_position) < num_draft:
+            self.accepted_per_position += [0] * (num_draft - len(self.accepted_per_position))
+        for position in range(num_accepted):
+            self.accepted_per_position[position] += 1
+
+    def add(self, other: SpecDecodeStats) -> None:
+        self.num_drafts += other.num_drafts
+        self.num_draft_tokens += other.num_draft_tokens
+        self.num_accepted_tokens += other.num_accepted_tokens
+        extra = len(other.accepted_per_position) - len(self.accepted_per_position)
+        self.accepted_per_position += [0] * max(extra, 0)
+        for position, count in enumerate(other.accepted_per_position):
+            self.accepted_per_position[position] += count
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted over proposed tokens (vLLM's draft acceptance rate)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a verifying step emits per request on average: 1 + accepted per draft."""
+        return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 0.0
+
+
 @dataclass
 class EngineStats(SchedulerStats):
     num_prompt_tokens: int = 0  # computed prompt tokens (prefill work), cumulative
     num_generation_tokens: int = 0  # sampled tokens, cumulative
     num_steps: int = 0
+    spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # cumulative
 
 
 @dataclass
@@ -56,10 +126,12 @@ class StepRecord:
     num_running: int = 0  # after the step
     num_waiting: int = 0
     kv_usage: float = 0.0
+    spec_decode: SpecDecodeStats | None = None  # proposals verified in this step, if any
+    propose_s: float = 0.0  # the proposer, after the step (a draft model's forward passes)
 
     @property
     def duration_s(self) -> float:
-        return self.schedule_s + self.execute_s + self.process_s
+        return self.schedule_s + self.execute_s + self.process_s + self.propose_s
 
 
 class StepObserver:
@@ -79,9 +151,13 @@ class LLMEngine:
         tokenizer: Tokenizer,
         facts: EngineFacts,
         clock: Callable[[], float] = time.monotonic,
+        proposer: Proposer | None = None,
     ) -> None:
+        if (proposer is None) != (config.speculative.speculative_config is None):
+            raise ValueError("a proposer goes with a speculative_config, and only with one")
         self.config = config
         self.executor = executor
+        self.proposer = proposer
         self.tokenizer = tokenizer
         self.facts = facts
         self.clock = clock
@@ -94,6 +170,7 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_steps = 0
+        self.spec_decode_stats = SpecDecodeStats()
         self._ids = itertools.count()
 
     @property
@@ -111,12 +188,19 @@ class LLMEngine:
     def add_observer(self, observer: StepObserver) -> None:
         self.observers.append(observer)
 
-    def sibling(self, num_blocks: int | None = None, **settings: object) -> LLMEngine:
+    def sibling(self, num_blocks: int | None = None, proposer: Proposer | None = None,
+                **settings: object) -> LLMEngine:
         """Another engine on this one's executor (model and KV memory) with some settings
-        changed (scheduling, prefix caching). Engines sharing an executor must be used one
-        at a time, and each must finish its requests before the other steps."""
+        changed (scheduling, prefix caching, speculation: a changed speculative_config
+        needs its `proposer`). Engines sharing an executor must be used one at a time, and
+        each must finish its requests before the other steps."""
         facts = self.facts if num_blocks is None else dataclasses.replace(self.facts, num_blocks=num_blocks)
-        return LLMEngine(self.config.replace(**settings), self.executor, self.tokenizer, facts, self.clock)
+        config = self.config.replace(**settings)
+        if proposer is None and config.speculative == self.config.speculative:
+            proposer = self.proposer
+        elif proposer is None and config.speculative.speculative_config is not None:
+            raise ValueError("a sibling engine with another speculative_config needs its proposer (proposer=...)")
+        return LLMEngine(config, self.executor, self.tokenizer, facts, self.clock, proposer)
 
     # ----- requests ------------------------------------------------------------------
 
@@ -163,6 +247,8 @@ class LLMEngine:
         """Stop a request and free its blocks at once; returns its final output."""
         sample_ids = self.output_processor.sample_ids(request_id)
         self.scheduler.finish_requests(sample_ids, RequestStatus.FINISHED_ABORTED)
+        if self.proposer is not None:
+            self.proposer.release(sample_ids)
         output = self.output_processor.finish_externally(request_id, "abort")
         if output is not None:
             for observer in self.observers:
@@ -201,7 +287,13 @@ class LLMEngine:
         self.num_steps += 1
         self.num_generation_tokens += num_generated
         self.num_prompt_tokens += num_prefill
-        self._report(batch, started, scheduled, executed, num_prefill, num_generated, updated, outputs)
+        spec = SpecDecodeStats.of_step(runner_output) if runner_output.num_draft_tokens else None
+        if spec is not None:
+            self.spec_decode_stats.add(spec)
+        processed = self.clock()
+        self._propose(batch)
+        self._report(batch, started, scheduled, executed, processed, num_prefill, num_generated, updated, outputs,
+                     spec)
         return outputs
 
     def stats(self) -> EngineStats:
@@ -210,6 +302,8 @@ class LLMEngine:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             num_steps=self.num_steps,
+            spec_decode=dataclasses.replace(self.spec_decode_stats,
+                                            accepted_per_position=list(self.spec_decode_stats.accepted_per_position)),
         )
 
     # ----- internals -----------------------------------------------------------------
@@ -220,14 +314,38 @@ class LLMEngine:
         return sum(r.num_tokens for r in batch.scheduled
                    if r.request_id in requests and r.start_pos < requests[r.request_id].num_prompt_tokens)
 
-    def _report(self, batch: SchedulerOutput, started: float, scheduled: float, executed: float, num_prefill: int,
-                num_generated: int, updated: list[Request], outputs: list[RequestOutput]) -> None:
+    def _propose(self, batch: SchedulerOutput) -> None:
+        """Let the proposer forget the requests that left, then propose for the running
+        ones the next step may verify (unless the batch is large enough that speculation
+        no longer pays: disable_by_batch_size)."""
+        proposer = self.proposer
+        if proposer is None:
+            return
+        requests = self.scheduler.requests
+        gone = [*batch.preempted_ids, *(r.request_id for r in batch.scheduled if r.request_id not in requests)]
+        if gone:
+            proposer.release(gone)
+        running = self.scheduler.running
+        limit = self.config.speculative.speculative_config.disable_by_batch_size
+        if limit is not None and len(running) >= limit:
+            for request in running:  # nothing left over from an earlier step either
+                request.spec_token_ids = []
+            return
+        ready = [r for r in running
+                 if r.num_tokens - r.num_computed_tokens == 1 and r.num_output_tokens >= r.params.min_tokens]
+        if ready:
+            proposer.propose(ready)
+
+    def _report(self, batch: SchedulerOutput, started: float, scheduled: float, executed: float, processed: float,
+                num_prefill: int, num_generated: int, updated: list[Request], outputs: list[RequestOutput],
+                spec: SpecDecodeStats | None) -> None:
         if not self.observers:
             return
         stats = self.scheduler.stats()
         record = StepRecord(
             index=self.num_steps - 1, started=started, schedule_s=scheduled - started, execute_s=executed - scheduled,
-            process_s=self.clock() - executed, num_prefill_tokens=num_prefill,
+            process_s=processed - executed, propose_s=self.clock() - processed, spec_decode=spec,
+            num_prefill_tokens=num_prefill,
             num_decode_tokens=batch.num_batched_tokens - num_prefill, num_scheduled=len(batch.scheduled),
             num_generated=num_generated, preempted_ids=list(batch.preempted_ids),
             finished_ids=[r.request_id for r in updated if r.is_finished],

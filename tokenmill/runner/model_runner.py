@@ -2,10 +2,14 @@
 
 It owns the paged KV cache, the attention backend, the execution plan and the
 per-request random generators; it knows requests only through the step messages
-(rebuilt into whole views by a `RequestTable`).
+(rebuilt into whole views by a `RequestTable`). A request with proposed tokens gets one
+row of logits per proposal plus one, verified by `spec_decode.rejection`. A draft model
+runs on its own `ModelRunner` through `forward`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -16,6 +20,19 @@ from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.runner.plan import ExecutionPlan
 from tokenmill.runner.threads import ThreadGovernor
 from tokenmill.sampling.sampler import Sampler, SamplingRow, compute_token_logprobs
+from tokenmill.spec_decode.rejection import RejectionSampler, Verification
+
+# A chunk of at most this many tokens after earlier context (a verification: the last
+# known token and its proposals; a draft catching up) attends as that many one-token
+# rows, each over its own context length. Every backend writes the step's KV before any
+# attention reads it, so row j sees exactly the positions up to its own (the chunk's
+# bottom-right causal mask) with no per-chunk gather and SDPA call, and a step made only
+# of such rows can run the fused decode layer.
+SHORT_CHUNK_TOKENS = 8
+
+# (request id, proposals) -> the [len(proposals), V] distributions a draft sampled them
+# from, or None for point masses; set by the builder when a draft model proposes.
+DraftProbs = Callable[[str, list[int]], "torch.Tensor | None"]
 
 # Prompt positions whose logprobs are computed together (bounds the [rows, vocab] logits).
 _PROMPT_LOGPROBS_ROWS = 128
@@ -40,8 +57,11 @@ class ModelRunner:
         self.device = device
         self.block_size = kv_cache.spec.block_size
         self.sampler = Sampler(seed)
+        self.verifier = RejectionSampler(self.sampler)
+        self.draft_probs: DraftProbs | None = None
         self.requests = RequestTable()
         self.generators: dict[str, torch.Generator] = {}
+        self.short_chunks_as_decodes = True  # off: every multi-token chunk attends as one (benchmarks)
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
@@ -57,52 +77,84 @@ class ModelRunner:
             return RunnerOutput()
         if self.threads is not None:
             self.threads.update()
+        hidden, starts = self.forward(items)
+        if hidden is None:  # a pipeline stage before the last: its hidden states went on
+            return RunnerOutput()
+        output = RunnerOutput()
+        self._sample(items, hidden, starts, output)
+        self._prompt_logprobs(items, hidden, starts, output)
+        return output
+
+    def forward(self, items: list[StepRequest]) -> tuple[torch.Tensor | None, list[int]]:
+        """Compute the step's tokens (known and proposed), writing their KV; returns the
+        final hidden state of every token (None on a pipeline stage before the last) and
+        where each request's rows start."""
         layout = self._layout(items)
         input_ids = torch.tensor([t for r in items for t in r.token_ids], dtype=torch.long, device=self.device)
         positions = torch.tensor(
             [p for r in items for p in range(r.start_pos, r.context_len)], dtype=torch.long, device=self.device
         )
-        if self.plan.use_fused_decode(len(items), layout.all_decode):
+        if self.plan.use_fused_decode(len(layout.query_lens), layout.all_decode):
             ctx = ForwardContext(self.backend, None, self.kv_cache, PagedDecode.from_layout(layout, self.device))
         else:
             ctx = ForwardContext(self.backend, self.backend.build_metadata(layout, self.device), self.kv_cache)
         with forward_context(ctx):
             hidden = self.model(input_ids, positions)
-        if hidden is None:  # a pipeline stage before the last: its hidden states went on
-            return RunnerOutput()
-        starts = layout.query_starts
-        output = RunnerOutput()
-        self._sample(items, hidden, starts, output)
-        self._prompt_logprobs(items, hidden, starts, output)
-        return output
+        starts = [0]
+        for r in items:
+            starts.append(starts[-1] + r.num_tokens)
+        return hidden, starts
 
     def _layout(self, items: list[StepRequest]) -> BatchLayout:
         size = self.block_size
         slots = [
             r.block_ids[p // size] * size + p % size for r in items for p in range(r.start_pos, r.context_len)
         ]
-        return BatchLayout(
-            query_lens=[r.num_tokens for r in items],
-            context_lens=[r.context_len for r in items],
-            block_tables=[r.block_ids for r in items],
-            slot_mapping=slots,
-            block_size=size,
-        )
+        query_lens, context_lens, block_tables = [], [], []
+        for r in items:
+            if self.short_chunks_as_decodes and r.start_pos > 0 and 1 < r.num_tokens <= SHORT_CHUNK_TOKENS:
+                query_lens += [1] * r.num_tokens
+                context_lens += range(r.start_pos + 1, r.context_len + 1)
+                block_tables += [r.block_ids] * r.num_tokens
+            else:
+                query_lens.append(r.num_tokens)
+                context_lens.append(r.context_len)
+                block_tables.append(r.block_ids)
+        return BatchLayout(query_lens, context_lens, block_tables, slots, size)
 
     def _sample(self, items: list[StepRequest], hidden: torch.Tensor, starts: list[int], output: RunnerOutput) -> None:
-        """One token after the last known token of each request that samples."""
-        to_sample = [i for i, r in enumerate(items) if r.sample]
-        if not to_sample:
+        """One token after the last known token of each request that samples; for one with
+        proposals, a row per proposal too, verified. One LM-head pass for all rows."""
+        plain = [i for i, r in enumerate(items) if r.sample and not r.spec_token_ids]
+        spec = [i for i, r in enumerate(items) if r.sample and r.spec_token_ids]
+        if not plain and not spec:
             return
-        rows = torch.tensor([starts[i] + items[i].item.num_new_tokens - 1 for i in to_sample], device=self.device)
-        logits = self.model.compute_logits(hidden[rows])
-        sampling_rows = [self._sampling_row(items[i]) for i in to_sample]
-        result = self.sampler(logits, sampling_rows)
-        for i, token_id, logprobs in zip(to_sample, result.token_ids, result.logprobs):
-            request_id = items[i].request_id
-            output.sampled_token_ids[request_id] = [token_id]
-            if logprobs is not None:
-                output.logprobs[request_id] = [logprobs]
+        rows = [starts[i] + items[i].item.num_new_tokens - 1 for i in plain]
+        for i in spec:  # the last known token's row, then one per proposal
+            first = starts[i] + items[i].item.num_new_tokens - 1
+            rows.extend(range(first, first + len(items[i].spec_token_ids) + 1))
+        logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if plain:
+            result = self.sampler(logits[: len(plain)], [self._sampling_row(items[i]) for i in plain])
+            for i, token_id, logprobs in zip(plain, result.token_ids, result.logprobs):
+                request_id = items[i].request_id
+                output.sampled_token_ids[request_id] = [token_id]
+                if logprobs is not None:
+                    output.logprobs[request_id] = [logprobs]
+        if spec:
+            self._verify([items[i] for i in spec], logits[len(plain):], output)
+
+    def _verify(self, items: list[StepRequest], logits: torch.Tensor, output: RunnerOutput) -> None:
+        verifications = [
+            Verification(self._sampling_row(item), item.spec_token_ids,
+                         self.draft_probs(item.request_id, item.spec_token_ids) if self.draft_probs else None)
+            for item in items
+        ]
+        for item, verified in zip(items, self.verifier(logits, verifications)):
+            output.sampled_token_ids[item.request_id] = verified.token_ids
+            output.num_draft_tokens[item.request_id] = len(item.spec_token_ids)
+            if verified.logprobs is not None:
+                output.logprobs[item.request_id] = verified.logprobs
 
     def _sampling_row(self, item: StepRequest) -> SamplingRow:
         return SamplingRow(

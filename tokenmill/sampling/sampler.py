@@ -120,13 +120,15 @@ class Sampler:
         seeded row draws from its own generator, exactly one number per step, so its
         samples depend only on its seed and step count, never on the batch.
         """
-        draws = torch.rand(len(rows), generator=self._shared_generator(device), device=device)
+        draws = torch.rand(len(rows), generator=self.shared_generator(device), device=device)
         for i, row in enumerate(rows):
             if row.generator is not None:
                 draws[i] = torch.rand(1, generator=row.generator, device=device)[0]
         return draws
 
-    def _shared_generator(self, device: torch.device) -> torch.Generator:
+    def shared_generator(self, device: torch.device) -> torch.Generator:
+        """The generator of rows without a seed of their own (the verifier of proposed
+        tokens draws from it too)."""
         generator = self._generators.get(device)
         if generator is None:
             generator = torch.Generator(device=device)

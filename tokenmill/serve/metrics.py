@@ -3,7 +3,8 @@
 Gauges and engine counters are read from the engine's latest stats snapshot
 when /metrics is scraped (a collector), so they can never drift from what the
 engine counted. Per-request histograms and the success counter are observed by
-the engine thread as requests progress and finish. Each server owns a private
+the engine thread as requests progress and finish; speculative decoding's counters
+(vLLM's `spec_decode_*`) from each step's record. Each server owns a private
 CollectorRegistry, so two servers in one process (tests) do not collide.
 """
 
@@ -17,7 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from tokenmill.engine.engine import EngineStats, StepObserver, StepRecord
+from tokenmill.engine.engine import EngineStats, SpecDecodeStats, StepObserver, StepRecord
 from tokenmill.outputs import RequestOutput
 
 PREFIX = "tokenmill:"
@@ -80,6 +81,20 @@ class ServerMetrics(StepObserver):
             PREFIX + "request_queue_time_seconds", "Time a request waited before it was first scheduled, in seconds.",
             labels, buckets=_REQUEST_BUCKETS, registry=self.registry,
         )
+        self.spec_drafts = Counter(
+            PREFIX + "spec_decode_num_drafts", "Number of spec decoding drafts (one request's proposals in a step).",
+            labels, registry=self.registry,
+        )
+        self.spec_draft_tokens = Counter(
+            PREFIX + "spec_decode_num_draft_tokens", "Number of draft tokens.", labels, registry=self.registry,
+        )
+        self.spec_accepted_tokens = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens", "Number of accepted tokens.", labels, registry=self.registry,
+        )
+        self.spec_accepted_per_pos = Counter(
+            PREFIX + "spec_decode_num_accepted_tokens_per_pos", "Accepted tokens per draft position.",
+            labels + ["position"], registry=self.registry,
+        )
         # Requests that produced an output, with their last token's time: engine thread only.
         self._last_token_time: dict[str, float | None] = {}
 
@@ -92,6 +107,8 @@ class ServerMetrics(StepObserver):
     # ----- StepObserver (engine thread) ---------------------------------------------------
 
     def on_step(self, record: StepRecord, outputs: list[RequestOutput]) -> None:
+        if record.spec_decode is not None:
+            self._observe_spec_decode(record.spec_decode)
         for output in outputs:
             self._observe_step(output)
             if output.finished:
@@ -101,6 +118,14 @@ class ServerMetrics(StepObserver):
         self._observe_finished(output)
 
     # ----- internals -----------------------------------------------------------------------
+
+    def _observe_spec_decode(self, spec: SpecDecodeStats) -> None:
+        name = self.model_name()
+        self.spec_drafts.labels(name).inc(spec.num_drafts)
+        self.spec_draft_tokens.labels(name).inc(spec.num_draft_tokens)
+        self.spec_accepted_tokens.labels(name).inc(spec.num_accepted_tokens)
+        for position, count in enumerate(spec.accepted_per_position):
+            self.spec_accepted_per_pos.labels(name, str(position)).inc(count)
 
     def _observe_step(self, output: RequestOutput) -> None:
         first_output = output.request_id not in self._last_token_time
