@@ -112,7 +112,7 @@ def tiny_engine(target: LlamaForCausalLM, draft: LlamaForCausalLM | None = None,
             kv_spec = KVCacheSpec(darch.num_layers, darch.num_kv_heads, darch.head_dim, block_size, torch.float32)
             from tokenmill.builder import DtypePlan
 
-            loaded_draft = LoadedDraft(loaded, DtypePlan("float32", "float32"), kv_spec)
+            loaded_draft = LoadedDraft(loaded, DtypePlan("float32", "float32"), kv_spec, planned(draft, native))
         proposer = build_proposer(config, runner, loaded_draft, native)
     facts = dataclasses.replace(fake_facts(num_blocks, block_size, max_model_len), vocab_size=arch.vocab_size)
     return LLMEngine(config, runner, FakeTokenizer(), facts, proposer=proposer)
