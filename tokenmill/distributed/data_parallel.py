@@ -368,15 +368,18 @@ def serve_data_parallel(settings: argparse.Namespace) -> int:
     config = uvicorn.Config(create_router_app(router, on_all_dead), host=settings.host, port=settings.port,
                             log_level=settings.log_level, access_log=not settings.disable_access_log,
                             lifespan="on", timeout_graceful_shutdown=settings.shutdown_timeout)
-    server = uvicorn.Server(config)
-    from tokenmill.serve.cli import _signals_handled_by_uvicorn
+    from tokenmill.serve.draining import DrainingServer
 
+    server = DrainingServer(config, _nothing_to_drain)  # the replicas drain themselves (stop_replicas)
     try:
-        with _signals_handled_by_uvicorn():
-            server.run()
+        server.run()
     finally:
         stop_replicas(replicas, settings.shutdown_timeout)
     return 1 if router.fatal else 0
+
+
+async def _nothing_to_drain() -> bool:
+    return True
 
 
 def stop_replicas(replicas: list[Replica], timeout: float) -> None:
