@@ -8,6 +8,7 @@ that in an `LLMEngine`. `LLM`, `tokenmill serve` and the bench all start here.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.attention import kv_quant
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.attention.kv_cache import KVCacheSpec, PagedKVCache
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
@@ -32,6 +34,7 @@ from tokenmill.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_DTYPES = {**_DTYPES, "int8": torch.int8}  # and fp8_e4m3 where torch has it
 
 
 @dataclass
@@ -51,13 +54,13 @@ def build_executor(config: EngineConfig) -> BuiltExecutor:
     device = resolve_device(config.device.device)
     governor = compute_threads(config, device)
     kernels_ok = device.type == "cpu" and config.device.native_kernels and _cpu_kernels_build()
-    dtype = resolve_dtype(config.model.dtype, device, kernels_ok)
+    dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, resolve_dtype(config.model.dtype, device, kernels_ok),
+                                   device)
     loaded = load_model(config.model.model, dtype.compute, device, max_positions=config.model.max_model_len)
     max_model_len = resolve_max_model_len(config, loaded)
     backend = select_attention_backend(config.device.attention_backend, device, kernels_ok)
     plan = apply_plan(loaded.model, choose_plan(config, device, dtype, kernels_ok, backend, loaded))
-    spec = KVCacheSpec(loaded.arch.num_layers, loaded.arch.num_kv_heads, loaded.arch.head_dim,
-                       config.cache.block_size, _DTYPES[dtype.kv_cache])
+    spec = kv_cache_spec(config, loaded.arch.num_layers, loaded.arch.num_kv_heads, loaded.arch.head_dim, dtype)
     memory = config.cache.kv_cache_memory or default_kv_cache_memory(device)
     num_blocks = spec.num_blocks_for(memory)
     if num_blocks < 1:
@@ -70,12 +73,13 @@ def build_executor(config: EngineConfig) -> BuiltExecutor:
         compute_dtype=dtype.compute, weight_format=plan.weight_format.name, kv_cache_dtype=dtype.kv_cache,
         num_blocks=num_blocks, block_size=config.cache.block_size, kv_bytes_per_token=spec.bytes_per_token,
         attention_backend=backend.name, execution_plan=plan.describe(), num_threads=torch.get_num_threads(),
-        load_seconds=time.perf_counter() - start,
+        load_seconds=time.perf_counter() - start, kv_cache_format=spec.describe(),
     )
     logger.info(
-        "loaded %s (%s) on %s in %.1f s: %d KV blocks of %d tokens (%.2f GiB, %d bytes per token), "
-        "max_model_len %d, attention %s", loaded.name, dtype, device, facts.load_seconds, num_blocks,
-        spec.block_size, kv_cache.nbytes / 2**30, spec.bytes_per_token, max_model_len, backend.name,
+        "loaded %s (%s) on %s in %.1f s: %d KV blocks of %d tokens = %d tokens (%.2f GiB, %d bytes per token, "
+        "KV cache %s), max_model_len %d, attention %s", loaded.name, dtype, device, facts.load_seconds, num_blocks,
+        spec.block_size, facts.kv_capacity_tokens, kv_cache.nbytes / 2**30, spec.bytes_per_token, facts.kv_cache_format,
+        max_model_len, backend.name,
     )
     logger.info("execution plan (%s): %s", plan.tier, plan.describe())
     return BuiltExecutor(runner, loaded.tokenizer, facts)
@@ -140,6 +144,43 @@ def resolve_dtype(dtype: str, device: torch.device, native_kernels: bool = False
     if dtype == "bfloat16" and device.type == "cpu" and not cpu_has_native_bf16():
         return DtypePlan(compute="float32", weights="bfloat16", kv="bfloat16")
     return DtypePlan(compute=dtype, weights=dtype)
+
+
+def resolve_kv_cache_dtype(name: str, dtype: DtypePlan, device: torch.device) -> DtypePlan:
+    """`auto` keeps the KV dtype resolve_dtype chose (it follows --dtype); any other name is
+    how the cache is stored, whatever the compute dtype ('fp8' is vLLM's spelling of
+    fp8_e4m3, which needs float8 tensors in torch and on the device)."""
+    if name == "auto":
+        return dtype
+    name = "fp8_e4m3" if name == "fp8" else name
+    if name == "fp8_e4m3":
+        check_fp8_kv_cache(device)
+    return dataclasses.replace(dtype, kv=name)
+
+
+def check_fp8_kv_cache(device: torch.device) -> None:
+    fp8 = kv_quant.fp8_dtype()
+    if fp8 is None:
+        raise ValueError(f"kv_cache_dtype fp8_e4m3 needs float8 tensors (torch.float8_e4m3fn), which torch "
+                         f"{torch.__version__} lacks; use int8 (same size)")
+    try:
+        torch.ones(1, device=device).to(fp8).float()
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"kv_cache_dtype fp8_e4m3: {device} cannot store float8 tensors ({exc}); use int8 "
+                         "(same size)") from exc
+
+
+def kv_cache_spec(config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,
+                  dtype: DtypePlan) -> KVCacheSpec:
+    """The cache's layout: its dtype, and for an 8-bit one the Hadamard rotation the config
+    asks for (when head_dim has a power-of-two factor of at least 16)."""
+    kv_dtype = kv_quant.fp8_dtype() if dtype.kv_cache == "fp8_e4m3" else _KV_DTYPES[dtype.kv_cache]
+    rotate = kv_quant.is_quantized(kv_dtype) and config.cache.kv_cache_rotation
+    rotation = kv_quant.rotation_block(head_dim) if rotate else 0
+    if rotate and not rotation:
+        logger.info("head_dim %d has no power-of-two factor >= 16: the %s KV cache is not rotated", head_dim,
+                    dtype.kv_cache)
+    return KVCacheSpec(num_layers, num_kv_heads, head_dim, config.cache.block_size, kv_dtype, rotation)
 
 
 def choose_plan(config: EngineConfig, device: torch.device, dtype: DtypePlan, kernels_ok: bool,
