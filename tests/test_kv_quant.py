@@ -236,7 +236,8 @@ def test_fused_decode_layer_rotates_like_the_reference() -> None:
         slots = torch.arange(fused.k.shape[0] * fused.k.shape[1])
         kf, vf = fused.read(slots, torch.float32)
         kr, vr = ref.read(slots, torch.float32)
-        step = torch.maximum(fused.k_scale, ref.k_scale).float().view(-1, fused.k.shape[2], 1)
+        index = fused.scale_index(slots)
+        step = torch.maximum(fused.k_scale.view(-1)[index], ref.k_scale.view(-1)[index]).float().unsqueeze(-1)
         assert ((kf - kr).abs() <= step * 1.01).all()
         differing = (fused.k.view(torch.uint8) != ref.k.view(torch.uint8)).float().mean().item()
         assert differing < 0.01, differing  # codes differ only where float rounding crosses a half step

@@ -4,7 +4,8 @@ their scales), with the bytes per token that KV capacity is computed from.
 Layout per layer: K and V as [num_blocks, block_size, num_kv_heads, head_dim]; a token's
 slot is `block_id * block_size + offset` in the flattened [slots, heads, head_dim] view.
 8-bit caches (int8, fp8 e4m3; see kv_quant.py) keep one float16 scale per (token, KV head)
-beside them, [num_blocks, block_size, num_kv_heads], and may hold K and V Hadamard-rotated.
+beside them, [num_blocks, num_kv_heads, block_size] (a block's scales of one head side by
+side, as the native kernel applies them), and may hold K and V Hadamard-rotated.
 Everything that writes or reads the cache in PyTorch goes through `LayerKVCache.write` and
 `LayerKVCache.read`; the native kernels take the same tensors.
 """
@@ -68,7 +69,7 @@ class LayerKVCache:
 
     k: torch.Tensor
     v: torch.Tensor
-    k_scale: torch.Tensor | None = None  # [blocks, block_size, kv_heads] float16, 8-bit formats only
+    k_scale: torch.Tensor | None = None  # [blocks, kv_heads, block_size] float16, 8-bit formats only
     v_scale: torch.Tensor | None = None
     rotation: int = 0  # K and V stored rotated by the Hadamard matrix of this block (0 = not)
 
@@ -84,7 +85,8 @@ class LayerKVCache:
         k, v = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
         if not kv_quant.is_quantized(dtype):
             return cls(k, v)
-        k_scale, v_scale = (torch.zeros(shape[:3], dtype=kv_quant.SCALE_DTYPE, device=device) for _ in range(2))
+        scale_shape = (num_blocks, num_kv_heads, block_size)
+        k_scale, v_scale = (torch.zeros(scale_shape, dtype=kv_quant.SCALE_DTYPE, device=device) for _ in range(2))
         return cls(k, v, k_scale, v_scale, rotation)
 
     @property
@@ -110,7 +112,7 @@ class LayerKVCache:
             codes, row_scales = kv_quant.quantize(rows, cache.dtype)
             # index_copy_ has no float8 kernel: move the codes as bytes.
             flat.view(torch.uint8).index_copy_(0, slots, codes.view(torch.uint8))
-            scales.view(-1, scales.shape[2]).index_copy_(0, slots, row_scales)
+            scales.view(-1).index_copy_(0, self.scale_index(slots).flatten(), row_scales.flatten())
 
     def read(self, slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of the given slots (any index shape) as [*slots.shape, kv_heads, head_dim]
@@ -121,8 +123,14 @@ class LayerKVCache:
             if scales is None:
                 out.append(rows.to(dtype))
             else:
-                out.append(kv_quant.dequantize(rows, scales.view(-1, scales.shape[2])[slots], dtype))
+                out.append(kv_quant.dequantize(rows, scales.view(-1)[self.scale_index(slots)], dtype))
         return out[0], out[1]
+
+    def scale_index(self, slots: torch.Tensor) -> torch.Tensor:
+        """Where the scales of the given slots' heads are in the flattened scales: [*slots.shape, heads]."""
+        block_size, heads = self.k.shape[1], self.k.shape[2]
+        first = (slots // block_size) * (heads * block_size) + slots % block_size
+        return first.unsqueeze(-1) + torch.arange(heads, device=slots.device) * block_size
 
     def rotate_in(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Q, K and V as a rotated cache holds them (unchanged for one that is not)."""

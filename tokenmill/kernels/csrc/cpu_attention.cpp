@@ -12,7 +12,7 @@
 //   k/v cache:     [num_blocks, block_size, num_kv_heads, head_dim]
 //   block_tables:  [num_seqs, max_blocks] int32 (entries past a sequence's length unused)
 //   context_lens:  [num_seqs] int32
-//   k/v scales:    [num_blocks, block_size, num_kv_heads] float16, for 8-bit caches
+//   k/v scales:    [num_blocks, num_kv_heads, block_size] float16, for 8-bit caches
 // The cache may be float32, bfloat16 or float16, or int8 / fp8 e4m3 codes with a scale per
 // (token, head) (tokenmill/attention/kv_quant.py); arithmetic is float32. An 8-bit row is
 // never dequantized: q . codes is multiplied by the K row's scale, and each softmax weight
@@ -221,20 +221,26 @@ inline void for_each_cached_block(const T* head, const int32_t* table, int64_t c
 // All heads of a block are done together: their rows share cache lines and pages, which
 // read block by block stream well, where one head at a time reads a third of each.
 // Scales of an 8-bit cache (null otherwise): per (token, head), pointing at the item's first
-// head in block 0, with their own block and token strides (heads adjacent).
+// head in block 0. A block's scales of one head are contiguous ([blocks, heads, block_size]),
+// so they are applied eight at a time.
 struct RowScales {
   const at::Half* k = nullptr;
   const at::Half* v = nullptr;
-  int64_t block_stride = 0, token_stride = 0;
+  int64_t block_stride = 0, head_stride = 0;
 
   // rows[(h * group + g) * ctx + t0 + j] *= scale of (token t0 + j, head h) for one block's n rows.
   void apply(const at::Half* scales, int64_t block, int64_t nh, int64_t group, int64_t ctx, int64_t t0, int64_t n,
              float* rows) const {
     for (int64_t h = 0; h < nh; ++h) {
-      const at::Half* s = scales + block * block_stride + h;
+      const at::Half* s = scales + block * block_stride + h * head_stride;
       for (int64_t g = 0; g < group; ++g) {
         float* r = rows + (h * group + g) * ctx + t0;
-        for (int64_t j = 0; j < n; ++j) r[j] *= static_cast<float>(s[j * token_stride]);
+        int64_t j = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+        for (; j + 8 <= n; j += 8)
+          _mm256_storeu_ps(r + j, _mm256_mul_ps(_mm256_loadu_ps(r + j), tokenmill::load8(s + j)));
+#endif
+        for (; j < n; ++j) r[j] *= static_cast<float>(s[j]);
       }
     }
   }
@@ -316,6 +322,7 @@ void decode_kernel(
   RowScales scales_0;  // of head 0; an item offsets them by its first head
   if (k_scale.has_value()) {
     scales_0 = {k_scale->data_ptr<at::Half>(), v_scale->data_ptr<at::Half>(), k_scale->stride(0), k_scale->stride(1)};
+    TORCH_CHECK(k_scale->stride(2) == 1, "a block's scales of one head must be contiguous");
   }
 
   // Items differ in cost (context lengths are ragged) and at::parallel_for splits a range
@@ -339,7 +346,7 @@ void decode_kernel(
       const cache_t* k_heads = k_ptr + h0 * kv_head_stride;
       const cache_t* v_heads = v_ptr + h0 * kv_head_stride;
       RowScales row_scales = scales_0;
-      if (row_scales.k != nullptr) row_scales.k += h0, row_scales.v += h0;
+      if (row_scales.k != nullptr) row_scales.k += h0 * row_scales.head_stride, row_scales.v += h0 * row_scales.head_stride;
 #define TOKENMILL_ATTEND(G)                                                                                     \
   attend<G>(qf.data(), k_heads, v_heads, heads_per_item, table, ctx, group, head_dim, block_size, kv_block_stride, \
             kv_token_stride, kv_head_stride, row_scales, scores.data(), acc.data())
@@ -399,8 +406,8 @@ void check_scales(const at::Tensor& cache, const c10::optional<at::Tensor>& k_sc
   TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "an int8/fp8 KV cache needs its k and v scales");
   for (const at::Tensor* s : {&*k_scale, &*v_scale}) {
     TORCH_CHECK(s->scalar_type() == at::kHalf && s->dim() == 3 && s->size(0) == cache.size(0) &&
-                    s->size(1) == cache.size(1) && s->size(2) == cache.size(2) && s->stride(2) == 1,
-                "KV scales: float16 [blocks, block_size, kv_heads] with adjacent heads");
+                    s->size(1) == cache.size(2) && s->size(2) == cache.size(1) && s->stride(2) == 1,
+                "KV scales: float16 [blocks, kv_heads, block_size], a block's scales of a head contiguous");
   }
   TORCH_CHECK(v_scale->strides() == k_scale->strides(), "k and v scales must have the same strides");
 }
@@ -439,10 +446,10 @@ void write_kv_rows(const float* k, const float* v, int64_t tokens, const int64_t
       const int64_t* strides = pass == 0 ? k_strides : v_strides;
       scalar_t* cache = (pass == 0 ? k_cache : v_cache).data_ptr<scalar_t>();
       at::Half* scales = nullptr;
-      int64_t s_block = 0, s_token = 0;
+      int64_t s_block = 0, s_head = 0;
       if (k_scale.has_value()) {
         const at::Tensor& st = pass == 0 ? *k_scale : *v_scale;
-        scales = st.data_ptr<at::Half>(), s_block = st.stride(0), s_token = st.stride(1);
+        scales = st.data_ptr<at::Half>(), s_block = st.stride(0), s_head = st.stride(1);
       }
       for (int64_t t = 0; t < tokens; ++t) {
         const int64_t slot = slots[t], block = slot / k_cache.size(1), offset = slot % k_cache.size(1);
@@ -450,7 +457,7 @@ void write_kv_rows(const float* k, const float* v, int64_t tokens, const int64_t
           const float* row = src + t * strides[0] + h * strides[1];
           scalar_t* dst = cache + (slot * heads + h) * dim;
           if constexpr (std::is_same_v<scalar_t, int8_t> || std::is_same_v<scalar_t, c10::Float8_e4m3fn>) {
-            quantize_kv_row(row, dim, dst, scales + block * s_block + offset * s_token + h);
+            quantize_kv_row(row, dim, dst, scales + block * s_block + h * s_head + offset);
           } else {  // a plain cast (round to nearest even for bf16/fp16)
             for (int64_t i = 0; i < dim; ++i) dst[i] = static_cast<scalar_t>(row[i]);
           }
