@@ -67,6 +67,15 @@ def test_rotation_is_orthonormal_and_its_own_inverse() -> None:
         kv_quant.hadamard(48)
 
 
+@pytest.mark.parametrize("block", [16, 64])
+def test_native_hadamard_matches_the_reference_on_a_strided_view(block) -> None:
+    """In place on K as the model hands it over (a view into the q | k | v row)."""
+    k, _ = _strided_rows(7, 3, 128, torch.Generator().manual_seed(3))
+    expected = kv_quant.rotate(k, block)
+    kernels.hadamard_(k, block)
+    torch.testing.assert_close(k, expected, atol=1e-5, rtol=1e-5)
+
+
 def test_an_8bit_cache_spends_about_half_the_bytes_of_bf16() -> None:
     """SmolLM2-135M's shape: 30 layers, 3 KV heads of 64."""
     bf16 = KVCacheSpec(30, 3, 64, 16, torch.bfloat16)

@@ -16,7 +16,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionBackend, BatchLayout, padded_block_tables
 from tokenmill.attention.paged_sdpa import PrefillSpan, attend_prefills, prefill_spans, write_kv
-from tokenmill.kernels import paged_decode_attention, write_kv_cache
+from tokenmill.kernels import hadamard_, paged_decode_attention, write_kv_cache
 
 
 @dataclass
@@ -45,15 +45,21 @@ class CPUNativeBackend(AttentionBackend):
         )
 
     def forward(self, q, k, v, kv_cache, metadata: NativeMetadata, scale: float) -> torch.Tensor:
-        q, k, v = kv_cache.rotate_in(q, k, v)
-        if kv_cache.quantized and k.dtype == torch.float32:
-            write_kv_cache(k, v, (kv_cache.k, kv_cache.v), kv_cache.scales, metadata.slot_mapping)
-        else:
+        native = kv_cache.quantized and q.dtype == torch.float32
+        if not native:
+            q, k, v = kv_cache.rotate_in(q, k, v)
             write_kv(k, v, kv_cache, metadata.slot_mapping)
+        else:  # rotated in place (fresh activations of this layer) and written by the native ops
+            for t in (q, k, v) if kv_cache.rotation else ():
+                hadamard_(t, kv_cache.rotation)
+            write_kv_cache(k, v, (kv_cache.k, kv_cache.v), kv_cache.scales, metadata.slot_mapping)
         out = torch.empty_like(q)
         if metadata.decode is not None:
             self._decode(q, kv_cache, metadata.decode, scale, out)
         attend_prefills(q, k, v, kv_cache, metadata.prefills, scale, out, metadata.slot_mapping)
+        if native and kv_cache.rotation:
+            hadamard_(out, kv_cache.rotation)
+            return out
         return kv_cache.rotate_out(out)
 
     @staticmethod

@@ -88,6 +88,5 @@ def hadamard(n: int, device: torch.device | str = "cpu", dtype: torch.dtype = to
 
 def rotate(x: torch.Tensor, block: int) -> torch.Tensor:
     """x [..., head_dim] times the block-diagonal Hadamard matrix (blocks of `block`)."""
-    shape = x.shape
     h = hadamard(block, x.device, x.dtype)
-    return (x.reshape(*shape[:-1], shape[-1] // block, block) @ h).reshape(shape)
+    return (x.reshape(-1, block) @ h).view(x.shape)  # one matmul over every block of every row

@@ -28,7 +28,7 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_ops.cpp", "cpu_decoder.cpp")]
 _OPS = ("paged_decode_attention", "skinny_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary_",
-        "llama_decode_layer", "write_kv_cache")
+        "llama_decode_layer", "write_kv_cache", "hadamard_")
 _NAME = "tokenmill_cpu_kernels"
 
 
@@ -102,6 +102,13 @@ def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tenso
     slots (int64): cast, or quantized to int8/fp8 with a scale per (token, head), to the
     bytes `LayerKVCache.write` (the reference) gives. A bad slot writes nothing."""
     torch.ops.tokenmill.write_kv_cache(k, v, *kv_cache, *(kv_scales or (None, None)), slots)
+
+
+def hadamard_(x: torch.Tensor, block: int) -> None:
+    """x [tokens, heads, head_dim] float32 (rows contiguous) <- x times the block-diagonal
+    orthonormal Hadamard matrix, in place, by fast Walsh-Hadamard transforms (reference:
+    `kv_quant.rotate`)."""
+    torch.ops.tokenmill.hadamard_(x, block)
 
 
 SKINNY_TILE_ROWS, SKINNY_K_BLOCK = 4, 16  # the tiled weight layout of skinny_linear

@@ -414,22 +414,54 @@ void check_scales(const at::Tensor& cache, const c10::optional<at::Tensor>& k_sc
 
 }  // namespace
 
+namespace {
+
+#if defined(__AVX2__)
+// The butterflies of distance 1, 2 and 4 inside eight lanes: lanes of the lower index get
+// a + b, their partners b - a (b the lower one), as the scalar loop does.
+inline __m256 hadamard8(__m256 r) {
+  __m256 t = _mm256_permute_ps(r, _MM_SHUFFLE(2, 3, 0, 1));
+  r = _mm256_blend_ps(_mm256_add_ps(r, t), _mm256_sub_ps(t, r), 0b10101010);
+  t = _mm256_permute_ps(r, _MM_SHUFFLE(1, 0, 3, 2));
+  r = _mm256_blend_ps(_mm256_add_ps(r, t), _mm256_sub_ps(t, r), 0b11001100);
+  t = _mm256_permute2f128_ps(r, r, 0x01);
+  return _mm256_blend_ps(_mm256_add_ps(r, t), _mm256_sub_ps(t, r), 0b11110000);
+}
+#endif
+
+// v <- v H_n / sqrt(n) in place (fast Walsh-Hadamard transform, Sylvester order: H_2n =
+// [[H_n, H_n], [H_n, -H_n]]); distances 1, 2, 4 in registers, longer ones across them.
+inline void hadamard_block(float* v, int64_t n, float norm) {
+  int64_t len = 1;
+#if defined(__AVX2__)
+  if (n % 8 == 0) {
+    for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(v + i, hadamard8(_mm256_loadu_ps(v + i)));
+    for (len = 8; len < n; len <<= 1)
+      for (int64_t i = 0; i < n; i += 2 * len)
+        for (int64_t j = i; j < i + len; j += 8) {
+          const __m256 a = _mm256_loadu_ps(v + j), b = _mm256_loadu_ps(v + j + len);
+          _mm256_storeu_ps(v + j, _mm256_add_ps(a, b));
+          _mm256_storeu_ps(v + j + len, _mm256_sub_ps(a, b));
+        }
+  }
+#endif
+  for (; len < n; len <<= 1)
+    for (int64_t i = 0; i < n; i += 2 * len)
+      for (int64_t j = i; j < i + len; ++j) {
+        const float a = v[j], b = v[j + len];
+        v[j] = a + b, v[j + len] = a - b;
+      }
+  for (int64_t i = 0; i < n; ++i) v[i] *= norm;
+}
+
+}  // namespace
+
 void hadamard_rows_(float* x, int64_t rows, int64_t row_stride, int64_t dim, int64_t block) {
   TORCH_CHECK(block >= 2 && (block & (block - 1)) == 0 && dim % block == 0,
               "the Hadamard block must be a power of two dividing head_dim");
   const float norm = 1.0f / std::sqrt(static_cast<float>(block));
-  for (int64_t r = 0; r < rows; ++r) {
-    for (int64_t b0 = 0; b0 < dim; b0 += block) {
-      float* v = x + r * row_stride + b0;
-      for (int64_t len = 1; len < block; len <<= 1)  // Sylvester order: [[H, H], [H, -H]]
-        for (int64_t i = 0; i < block; i += 2 * len)
-          for (int64_t j = i; j < i + len; ++j) {
-            const float a = v[j], b = v[j + len];
-            v[j] = a + b, v[j + len] = a - b;
-          }
-      for (int64_t i = 0; i < block; ++i) v[i] *= norm;
-    }
-  }
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b0 = 0; b0 < dim; b0 += block) hadamard_block(x + r * row_stride + b0, block, norm);
 }
 
 void write_kv_rows(const float* k, const float* v, int64_t tokens, const int64_t k_strides[2],
@@ -465,6 +497,14 @@ void write_kv_rows(const float* k, const float* v, int64_t tokens, const int64_t
       }
     }
   }), at::kFloat, at::kBFloat16, at::kHalf, at::kChar, at::kFloat8_e4m3fn);
+}
+
+void hadamard_(at::Tensor x, int64_t block) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.stride(2) == 1,
+              "x: float32 [tokens, heads, head_dim] with contiguous rows");
+  float* p = x.data_ptr<float>();
+  const int64_t heads = x.size(1), s0 = x.stride(0), s1 = x.stride(1);
+  for (int64_t t = 0; t < x.size(0); ++t) hadamard_rows_(p + t * s0, heads, s1, x.size(2), block);
 }
 
 void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
@@ -516,9 +556,11 @@ TORCH_LIBRARY(tokenmill, m) {
   m.def(
       "write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!)? k_scale, "
       "Tensor(d!)? v_scale, Tensor slots) -> ()");
+  m.def("hadamard_(Tensor(a!) x, int block) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("paged_decode_attention", &tokenmill::paged_decode_attention);
   m.impl("write_kv_cache", &tokenmill::write_kv_cache);
+  m.impl("hadamard_", &tokenmill::hadamard_);
 }
