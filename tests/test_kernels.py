@@ -298,7 +298,8 @@ def test_attention_backend_choice_and_its_errors() -> None:
 
 def test_fused_decode_layer_rejects_bad_slots_and_caches() -> None:
     """The fused decode layer checks what it writes before it writes: a slot outside the
-    cache and a cache it cannot hold (float16) are named errors, and nothing is written."""
+    cache and a cache it cannot read (int8 codes without their scales) are named errors,
+    and nothing is written."""
     h, residual = torch.zeros(1, 32), torch.randn(1, 32)
     norm = torch.ones(32)
     from tokenmill.quantization.base import DecodeOperand
@@ -318,8 +319,10 @@ def test_fused_decode_layer_rejects_bad_slots_and_caches() -> None:
     with pytest.raises(RuntimeError, match="KV slot out of range"):
         run(fresh, 8)
     assert fresh[0].abs().sum() == 0 and fresh[1].abs().sum() == 0
-    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
-        run(tuple(c.half() for c in cache), 0)
+    codes = tuple(torch.zeros(2, 4, 2, 16, dtype=torch.int8) for _ in range(2))
+    with pytest.raises(RuntimeError, match="needs its k and v scales"):
+        run(codes, 0)
+    assert codes[0].abs().sum() == 0 and codes[1].abs().sum() == 0
 
 
 def test_tiled_rows_are_the_weight_rows() -> None:

@@ -102,17 +102,20 @@ def _backend(name: str):
 
 def _paged_logits(
     model: LlamaForCausalLM, seqs: list[list[int]], chunks: list[list[int]], backend_name: str, block_size: int = 4,
-    kv_dtype: torch.dtype = torch.float32, plan=None,
+    kv_dtype: torch.dtype = torch.float32, plan=None, rotation: int = 0, caches: list[LayerKVCache] | None = None,
 ):
     """Run `seqs` through the paged backend in several steps, the i-th step computing
     chunks[i][r] tokens of sequence r, with shuffled block ids; returns per-sequence
     logits of every position. Pure decode steps run the fused decode layer where `plan`
-    (the model's execution plan) says so, as the runner decides it."""
+    (the model's execution plan) says so, as the runner decides it. `caches` (optional)
+    receives the layers' caches, to look at what was written."""
     cfg = model.cfg
     num_blocks = sum(-(-len(s) // block_size) for s in seqs) + 3
-    shape = (num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim)
-    caches = [LayerKVCache(torch.zeros(shape, dtype=kv_dtype), torch.zeros(shape, dtype=kv_dtype))
+    layers = [LayerKVCache.allocate(num_blocks, block_size, cfg.num_kv_heads, cfg.head_dim, kv_dtype, rotation=rotation)
               for _ in range(cfg.num_layers)]
+    if caches is not None:
+        caches.extend(layers)
+    caches = layers
     free = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(3)).tolist()
     tables = [[free.pop() for _ in range(-(-len(s) // block_size))] for s in seqs]
     done = [0] * len(seqs)

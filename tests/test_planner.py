@@ -616,6 +616,7 @@ def test_planner_kv_bytes_match_the_engines_kv_cache_spec() -> None:
     from tokenmill.attention.kv_cache import KVCacheSpec
 
     shape, _ = read_gguf(default_model_path())
-    for dtype, name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16")):
+    for dtype, name in ((torch.float32, "float32"), (torch.bfloat16, "bfloat16"), (torch.int8, "int8"),
+                        (torch.float8_e4m3fn, "fp8_e4m3")):
         spec = KVCacheSpec(shape.num_layers, shape.num_kv_heads, shape.head_dim, 16, dtype)
         assert spec.bytes_per_token == kv_bytes_per_token(shape, KV_CACHE_DTYPES[name])

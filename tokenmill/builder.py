@@ -9,6 +9,7 @@ the `EngineFacts` found on the way. `build_engine` wraps that in an `LLMEngine`.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import os
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill.attention import kv_quant
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.attention.kv_cache import KVCacheSpec, PagedKVCache
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
@@ -38,6 +40,7 @@ from tokenmill.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_DTYPES = {**_DTYPES, "int8": torch.int8}  # and fp8_e4m3 where torch has it
 
 
 @dataclass
@@ -80,7 +83,8 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltExec
     device = resolve_device(config.device.device)
     governor = compute_threads(config, device, rank.num_threads if rank else None)
     kernels_ok = device.type == "cpu" and config.device.native_kernels and _cpu_kernels_build()
-    dtype = resolve_dtype(config.model.dtype, device, kernels_ok)
+    dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, resolve_dtype(config.model.dtype, device, kernels_ok),
+                                   device)
     checkpoint = open_checkpoint(config.model.model)
     backend = select_attention_backend(config.device.attention_backend, device, kernels_ok)
     keep_quantized = quantized_as_stored(config, checkpoint.quantized, kernels_ok)
@@ -96,8 +100,7 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltExec
     speculative = config.speculative.speculative_config
     draft = load_draft(config, device, loaded, max_model_len, kernels_ok, backend) if _has_draft(speculative) else None
     layout = loaded.model.parallel.layout
-    spec = KVCacheSpec(layout.layers.size, layout.kv_heads.size, loaded.arch.head_dim,
-                       config.cache.block_size, _DTYPES[dtype.kv_cache])
+    spec = kv_cache_spec(config, layout.layers.size, layout.kv_heads.size, loaded.arch.head_dim, dtype)
     memory = config.cache.kv_cache_memory or default_kv_cache_memory(device)
     # A draft keeps the KV of the same tokens: the memory is split so both hold as many.
     bytes_per_block = spec.bytes_per_block + (draft.kv_spec.bytes_per_block if draft else 0)
@@ -117,11 +120,13 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltExec
         num_blocks=num_blocks, block_size=config.cache.block_size, kv_bytes_per_token=spec.bytes_per_token,
         attention_backend=backend.name, execution_plan=plan.describe(), num_threads=torch.get_num_threads(),
         load_seconds=time.perf_counter() - start, speculative=describe_speculation(speculative, proposer),
+        kv_cache_format=spec.describe(),
     )
     logger.info(
-        "loaded %s (%s) on %s in %.1f s: %d KV blocks of %d tokens (%.2f GiB, %d bytes per token), "
-        "max_model_len %d, attention %s", loaded.name, dtype, device, facts.load_seconds, num_blocks,
-        spec.block_size, kv_cache.nbytes / 2**30, spec.bytes_per_token, max_model_len, backend.name,
+        "loaded %s (%s) on %s in %.1f s: %d KV blocks of %d tokens = %d tokens (%.2f GiB, %d bytes per token, "
+        "KV cache %s), max_model_len %d, attention %s", loaded.name, dtype, device, facts.load_seconds, num_blocks,
+        spec.block_size, facts.kv_capacity_tokens, kv_cache.nbytes / 2**30, spec.bytes_per_token, facts.kv_cache_format,
+        max_model_len, backend.name,
     )
     logger.info("execution plan (%s): %s", plan.tier, plan.describe())
     if proposer is not None:
@@ -152,7 +157,8 @@ def load_draft(config: EngineConfig, device: torch.device, target: LoadedModel, 
     speculative = config.speculative.speculative_config
     draft_config = config.replace(model=speculative.model, dtype=speculative.dtype or config.model.dtype,
                                   quantization=None)
-    dtype = resolve_dtype(draft_config.model.dtype, device, kernels_ok)
+    dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, resolve_dtype(draft_config.model.dtype, device,
+                                                                               kernels_ok), device)
     checkpoint = open_checkpoint(speculative.model)
     keep_quantized = quantized_as_stored(draft_config, checkpoint.quantized, kernels_ok)
     chosen = choose_plan(draft_config, device, dtype, kernels_ok, backend, checkpoint.arch, keep_quantized)
@@ -161,8 +167,7 @@ def load_draft(config: EngineConfig, device: torch.device, target: LoadedModel, 
     check_draft(draft.arch.vocab_size, target.arch.vocab_size, _token_table(draft.tokenizer),
                 _token_table(target.tokenizer), draft.context_len, draft.arch.sliding_window, max_model_len)
     plan = apply_plan(draft.model, chosen)
-    kv_spec = KVCacheSpec(draft.arch.num_layers, draft.arch.num_kv_heads, draft.arch.head_dim,
-                          config.cache.block_size, _DTYPES[dtype.kv_cache])
+    kv_spec = kv_cache_spec(config, draft.arch.num_layers, draft.arch.num_kv_heads, draft.arch.head_dim, dtype)
     return LoadedDraft(draft, dtype, kv_spec, plan)
 
 
@@ -274,6 +279,43 @@ def resolve_dtype(dtype: str, device: torch.device, native_kernels: bool = False
     if dtype == "bfloat16" and device.type == "cpu" and not cpu_has_native_bf16():
         return DtypePlan(compute="float32", weights="bfloat16", kv="bfloat16")
     return DtypePlan(compute=dtype, weights=dtype)
+
+
+def resolve_kv_cache_dtype(name: str, dtype: DtypePlan, device: torch.device) -> DtypePlan:
+    """`auto` keeps the KV dtype resolve_dtype chose (it follows --dtype); any other name is
+    how the cache is stored, whatever the compute dtype ('fp8' is vLLM's spelling of
+    fp8_e4m3, which needs float8 tensors in torch and on the device)."""
+    if name == "auto":
+        return dtype
+    name = "fp8_e4m3" if name == "fp8" else name
+    if name == "fp8_e4m3":
+        check_fp8_kv_cache(device)
+    return dataclasses.replace(dtype, kv=name)
+
+
+def check_fp8_kv_cache(device: torch.device) -> None:
+    fp8 = kv_quant.fp8_dtype()
+    if fp8 is None:
+        raise ValueError(f"kv_cache_dtype fp8_e4m3 needs float8 tensors (torch.float8_e4m3fn), which torch "
+                         f"{torch.__version__} lacks; use int8 (same size)")
+    try:
+        torch.ones(1, device=device).to(fp8).float()
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"kv_cache_dtype fp8_e4m3: {device} cannot store float8 tensors ({exc}); use int8 "
+                         "(same size)") from exc
+
+
+def kv_cache_spec(config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,
+                  dtype: DtypePlan) -> KVCacheSpec:
+    """The cache's layout: its dtype, and for an 8-bit one the Hadamard rotation the config
+    asks for (when head_dim has a power-of-two factor of at least 16)."""
+    kv_dtype = kv_quant.fp8_dtype() if dtype.kv_cache == "fp8_e4m3" else _KV_DTYPES[dtype.kv_cache]
+    rotate = kv_quant.is_quantized(kv_dtype) and config.cache.kv_cache_rotation
+    rotation = kv_quant.rotation_block(head_dim) if rotate else 0
+    if rotate and not rotation:
+        logger.info("head_dim %d has no power-of-two factor >= 16: the %s KV cache is not rotated", head_dim,
+                    dtype.kv_cache)
+    return KVCacheSpec(num_layers, num_kv_heads, head_dim, config.cache.block_size, kv_dtype, rotation)
 
 
 def choose_plan(config: EngineConfig, device: torch.device, dtype: DtypePlan, kernels_ok: bool,

@@ -1,4 +1,4 @@
-"""`tokenmill` command line: generate, chat, serve, bench."""
+"""`tokenmill` command line: generate, chat, serve, bench, plan, eval."""
 
 from __future__ import annotations
 
@@ -121,14 +121,16 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _add_optional_commands(sub) -> None:
-    """`serve` and `bench` register their own flags."""
+    """`serve`, `bench`, `plan` and `eval` register their own flags."""
     from tokenmill.bench import cli as bench_cli
+    from tokenmill.eval import cli as eval_cli
     from tokenmill.planner import cli as plan_cli
     from tokenmill.serve import cli as serve_cli
 
     serve_cli.register(sub)
     bench_cli.register(sub)
     plan_cli.register(sub)
+    eval_cli.register(sub)
 
 
 if __name__ == "__main__":

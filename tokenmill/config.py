@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
+# vLLM's --kv-cache-dtype names; "fp8" is vLLM's spelling of fp8_e4m3.
+KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8")
 ATTENTION_BACKENDS = ("auto", "cpu_native", "torch_sdpa")
 ALL_REDUCE_BACKENDS = ("auto", "shm", "gloo", "nccl")
 
@@ -123,8 +125,17 @@ class CacheConfig:
                                                "capped at a fifth of RAM; half the free memory on a GPU)")
     enable_prefix_caching: bool = setting(True, aliases=("--no-prefix-caching",),
                                           help="reuse the KV of shared prompt prefixes across requests")
+    kv_cache_dtype: str = setting("auto", choices=KV_CACHE_DTYPES,
+                                  help="how K and V are stored: auto follows --dtype; int8 and fp8_e4m3 (alias fp8) "
+                                       "store 8-bit codes with a float16 scale per token and KV head, about half the "
+                                       "bytes of bfloat16, so ~1.9x the tokens fit in the same --kv-cache-memory")
+    kv_cache_rotation: bool = setting(True, help="with an int8/fp8 KV cache, store K and V rotated by a 64x64 "
+                                                 "Hadamard matrix (Q and the attention output rotated to match, "
+                                                 "so attention is unchanged), as llama.cpp does: a smaller "
+                                                 "quantization error")
 
     def __post_init__(self) -> None:
+        _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
@@ -453,6 +464,7 @@ class EngineFacts:
     num_threads: int = 1
     load_seconds: float = 0.0
     speculative: str = ""  # speculative decoding as configured ("" = off)
+    kv_cache_format: str = ""  # the cache's layout in words, e.g. scales and rotation of an int8 cache
 
     @property
     def kv_capacity_tokens(self) -> int:

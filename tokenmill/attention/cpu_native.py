@@ -2,8 +2,10 @@
 
 Decode queries (one token each) attend over their histories read in place from the
 paged cache (`tokenmill/kernels/csrc/cpu_attention.cpp`), instead of the padded gather
-plus masked SDPA of the pure-PyTorch backend. Prefill chunks go through the shared SDPA
-path (`paged_sdpa`), which SDPA's flash kernel already does well.
+plus masked SDPA of the pure-PyTorch backend; it reads int8/fp8 caches with their scales
+as they are. Prefill chunks go through the shared SDPA path (`paged_sdpa`), which SDPA's
+flash kernel already does well. An 8-bit cache is written by the native write (one op
+instead of a dozen per layer), to the same bytes as the PyTorch write.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from tokenmill.attention.backend import AttentionBackend, BatchLayout, padded_block_tables
 from tokenmill.attention.paged_sdpa import PrefillSpan, attend_prefills, prefill_spans, write_kv
-from tokenmill.kernels import paged_decode_attention
+from tokenmill.kernels import hadamard_, paged_decode_attention, write_kv_cache
 
 
 @dataclass
@@ -43,24 +45,34 @@ class CPUNativeBackend(AttentionBackend):
         )
 
     def forward(self, q, k, v, kv_cache, metadata: NativeMetadata, scale: float) -> torch.Tensor:
-        write_kv(k, v, kv_cache, metadata.slot_mapping)
+        native = kv_cache.quantized and q.dtype == torch.float32
+        if not native:
+            q, k, v = kv_cache.rotate_in(q, k, v)
+            write_kv(k, v, kv_cache, metadata.slot_mapping)
+        else:  # rotated in place (fresh activations of this layer) and written by the native ops
+            for t in (q, k, v) if kv_cache.rotation else ():
+                hadamard_(t, kv_cache.rotation)
+            write_kv_cache(k, v, (kv_cache.k, kv_cache.v), kv_cache.scales, metadata.slot_mapping)
         out = torch.empty_like(q)
         if metadata.decode is not None:
             self._decode(q, kv_cache, metadata.decode, scale, out)
-        attend_prefills(q, k, v, kv_cache, metadata.prefills, scale, out)
-        return out
+        attend_prefills(q, k, v, kv_cache, metadata.prefills, scale, out, metadata.slot_mapping)
+        if native and kv_cache.rotation:
+            hadamard_(out, kv_cache.rotation)
+            return out
+        return kv_cache.rotate_out(out)
 
     @staticmethod
     def _decode(q, kv_cache, native: NativeDecode, scale: float, out: torch.Tensor) -> None:
         k_cache, v_cache = kv_cache
         if isinstance(native.rows, slice):  # write straight into the output rows
-            paged_decode_attention(
-                out[native.rows], q[native.rows], k_cache, v_cache, native.block_tables, native.context_lens, scale
-            )
+            paged_decode_attention(out[native.rows], q[native.rows], k_cache, v_cache, native.block_tables,
+                                   native.context_lens, scale, kv_cache.scales)
             return
         qd = q[native.rows]
         od = torch.empty_like(qd)
-        paged_decode_attention(od, qd, k_cache, v_cache, native.block_tables, native.context_lens, scale)
+        paged_decode_attention(od, qd, k_cache, v_cache, native.block_tables, native.context_lens, scale,
+                               kv_cache.scales)
         out[native.rows] = od
 
 

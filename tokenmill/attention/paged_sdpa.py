@@ -26,18 +26,8 @@ class PrefillSpan:
     mask: torch.Tensor | None  # bottom-right causal mask [q_len, context_len]
 
 
-def flat_cache(kv_cache: LayerKVCache) -> tuple[torch.Tensor, torch.Tensor]:
-    """K and V as [slots, kv_heads, head_dim] views."""
-    k_cache, v_cache = kv_cache
-    num_kv_heads, head_dim = k_cache.shape[2], k_cache.shape[3]
-    return k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
-
-
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
-    k_flat, v_flat = flat_cache(kv_cache)
-    # The cache may be narrower than the activations (bf16 KV, float32 compute).
-    k_flat.index_copy_(0, slot_mapping, k.to(k_flat.dtype))
-    v_flat.index_copy_(0, slot_mapping, v.to(v_flat.dtype))
+    kv_cache.write(k, v, slot_mapping)
 
 
 def prefill_spans(layout: BatchLayout, device: torch.device) -> list[PrefillSpan]:
@@ -47,14 +37,18 @@ def prefill_spans(layout: BatchLayout, device: torch.device) -> list[PrefillSpan
 
 
 def attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKVCache,
-                    spans: list[PrefillSpan], scale: float, out: torch.Tensor) -> None:
-    k_flat, v_flat = flat_cache(kv_cache)
+                    spans: list[PrefillSpan], scale: float, out: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     for span in spans:
         qp = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
-        if span.context_gather is None:  # the whole context is this chunk
-            kp, vp = k[span.start : span.end], v[span.start : span.end]
+        if span.context_gather is not None:
+            kp, vp = kv_cache.read(span.context_gather, q.dtype)
+        elif kv_cache.quantized:
+            # The whole context is this chunk: an 8-bit cache attends to it as stored, as
+            # it will when later tokens read it (so a prefix-cache hit computes what a miss
+            # does, and prefill sees the error decode sees).
+            kp, vp = kv_cache.read(slot_mapping[span.start : span.end], q.dtype)
         else:
-            kp, vp = k_flat[span.context_gather].to(q.dtype), v_flat[span.context_gather].to(q.dtype)
+            kp, vp = k[span.start : span.end], v[span.start : span.end]
         kp = kp.transpose(0, 1).unsqueeze(0)
         vp = vp.transpose(0, 1).unsqueeze(0)
         o = sdpa(qp, kp, vp, span.mask, scale, causal=span.mask is None)

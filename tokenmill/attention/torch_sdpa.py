@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, BatchLayout, padded_block_tables
-from tokenmill.attention.paged_sdpa import PrefillSpan, attend_prefills, flat_cache, prefill_spans, sdpa, write_kv
+from tokenmill.attention.paged_sdpa import PrefillSpan, attend_prefills, prefill_spans, sdpa, write_kv
 
 
 @dataclass
@@ -41,17 +41,17 @@ class TorchSDPABackend(AttentionBackend):
         )
 
     def forward(self, q, k, v, kv_cache, metadata: SDPAMetadata, scale: float) -> torch.Tensor:
+        q, k, v = kv_cache.rotate_in(q, k, v)
         write_kv(k, v, kv_cache, metadata.slot_mapping)
         out = torch.empty_like(q)
         if metadata.decode is not None:
-            k_flat, v_flat = flat_cache(kv_cache)
             decode = metadata.decode
             qd = q[decode.rows].unsqueeze(2)  # [D, H, 1, d]
-            kd = k_flat[decode.gather].to(q.dtype).transpose(1, 2)  # [D, KVH, L, d]
-            vd = v_flat[decode.gather].to(q.dtype).transpose(1, 2)
+            kd, vd = kv_cache.read(decode.gather, q.dtype)  # [D, L, KVH, d]
+            kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)
             out[decode.rows] = sdpa(qd, kd, vd, decode.mask, scale, causal=False).squeeze(2)
-        attend_prefills(q, k, v, kv_cache, metadata.prefills, scale, out)
-        return out
+        attend_prefills(q, k, v, kv_cache, metadata.prefills, scale, out, metadata.slot_mapping)
+        return kv_cache.rotate_out(out)
 
 
 def _padded_decode(layout: BatchLayout, decodes: list[int], device: torch.device) -> PaddedDecode:

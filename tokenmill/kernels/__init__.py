@@ -31,7 +31,8 @@ _SOURCES = [
     _CSRC / name for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_ops.cpp", "cpu_decoder.cpp", "cpu_quant.cpp")
 ]
 _OPS = ("paged_decode_attention", "skinny_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary_",
-        "llama_decode_layer", "quant_linear", "quant_dequantize", "quantize_activations_q8", "quant_isa")
+        "llama_decode_layer", "write_kv_cache", "hadamard_", "quant_linear", "quant_dequantize",
+        "quantize_activations_q8", "quant_isa")
 _NAME = "tokenmill_cpu_kernels"
 
 
@@ -89,10 +90,29 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
     scale: float,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> None:
     """out[s] = softmax(q[s] K_s^T * scale) V_s over sequence s's first context_lens[s]
-    cached tokens, read through its block table (int32 [num_seqs, max_blocks])."""
-    torch.ops.tokenmill.paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, scale)
+    cached tokens, read through its block table (int32 [num_seqs, max_blocks]). An int8/fp8
+    cache comes with its float16 scales per (token, head), `kv_scales` = (k, v) (reference:
+    `LayerKVCache.read` then SDPA)."""
+    torch.ops.tokenmill.paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, scale,
+                                               *(kv_scales or (None, None)))
+
+
+def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
+                   kv_scales: tuple[torch.Tensor, torch.Tensor] | None, slots: torch.Tensor) -> None:
+    """K and V rows (float32 [tokens, kv_heads, head_dim], rows contiguous) into their cache
+    slots (int64): cast, or quantized to int8/fp8 with a scale per (token, head), to the
+    bytes `LayerKVCache.write` (the reference) gives. A bad slot writes nothing."""
+    torch.ops.tokenmill.write_kv_cache(k, v, *kv_cache, *(kv_scales or (None, None)), slots)
+
+
+def hadamard_(x: torch.Tensor, block: int) -> None:
+    """x [tokens, heads, head_dim] float32 (rows contiguous) <- x times the block-diagonal
+    orthonormal Hadamard matrix, in place, by fast Walsh-Hadamard transforms (reference:
+    `kv_quant.rotate`)."""
+    torch.ops.tokenmill.hadamard_(x, block)
 
 
 SKINNY_TILE_ROWS, SKINNY_K_BLOCK = 4, 16  # the tiled weight layout of skinny_linear
@@ -210,10 +230,14 @@ def llama_decode_layer(
     num_kv_heads: int,
     head_dim: int,
     scale: float,
+    kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    kv_rotation: int = 0,
 ) -> torch.Tensor:
     """One Llama decoder layer over decode tokens (cpu_decoder.cpp): adds h into residual
     (in place), runs attention (writing K/V at `slots`) and the MLP, returns the MLP output.
-    A weight is tiles for skinny_linear (operand.format None) or a quantized stream."""
+    A weight is tiles for skinny_linear (operand.format None) or a quantized stream. An
+    int8/fp8 cache comes with its scales; `kv_rotation` is the Hadamard block it stores K
+    and V rotated by (0: none)."""
     tensors, formats, perms = [], [], []
     for operand in weights:
         tensors.append(operand.tensor)
@@ -221,5 +245,5 @@ def llama_decode_layer(
         perms.append(operand.col_perm)
     return torch.ops.tokenmill.llama_decode_layer(
         h, residual, input_norm, post_norm, eps, tensors, formats, perms, *rope, *kv_cache, slots, block_tables,
-        context_lens, num_heads, num_kv_heads, head_dim, scale,
+        context_lens, num_heads, num_kv_heads, head_dim, scale, *(kv_scales or (None, None)), kv_rotation,
     )

@@ -105,7 +105,7 @@ class DecoderLayer(nn.Module):
         return kernels.llama_decode_layer(
             h, residual, self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
             weights, rope, (kv_cache.k, kv_cache.v), decode.slots, decode.block_tables, decode.context_lens,
-            attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, kv_cache.scales, kv_cache.rotation,
         )
 
 

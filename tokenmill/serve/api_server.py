@@ -85,7 +85,8 @@ class Server:
 def create_server(build_engine: Callable[[], LLMEngine], settings: ServerSettings) -> Server:
     # The metrics read the engine's stats and the model's name through closures: both
     # exist only after the metrics (the engine's observer) are built.
-    metrics = ServerMetrics(lambda: engine.stats, lambda: (serving.model_names or [""])[0])
+    metrics = ServerMetrics(lambda: engine.stats, lambda: (serving.model_names or [""])[0],
+                            lambda: engine.engine.facts if engine.engine is not None else None)
     faults = FaultInjector.from_env()
     engine = AsyncEngine(
         build_engine,

@@ -18,6 +18,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from tokenmill.config import EngineFacts
 from tokenmill.engine.engine import EngineStats, SpecDecodeStats, StepObserver, StepRecord
 from tokenmill.outputs import RequestOutput
 
@@ -34,11 +35,12 @@ _REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 
 
 class ServerMetrics(StepObserver):
-    def __init__(self, stats: Callable[[], EngineStats | None], model_name: Callable[[], str]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats | None], model_name: Callable[[], str],
+                 facts: Callable[[], EngineFacts | None] | None = None) -> None:
         # A callable: with no --served-model-name the name is known only once loaded.
         self.model_name = model_name
         self.registry = CollectorRegistry()
-        self.registry.register(_EngineStatsCollector(stats, model_name))
+        self.registry.register(_EngineStatsCollector(stats, model_name, facts or (lambda: None)))
         self.registry.register(_ServerCollector())
         # process_resident_memory_bytes, process_open_fds, ...: what the default registry
         # of vLLM's server exposes; the reliability suite watches them for leaks.
@@ -179,9 +181,11 @@ class _EngineStatsCollector(Collector):
         ("generation_tokens", "num_generation_tokens", "Tokens generated."),
     ]
 
-    def __init__(self, stats: Callable[[], EngineStats | None], model_name: Callable[[], str]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats | None], model_name: Callable[[], str],
+                 facts: Callable[[], EngineFacts | None]) -> None:
         self._stats = stats
         self._model_name = model_name
+        self._facts = facts
 
     def collect(self) -> Iterator[Metric]:
         stats = self._stats()
@@ -194,6 +198,9 @@ class _EngineStatsCollector(Collector):
             family = CounterMetricFamily(PREFIX + metric, doc, labels=["model_name"])
             family.add_metric([name], float(getattr(stats, field)) if stats else 0.0)
             yield family
+        facts = self._facts()
+        if facts is not None:
+            yield cache_config_info(facts)
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
@@ -216,3 +223,20 @@ class _ServerCollector(Collector):
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
+
+
+def cache_config_info(facts: EngineFacts) -> GaugeMetricFamily:
+    """vLLM's `cache_config_info`: the KV cache's configuration as labels of a gauge set to 1
+    (num_gpu_blocks is vLLM's name for the engine's KV blocks, on any device), with the
+    capacity the KV dtype gives."""
+    labels = {
+        "block_size": str(facts.block_size),
+        "cache_dtype": facts.kv_cache_dtype,
+        "num_gpu_blocks": str(facts.num_blocks),
+        "kv_bytes_per_token": str(facts.kv_bytes_per_token),
+        "kv_capacity_tokens": str(facts.kv_capacity_tokens),
+    }
+    family = GaugeMetricFamily(PREFIX + "cache_config_info", "Information of the KV cache configuration.",
+                               labels=list(labels))
+    family.add_metric(list(labels.values()), 1.0)
+    return family

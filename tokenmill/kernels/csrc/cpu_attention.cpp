@@ -12,7 +12,12 @@
 //   k/v cache:     [num_blocks, block_size, num_kv_heads, head_dim]
 //   block_tables:  [num_seqs, max_blocks] int32 (entries past a sequence's length unused)
 //   context_lens:  [num_seqs] int32
-// The cache may be float32, bfloat16 or float16; arithmetic is float32.
+//   k/v scales:    [num_blocks, num_kv_heads, block_size] float16, for 8-bit caches
+// The cache may be float32, bfloat16 or float16, or int8 / fp8 e4m3 codes with a scale per
+// (token, head) (tokenmill/attention/kv_quant.py); arithmetic is float32. An 8-bit row is
+// never dequantized: q . codes is multiplied by the K row's scale, and each softmax weight
+// by the V row's scale before the weighted sum of codes, so the kernel streams half the
+// bytes of a bf16 cache with the same inner loops.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch_v2.h>
@@ -22,6 +27,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_kernels.h"
@@ -214,10 +220,37 @@ inline void for_each_cached_block(const T* head, const int32_t* table, int64_t c
 // G > 0: the block-tiled path for groups of G heads; G == 0: row by row, any group.
 // All heads of a block are done together: their rows share cache lines and pages, which
 // read block by block stream well, where one head at a time reads a third of each.
+// Scales of an 8-bit cache (null otherwise): per (token, head), pointing at the item's first
+// head in block 0. A block's scales of one head are contiguous ([blocks, heads, block_size]),
+// so they are applied eight at a time.
+struct RowScales {
+  const at::Half* k = nullptr;
+  const at::Half* v = nullptr;
+  int64_t block_stride = 0, head_stride = 0;
+
+  // rows[(h * group + g) * ctx + t0 + j] *= scale of (token t0 + j, head h) for one block's n rows.
+  void apply(const at::Half* scales, int64_t block, int64_t nh, int64_t group, int64_t ctx, int64_t t0, int64_t n,
+             float* rows) const {
+    for (int64_t h = 0; h < nh; ++h) {
+      const at::Half* s = scales + block * block_stride + h * head_stride;
+      for (int64_t g = 0; g < group; ++g) {
+        float* r = rows + (h * group + g) * ctx + t0;
+        int64_t j = 0;
+#if defined(__AVX2__) && defined(__F16C__)
+        for (; j + 8 <= n; j += 8)
+          _mm256_storeu_ps(r + j, _mm256_mul_ps(_mm256_loadu_ps(r + j), tokenmill::load8(s + j)));
+#endif
+        for (; j < n; ++j) r[j] *= static_cast<float>(s[j]);
+      }
+    }
+  }
+};
+
 template <int G, typename cache_t>
 inline void attend(const float* qf, const cache_t* k_heads, const cache_t* v_heads, int64_t nh, const int32_t* table,
                    int64_t ctx, int64_t group, int64_t head_dim, int64_t block_size, int64_t block_stride,
-                   int64_t token_stride, int64_t head_stride, float* scores, float* acc) {
+                   int64_t token_stride, int64_t head_stride, const RowScales& row_scales, float* scores,
+                   float* acc) {
   const int64_t row_bytes = ((nh - 1) * head_stride + head_dim) * static_cast<int64_t>(sizeof(cache_t));
   const int64_t rows = nh * group;  // query rows of the item; scores are [rows, ctx]
   // Pass 1: scores, each K row read once for the whole group.
@@ -234,12 +267,16 @@ inline void attend(const float* qf, const cache_t* k_heads, const cache_t* v_hea
                                 group_dots(qh, bh + j * token_stride, group, head_dim, sh + j, ctx);
                             }
                           }
+                          if (row_scales.k != nullptr)  // q . (codes * s) = (q . codes) * s
+                            row_scales.apply(row_scales.k, table[t0 / block_size], nh, group, ctx, t0, n, scores);
                         });
   for (int64_t r = 0; r < rows; ++r) softmax_(scores + r * ctx, ctx);
   // Pass 2: weighted sum of V, each V row read once for the whole group.
   std::fill(acc, acc + rows * head_dim, 0.f);
   for_each_cached_block(v_heads, table, ctx, block_size, block_stride, token_stride, row_bytes,
                         [&](int64_t t0, const cache_t* block, int64_t n) {
+                          if (row_scales.v != nullptr)  // sum w (codes * s) = sum (w * s) codes
+                            row_scales.apply(row_scales.v, table[t0 / block_size], nh, group, ctx, t0, n, scores);
                           for (int64_t h = 0; h < nh; ++h) {
                             float* ah = acc + h * group * head_dim;
                             const float* sh = scores + h * group * ctx + t0;
@@ -257,7 +294,8 @@ inline void attend(const float* qf, const cache_t* k_heads, const cache_t* v_hea
 template <typename scalar_t, typename cache_t>
 void decode_kernel(
     at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-    const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+    const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+    const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;  // query heads sharing one KV head
@@ -281,6 +319,11 @@ void decode_kernel(
   const int64_t items_per_seq = num_kv_heads / heads_per_item;
   const bool tiled = group <= kMaxTiledGroup && head_dim % kTiledDimStep == 0;
   const int64_t variant = tiled ? group : 0;
+  RowScales scales_0;  // of head 0; an item offsets them by its first head
+  if (k_scale.has_value()) {
+    scales_0 = {k_scale->data_ptr<at::Half>(), v_scale->data_ptr<at::Half>(), k_scale->stride(0), k_scale->stride(1)};
+    TORCH_CHECK(k_scale->stride(2) == 1, "a block's scales of one head must be contiguous");
+  }
 
   // Items differ in cost (context lengths are ragged) and at::parallel_for splits a range
   // statically, so threads take the next item from a shared counter instead.
@@ -302,9 +345,11 @@ void decode_kernel(
       scores.resize(rows * ctx);
       const cache_t* k_heads = k_ptr + h0 * kv_head_stride;
       const cache_t* v_heads = v_ptr + h0 * kv_head_stride;
+      RowScales row_scales = scales_0;
+      if (row_scales.k != nullptr) row_scales.k += h0 * row_scales.head_stride, row_scales.v += h0 * row_scales.head_stride;
 #define TOKENMILL_ATTEND(G)                                                                                     \
   attend<G>(qf.data(), k_heads, v_heads, heads_per_item, table, ctx, group, head_dim, block_size, kv_block_stride, \
-            kv_token_stride, kv_head_stride, scores.data(), acc.data())
+            kv_token_stride, kv_head_stride, row_scales, scores.data(), acc.data())
       switch (variant) {
         case 1: TOKENMILL_ATTEND(1); break;
         case 2: TOKENMILL_ATTEND(2); break;
@@ -325,12 +370,167 @@ void decode_kernel(
 // Entry points, also called directly by the fused decoder layer (cpu_kernels.h).
 namespace tokenmill {
 
+namespace {
+
+bool is_8bit(at::ScalarType t) { return t == at::kChar || t == at::kFloat8_e4m3fn; }
+
+// One (token, head) row of K or V quantized as kv_quant.quantize does, to the same bytes:
+// scale = amax * (1 / qmax) rounded to float16 (capped at its largest finite value), codes =
+// x * (1 / scale) rounded to nearest even (int8) or converted to e4m3 (nearest even,
+// saturating), both within +-qmax.
+template <typename code_t>
+void quantize_kv_row(const float* x, int64_t n, code_t* codes, at::Half* scale) {
+  constexpr float qmax = std::is_same_v<code_t, int8_t> ? 127.0f : 448.0f;
+  float amax = 0.f;
+  for (int64_t i = 0; i < n; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const at::Half s(std::min(amax * (1.0f / qmax), 65504.0f));
+  *scale = s;
+  const float sf = static_cast<float>(s);
+  const float inv = sf > 0.f ? 1.0f / sf : 0.f;
+  for (int64_t i = 0; i < n; ++i) {
+    const float y = std::clamp(x[i] * inv, -qmax, qmax);
+    if constexpr (std::is_same_v<code_t, int8_t>) {
+      codes[i] = static_cast<int8_t>(std::nearbyint(y));
+    } else {
+      codes[i] = code_t(y);
+    }
+  }
+}
+
+void check_scales(const at::Tensor& cache, const c10::optional<at::Tensor>& k_scale,
+                  const c10::optional<at::Tensor>& v_scale) {
+  if (!is_8bit(cache.scalar_type())) {
+    TORCH_CHECK(!k_scale.has_value() && !v_scale.has_value(), "scales belong to int8/fp8 caches only");
+    return;
+  }
+  TORCH_CHECK(k_scale.has_value() && v_scale.has_value(), "an int8/fp8 KV cache needs its k and v scales");
+  for (const at::Tensor* s : {&*k_scale, &*v_scale}) {
+    TORCH_CHECK(s->scalar_type() == at::kHalf && s->dim() == 3 && s->size(0) == cache.size(0) &&
+                    s->size(1) == cache.size(2) && s->size(2) == cache.size(1) && s->stride(2) == 1,
+                "KV scales: float16 [blocks, kv_heads, block_size], a block's scales of a head contiguous");
+  }
+  TORCH_CHECK(v_scale->strides() == k_scale->strides(), "k and v scales must have the same strides");
+}
+
+}  // namespace
+
+namespace {
+
+#if defined(__AVX2__)
+// The butterflies of distance 1, 2 and 4 inside eight lanes: lanes of the lower index get
+// a + b, their partners b - a (b the lower one), as the scalar loop does.
+inline __m256 hadamard8(__m256 r) {
+  __m256 t = _mm256_permute_ps(r, _MM_SHUFFLE(2, 3, 0, 1));
+  r = _mm256_blend_ps(_mm256_add_ps(r, t), _mm256_sub_ps(t, r), 0b10101010);
+  t = _mm256_permute_ps(r, _MM_SHUFFLE(1, 0, 3, 2));
+  r = _mm256_blend_ps(_mm256_add_ps(r, t), _mm256_sub_ps(t, r), 0b11001100);
+  t = _mm256_permute2f128_ps(r, r, 0x01);
+  return _mm256_blend_ps(_mm256_add_ps(r, t), _mm256_sub_ps(t, r), 0b11110000);
+}
+#endif
+
+// v <- v H_n / sqrt(n) in place (fast Walsh-Hadamard transform, Sylvester order: H_2n =
+// [[H_n, H_n], [H_n, -H_n]]); distances 1, 2, 4 in registers, longer ones across them.
+inline void hadamard_block(float* v, int64_t n, float norm) {
+  int64_t len = 1;
+#if defined(__AVX2__)
+  if (n % 8 == 0) {
+    for (int64_t i = 0; i < n; i += 8) _mm256_storeu_ps(v + i, hadamard8(_mm256_loadu_ps(v + i)));
+    for (len = 8; len < n; len <<= 1)
+      for (int64_t i = 0; i < n; i += 2 * len)
+        for (int64_t j = i; j < i + len; j += 8) {
+          const __m256 a = _mm256_loadu_ps(v + j), b = _mm256_loadu_ps(v + j + len);
+          _mm256_storeu_ps(v + j, _mm256_add_ps(a, b));
+          _mm256_storeu_ps(v + j + len, _mm256_sub_ps(a, b));
+        }
+  }
+#endif
+  for (; len < n; len <<= 1)
+    for (int64_t i = 0; i < n; i += 2 * len)
+      for (int64_t j = i; j < i + len; ++j) {
+        const float a = v[j], b = v[j + len];
+        v[j] = a + b, v[j + len] = a - b;
+      }
+  for (int64_t i = 0; i < n; ++i) v[i] *= norm;
+}
+
+}  // namespace
+
+void hadamard_rows_(float* x, int64_t rows, int64_t row_stride, int64_t dim, int64_t block) {
+  TORCH_CHECK(block >= 2 && (block & (block - 1)) == 0 && dim % block == 0,
+              "the Hadamard block must be a power of two dividing head_dim");
+  const float norm = 1.0f / std::sqrt(static_cast<float>(block));
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t b0 = 0; b0 < dim; b0 += block) hadamard_block(x + r * row_stride + b0, block, norm);
+}
+
+void write_kv_rows(const float* k, const float* v, int64_t tokens, const int64_t k_strides[2],
+                   const int64_t v_strides[2], at::Tensor& k_cache, at::Tensor& v_cache, const c10::optional<at::Tensor>& k_scale,
+                   const c10::optional<at::Tensor>& v_scale, const int64_t* slots) {
+  const int64_t heads = k_cache.size(2), dim = k_cache.size(3);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "KV slot out of range");
+  check_scales(k_cache, k_scale, v_scale);
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous(), "the KV cache must be contiguous");
+  AT_DISPATCH_V2(k_cache.scalar_type(), "write_kv_rows", AT_WRAP([&] {
+    for (int pass = 0; pass < 2; ++pass) {
+      const float* src = pass == 0 ? k : v;
+      const int64_t* strides = pass == 0 ? k_strides : v_strides;
+      scalar_t* cache = (pass == 0 ? k_cache : v_cache).data_ptr<scalar_t>();
+      at::Half* scales = nullptr;
+      int64_t s_block = 0, s_head = 0;
+      if (k_scale.has_value()) {
+        const at::Tensor& st = pass == 0 ? *k_scale : *v_scale;
+        scales = st.data_ptr<at::Half>(), s_block = st.stride(0), s_head = st.stride(1);
+      }
+      for (int64_t t = 0; t < tokens; ++t) {
+        const int64_t slot = slots[t], block = slot / k_cache.size(1), offset = slot % k_cache.size(1);
+        for (int64_t h = 0; h < heads; ++h) {
+          const float* row = src + t * strides[0] + h * strides[1];
+          scalar_t* dst = cache + (slot * heads + h) * dim;
+          if constexpr (std::is_same_v<scalar_t, int8_t> || std::is_same_v<scalar_t, c10::Float8_e4m3fn>) {
+            quantize_kv_row(row, dim, dst, scales + block * s_block + h * s_head + offset);
+          } else {  // a plain cast (round to nearest even for bf16/fp16)
+            for (int64_t i = 0; i < dim; ++i) dst[i] = static_cast<scalar_t>(row[i]);
+          }
+        }
+      }
+    }
+  }), at::kFloat, at::kBFloat16, at::kHalf, at::kChar, at::kFloat8_e4m3fn);
+}
+
+void hadamard_(at::Tensor x, int64_t block) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat && x.dim() == 3 && x.stride(2) == 1,
+              "x: float32 [tokens, heads, head_dim] with contiguous rows");
+  float* p = x.data_ptr<float>();
+  const int64_t heads = x.size(1), s0 = x.stride(0), s1 = x.stride(1);
+  for (int64_t t = 0; t < x.size(0); ++t) hadamard_rows_(p + t * s0, heads, s1, x.size(2), block);
+}
+
+void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
+                    const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
+                    const at::Tensor& slots) {
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "k and v rows must be float32");
+  TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
+              "k and v: [tokens, kv_heads, head_dim] with contiguous rows");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "k/v cache must be [blocks, block_size, kv_heads, head_dim] of one dtype");
+  TORCH_CHECK(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3), "k/v rows do not match the cache's heads");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == k.size(0),
+              "slots: int64, one per token");
+  const int64_t k_strides[2] = {k.stride(0), k.stride(1)}, v_strides[2] = {v.stride(0), v.stride(1)};
+  write_kv_rows(k.data_ptr<float>(), v.data_ptr<float>(), k.size(0), k_strides, v_strides, k_cache, v_cache, k_scale,
+                v_scale, slots.data_ptr<int64_t>());
+}
+
 void paged_decode_attention(
     at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
-    const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+    const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
+    const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [num_seqs, num_heads, head_dim]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "k/v cache must be [blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides(), "cache rows must be contiguous");
+  TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "k and v caches must have one dtype");
   TORCH_CHECK(q.stride(2) == 1 && out.stride(2) == 1, "q/out rows must be contiguous");
   TORCH_CHECK(q.size(2) == k_cache.size(3), "head_dim of q and cache differ");
   TORCH_CHECK(q.size(1) % k_cache.size(2) == 0, "num_heads must be a multiple of num_kv_heads");
@@ -338,11 +538,12 @@ void paged_decode_attention(
   TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(), "context_lens: contiguous int32");
   TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0), "one block table and length per sequence");
   TORCH_CHECK(out.scalar_type() == q.scalar_type(), "out and q dtypes differ");
+  check_scales(k_cache, k_scale, v_scale);
   AT_DISPATCH_V2(q.scalar_type(), "paged_decode_attention_q", AT_WRAP([&] {
     using q_t = scalar_t;
     AT_DISPATCH_V2(k_cache.scalar_type(), "paged_decode_attention_kv", AT_WRAP([&] {
-      decode_kernel<q_t, scalar_t>(out, q, k_cache, v_cache, block_tables, context_lens, scale);
-    }), at::kFloat, at::kBFloat16, at::kHalf);
+      decode_kernel<q_t, scalar_t>(out, q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale);
+    }), at::kFloat, at::kBFloat16, at::kHalf, at::kChar, at::kFloat8_e4m3fn);
   }), at::kFloat, at::kBFloat16, at::kHalf);
 }
 
@@ -351,9 +552,15 @@ void paged_decode_attention(
 TORCH_LIBRARY(tokenmill, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor context_lens, float scale) -> ()");
+      "Tensor context_lens, float scale, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
+  m.def(
+      "write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!)? k_scale, "
+      "Tensor(d!)? v_scale, Tensor slots) -> ()");
+  m.def("hadamard_(Tensor(a!) x, int block) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("paged_decode_attention", &tokenmill::paged_decode_attention);
+  m.impl("write_kv_cache", &tokenmill::write_kv_cache);
+  m.impl("hadamard_", &tokenmill::hadamard_);
 }

@@ -7,8 +7,10 @@
 // C++: norm (+ residual add), QKV, rotary, KV-cache write, paged attention, O, norm
 // (+ residual add), gate/up, SiLU-and-mul, down.
 //
-// Decode only (one query token per sequence), float32 activations, a float32 or bfloat16
-// KV cache, no biases. Each of the four weights is either tiled for skinny_linear (float32
+// Decode only (one query token per sequence), float32 activations, no biases. The KV
+// cache is float32, bfloat16 or float16, or int8/fp8 with its scales (then K and V may be
+// stored Hadamard-rotated: kv_rotation is the block, and Q and the attention output are
+// rotated to match). Each of the four weights is either tiled for skinny_linear (float32
 // or bfloat16; its format row starts with N and has bits 0) or a weight-only quantized
 // QuantizedTensor for quant_linear (its `.format` row, and its act-order permutation).
 
@@ -44,13 +46,13 @@ at::Tensor llama_decode_layer(
     const c10::List<std::optional<at::Tensor>>& perms, const at::Tensor& cos, const at::Tensor& sin,
     at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
     const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-    double scale) {
+    double scale, const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
+    int64_t kv_rotation) {
   const int64_t tokens = h.size(0), hidden = h.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  TORCH_CHECK((k_cache.scalar_type() == at::kFloat || k_cache.scalar_type() == at::kBFloat16) &&
-                  v_cache.scalar_type() == k_cache.scalar_type() && k_cache.is_contiguous() &&
-                  v_cache.is_contiguous() && k_cache.size(2) * k_cache.size(3) == kv_size,
-              "k/v cache: contiguous float32 or bfloat16 [blocks, block_size, kv_heads, head_dim]");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(2) * k_cache.size(3) == kv_size,
+              "k/v cache: contiguous [blocks, block_size, kv_heads, head_dim] of one dtype");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == tokens,
               "slots: int64, one per token");
   TORCH_CHECK(weights.size() == 4 && formats.size() == 4 * kFormatLen && perms.size() == 4,
@@ -58,6 +60,7 @@ at::Tensor llama_decode_layer(
   auto apply = [&](int64_t i, const at::Tensor& x) {
     return linear(x, weights[i], formats.slice(i * kFormatLen, kFormatLen), perms.get(i));
   };
+  TORCH_CHECK(kv_rotation == 0 || k_scale.has_value(), "only an int8/fp8 KV cache is stored rotated");
 
   at::Tensor x = add_rms_norm(h, residual, input_norm, eps);
 
@@ -65,29 +68,20 @@ at::Tensor llama_decode_layer(
   TORCH_CHECK(qkv.size(1) == q_size + 2 * kv_size, "the qkv weight has ", qkv.size(1), " rows, expected ",
               q_size + 2 * kv_size);
   rotary_(qkv.narrow(1, 0, q_size + kv_size).view({tokens, num_heads + num_kv_heads, head_dim}), cos, sin);
-  // K and V rows into their cache slots (rounded to nearest even when the cache is bf16).
-  const int64_t num_slots = k_cache.numel() / kv_size;
-  const int64_t* slot = slots.data_ptr<int64_t>();
-  const float* qkv_p = qkv.data_ptr<float>();
+  float* qkv_p = qkv.data_ptr<float>();
   const int64_t row = qkv.size(1);
-  for (int64_t t = 0; t < tokens; ++t)
-    TORCH_CHECK(slot[t] >= 0 && slot[t] < num_slots, "KV slot out of range");
-  AT_DISPATCH_V2(k_cache.scalar_type(), "llama_decode_layer_kv_write", AT_WRAP([&] {
-    scalar_t *k_p = k_cache.data_ptr<scalar_t>(), *v_p = v_cache.data_ptr<scalar_t>();
-    for (int64_t t = 0; t < tokens; ++t) {
-      const float* k_src = qkv_p + t * row + q_size;
-      const float* v_src = k_src + kv_size;
-      scalar_t *k_dst = k_p + slot[t] * kv_size, *v_dst = v_p + slot[t] * kv_size;
-      for (int64_t i = 0; i < kv_size; ++i) {
-        k_dst[i] = static_cast<scalar_t>(k_src[i]);
-        v_dst[i] = static_cast<scalar_t>(v_src[i]);
-      }
-    }
-  }), at::kFloat, at::kBFloat16);
+  // Q, K and V heads all rotated in one pass over each row (every head spans whole blocks).
+  if (kv_rotation) hadamard_rows_(qkv_p, tokens, row, row, kv_rotation);
+  // K and V rows into their cache slots (cast, or quantized per (token, head)); the slots
+  // are checked before anything is written.
+  const int64_t strides[2] = {row, head_dim};
+  write_kv_rows(qkv_p + q_size, qkv_p + q_size + kv_size, tokens, strides, strides, k_cache, v_cache, k_scale, v_scale,
+                slots.data_ptr<int64_t>());
 
   at::Tensor attn = at::empty({tokens, num_heads, head_dim}, h.options());
   paged_decode_attention(attn, qkv.narrow(1, 0, q_size).view({tokens, num_heads, head_dim}), k_cache, v_cache,
-                         block_tables, context_lens, scale);
+                         block_tables, context_lens, scale, k_scale, v_scale);
+  if (kv_rotation) hadamard_rows_(attn.data_ptr<float>(), tokens, q_size, q_size, kv_rotation);
   at::Tensor o = apply(1, attn.view({tokens, q_size}));
   x = add_rms_norm(o, residual, post_norm, eps);
   return apply(3, silu_and_mul(apply(2, x)));
@@ -100,7 +94,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
       "llama_decode_layer(Tensor h, Tensor(a!) residual, Tensor input_norm, Tensor post_norm, float eps, "
       "Tensor[] weights, int[] formats, Tensor?[] perms, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
       "Tensor(c!) v_cache, Tensor slots, Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, "
-      "int head_dim, float scale) -> Tensor");
+      "int head_dim, float scale, Tensor(d!)? k_scale=None, Tensor(e!)? v_scale=None, int kv_rotation=0) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {

@@ -1,10 +1,14 @@
 // Small SIMD helpers shared by tokenmill's CPU kernels: cache/weight elements
-// (float32, bfloat16, float16) loaded eight at a time as float32, a horizontal sum, e^x.
+// (float32, bfloat16, float16, and the 8-bit KV codes int8 and fp8 e4m3) loaded eight at
+// a time as float32, a horizontal sum, e^x.
 
 #pragma once
 
 #include <c10/util/BFloat16.h>
+#include <c10/util/Float8_e4m3fn.h>
 #include <c10/util/Half.h>
+
+#include <cstdint>
 
 #if defined(__SSE__)
 #include <immintrin.h>
@@ -25,6 +29,19 @@ inline __m256 load8(const c10::BFloat16* p) {  // bf16 is the top half of a floa
 }
 inline __m256 load8(const c10::Half* p) {
   return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+inline __m256 load8(const int8_t* p) {
+  return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+}
+// e4m3 -> float16 by moving bits: the byte put in the high half of a 16-bit lane and shifted
+// right by one (arithmetically) has the sign at bit 15 and exponent and mantissa (eeeemmm) at
+// bits 13..7; clearing the sign's copy at bit 14 leaves a half that reads as the e4m3 value
+// / 2^8 (its exponent bias is 15, e4m3's 7), subnormals included. No NaN is ever stored
+// (writes saturate).
+inline __m256 load8(const c10::Float8_e4m3fn* p) {
+  const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p));
+  const __m128i h = _mm_and_si128(_mm_srai_epi16(_mm_unpacklo_epi8(_mm_setzero_si128(), b), 1), _mm_set1_epi16(-16385));
+  return _mm256_mul_ps(_mm256_cvtph_ps(h), _mm256_set1_ps(256.0f));
 }
 // e^x for float32 lanes: x = n ln2 + r with |r| <= ln2/2, e^r by its degree-6 Taylor
 // polynomial (relative error < 2e-7), 2^n through the exponent bits.

@@ -1,0 +1,1 @@
+"""Model evaluation through the engine itself: `tokenmill eval perplexity`."""
