@@ -250,6 +250,21 @@ def config_from_args(args: Any, **overrides: Any) -> EngineConfig:
     return EngineConfig.from_kwargs(**{**settings, **overrides})
 
 
+def engine_args(config: EngineConfig) -> list[str]:
+    """The command-line flags that rebuild `config` (settings at their defaults left out),
+    e.g. to start `tokenmill serve` as a subprocess with the settings of this process."""
+    args: list[str] = []
+    for s in engine_settings():
+        value = getattr(getattr(config, s.group), s.name)
+        if value == s.default:
+            continue
+        if s.is_bool:
+            args.append(s.flag if value else "--no-" + s.flag.removeprefix("--"))
+        else:
+            args += [s.flag, str(value)]
+    return args
+
+
 # ----- facts found at load -------------------------------------------------------------
 
 
