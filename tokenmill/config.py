@@ -222,13 +222,14 @@ def _check_choice(name: str, value: Any, choices: tuple) -> None:
 # ----- command line --------------------------------------------------------------------
 
 
-def add_engine_args(parser: Any) -> None:
-    """Add one flag per engine setting to an argparse parser, grouped as the config is."""
+def add_engine_args(parser: Any, skip: tuple[str, ...] = ()) -> None:
+    """Add one flag per engine setting to an argparse parser, grouped as the config is
+    (settings named in `skip` are left out: a command whose own flag has that name)."""
     import argparse
 
     for name, cls in GROUPS.items():
         group = parser.add_argument_group(f"engine: {name}", (cls.__doc__ or "").strip() or None)
-        for s in (s for s in engine_settings() if s.group == name):
+        for s in (s for s in engine_settings() if s.group == name and s.name not in skip):
             if s.is_bool:
                 group.add_argument(s.flag, dest=s.name, default=s.default, action=argparse.BooleanOptionalAction,
                                    help=s.help)
