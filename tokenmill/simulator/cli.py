@@ -89,12 +89,14 @@ VALIDATE_EPILOG = """\
 examples:
   tokenmill simulate validate --dtype float32 --num-threads 1 --max-model-len 1024 \\
       --request-rates 0.25,0.5,1,2,inf --num-prompts 32 --input-len 128 --output-len 32 \\
-      --num-warmups 1 --repeats 2 --output-dir val/
+      --num-warmups 1 --repeats 2 --calibrate --output-dir val/
   tokenmill simulate validate --dtype float32 --num-threads 1 --max-model-len 1024 \\
       --measured val/measured --output-dir val/          # predict again, measure nothing
 
 Writes OUTPUT_DIR/measured/run-K/ (bench sweep's files), OUTPUT_DIR/predicted/run-K/,
-OUTPUT_DIR/validation.json and OUTPUT_DIR/validation.png.
+OUTPUT_DIR/validation.json and OUTPUT_DIR/validation.png (and OUTPUT_DIR/profile-K.json
+with --calibrate). On a shared machine use --calibrate: a calibration made at another
+load predicts another machine.
 """
 
 
@@ -204,6 +206,9 @@ def add_validate_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the inter-arrival times")
     group.add_argument("--num-warmups", type=int, default=1, help="unmeasured requests before each point (default 1)")
     group.add_argument("--repeats", type=_positive_int, default=1, help="measured sweeps to run (default 1)")
+    group.add_argument("--calibrate", action="store_true",
+                       help="calibrate afresh (with the server's overheads) before each measured sweep, and predict "
+                            "it with that calibration: on a shared machine the step costs move with the load")
     group.add_argument("--measured", default=None, metavar="DIR",
                        help="compare against this measured sweep instead of running one")
     group.add_argument("--output-dir", required=True, help="measured/, predicted/, validation.json, validation.png")
@@ -377,6 +382,7 @@ def cmd_calibrate(args: argparse.Namespace) -> int:
     from tokenmill.simulator.profile import calibrate, save_profile
 
     config = _engine_config(args)
+    _quiet_http_logs()
 
     def log(message: str) -> None:
         print(f"[calibrate] {message}", file=sys.stderr, flush=True)
@@ -423,35 +429,58 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from tokenmill.config import engine_args
     from tokenmill.simulator import setup as simsetup
     from tokenmill.simulator import validate
+    from tokenmill.simulator.profile import calibrate, save_profile
 
     config = _engine_config(args)
-    profile, path = simsetup.resolve_profile(config, args.profile)
-    setup = simsetup.setup_from_profile(config, profile, str(path))
     report_settings = _report(args, extra_percentile=90.0)
     rates = parse_rates(args.request_rates)
     os.makedirs(args.output_dir, exist_ok=True)
+    _quiet_http_logs()
 
     def log(message: str) -> None:
         print(f"[validate] {message}", file=sys.stderr, flush=True)
 
     if args.measured:
+        if args.calibrate:
+            raise ValueError("--calibrate calibrates before measuring; with --measured nothing is measured")
         measured = validate.load_measured(args.measured)
+        profile, path = simsetup.resolve_profile(config, args.profile)
+        setups = [simsetup.setup_from_profile(config, profile, str(path))] * len(measured)
     else:
         serve_config = ServeConfig(dataset=dataset_from_args(args), burstiness=args.burstiness,
                                    max_concurrency=args.max_concurrency, num_warmups=args.num_warmups,
                                    goodput=report_settings.goodput or {}, percentiles=report_settings.percentiles,
                                    tokenizer=args.tokenizer, label=args.label, disable_tqdm=True)
         serve_config.check()
-        measured = validate.measure(engine_args(config), serve_config, rates, os.path.join(args.output_dir, "measured"),
-                                    args.repeats, log)
-    predicted = validate.predict(measured, setup, report_settings, os.path.join(args.output_dir, "predicted"))
+        measured, setups = [], []
+        for repeat in range(args.repeats):
+            if args.calibrate:
+                log(f"calibrating before measured sweep {repeat + 1}/{args.repeats}")
+                profile = calibrate(config, repeats=2, server=True, log=log)
+                path = save_profile(profile, os.path.join(args.output_dir, f"profile-{repeat + 1}.json"))
+                save_profile(profile)  # also where `simulate` finds it
+            else:
+                profile, path = simsetup.resolve_profile(config, args.profile)
+            setups.append(simsetup.setup_from_profile(config, profile, str(path)))
+            directory = os.path.join(args.output_dir, "measured", f"run-{repeat + 1}")
+            measured.append(validate.measure(engine_args(config), serve_config, rates, directory, log))
+    predicted = [validate.predict(run, setup, report_settings,
+                                  os.path.join(args.output_dir, "predicted", f"run-{k + 1}"))
+                 for k, (run, setup) in enumerate(zip(measured, setups))]
     report = validate.compare(measured, predicted)
-    report["cost_model"] = setup.cost_model_source
-    report["server_overheads"] = setup.overheads.to_dict()
+    report["cost_models"] = [setup.cost_model_source for setup in setups]
+    report["server_overheads"] = [setup.overheads.to_dict() for setup in setups]
     report["engine_flags"] = engine_args(config)
     validate.save_report(report, os.path.join(args.output_dir, "validation.json"))
     figure = os.path.join(args.output_dir, "validation.png")
-    validate.plot_validation(report, figure, title=profile.model_name)
+    validate.plot_validation(report, figure, title=setups[0].model_name)
     print(json.dumps(report, indent=1) if args.json else validate.format_validation(report))
     print(f"results: {args.output_dir}/ (validation.json, validation.png)", file=sys.stderr)
     return 0
+
+
+def _quiet_http_logs() -> None:
+    """httpx logs every request at INFO: a sweep would drown the progress lines."""
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)

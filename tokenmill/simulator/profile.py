@@ -348,8 +348,9 @@ def measure_server_overheads(config: EngineConfig, model: StepCostModel,
 
 
 def overheads_from_lone_requests(result: dict[str, Any], model: StepCostModel) -> tuple[ServerOverheads, dict]:
-    """Per-request overhead: median TTFT - the predicted prefill step; per-step overhead:
-    median inter-token gap - the predicted decode step at the median context. Negative
+    """Per-step overhead: the median excess of an inter-token gap over the predicted decode
+    step (at its context); per-request overhead: the median excess of the TTFT over the
+    predicted prefill step, less the per-step overhead its step also paid. Negative
     excesses (the machine was faster than when calibrated) count as 0."""
     ttft_excess, gap_excess = [], []
     for n_in, ttft, itl in zip(result["input_lens"], result["ttfts"], result["itls"]):
@@ -357,11 +358,13 @@ def overheads_from_lone_requests(result: dict[str, Any], model: StepCostModel) -
         ttft_excess.append(ttft - model.predict(prefill))
         for k, gap in enumerate(itl):
             gap_excess.append(gap - model.predict(StepFeatures(0, 1, n_in + k + 1)))
-    request_s, step_s = statistics.median(ttft_excess), statistics.median(gap_excess)
+    step_s = max(statistics.median(gap_excess), 0.0)
+    request_s = max(statistics.median(ttft_excess) - step_s, 0.0)
     detail = {
         "requests": len(ttft_excess), "median_ttft_s": statistics.median(result["ttfts"]),
-        "median_ttft_excess_s": request_s, "median_itl_excess_s": step_s,
+        "median_ttft_excess_s": statistics.median(ttft_excess), "median_itl_excess_s": statistics.median(gap_excess),
+        "median_itl_s": statistics.median(g for itl in result["itls"] for g in itl),
         "load_average": list(os.getloadavg()),
     }
-    return ServerOverheads(request_s=max(request_s, 0.0), step_s=max(step_s, 0.0)), detail
+    return ServerOverheads(request_s=request_s, step_s=step_s), detail
 

@@ -1,10 +1,12 @@
 """`tokenmill simulate validate`: the simulator's predictions against a measured sweep.
 
 It starts `tokenmill serve` with the engine settings given (a subprocess on a free
-loopback port), runs `bench sweep` over the request rates (`--repeats` times, since a
-shared machine's runs scatter), stops the server, and replays every measured point's
-requests (their send times, prompt and output lengths, from the result file) through the
-simulator with the calibrated cost model. Per rate it prints the median over the repeats
+loopback port), runs `bench sweep` over the request rates, stops the server, and replays
+every measured point's requests (their send times, prompt and output lengths, from the
+result file) through the simulator with the calibrated cost model. `--repeats` does it
+again (a shared machine's runs scatter), and `--calibrate` calibrates afresh before each
+measured sweep: on a machine whose load changes, the step costs change with it, and a
+calibration only describes the minutes around it. Per rate it prints the median over the repeats
 of the measured and the predicted median TTFT, median TPOT, output throughput and p90
 TTFT, with the relative error; and the saturation rate (the most requests per second any
 point achieved), against the targets of issue 16 (15%, 15%, 15%, 25%; 10%).
@@ -48,25 +50,19 @@ def rate_key(result: dict[str, Any]) -> float:
 # ----- measuring ---------------------------------------------------------------------------------------
 
 
-def measure(engine_flags: list[str], serve_config, rates: Sequence[float], output_dir: str, repeats: int,
-            log: Log | None = None) -> list[list[dict[str, Any]]]:
-    """`bench sweep` against a fresh `tokenmill serve ENGINE_FLAGS`, `repeats` times; the
-    results of each repeat (`output_dir/run-K/`)."""
+def measure(engine_flags: list[str], serve_config, rates: Sequence[float], directory: str,
+            log: Log | None = None) -> list[dict[str, Any]]:
+    """`bench sweep` over `rates` against a fresh `tokenmill serve ENGINE_FLAGS`; its files
+    go to `directory`."""
     from tokenmill.bench.local_server import LocalServer
     from tokenmill.bench.sweep import SweepPoint, run_sweep
 
     points = [SweepPoint(rate, serve_config.max_concurrency) for rate in rates]
-    runs = []
     if log:
-        log(f"starting tokenmill serve {' '.join(engine_flags)}")
+        log(f"measuring: tokenmill serve {' '.join(engine_flags)}; bench sweep -> {directory}")
     with LocalServer([*engine_flags, "--disable-access-log"]) as server:
         serve_config.base_url = server.url
-        for repeat in range(repeats):
-            directory = os.path.join(output_dir, f"run-{repeat + 1}")
-            if log:
-                log(f"measured sweep {repeat + 1}/{repeats} -> {directory}")
-            runs.append(run_sweep(serve_config, "request_rate", points, directory, echo=False))
-    return runs
+        return run_sweep(serve_config, "request_rate", points, directory, echo=False)
 
 
 def load_measured(directory: str) -> list[list[dict[str, Any]]]:
@@ -85,20 +81,17 @@ def load_measured(directory: str) -> list[list[dict[str, Any]]]:
 # ----- predicting and comparing ----------------------------------------------------------------------------
 
 
-def predict(measured: list[list[dict[str, Any]]], setup: SimulationSetup, report: Report,
-            output_dir: str | None = None) -> list[list[dict[str, Any]]]:
-    """Replay every measured point through the simulator."""
+def predict(measured: list[dict[str, Any]], setup: SimulationSetup, report: Report,
+            directory: str | None = None) -> list[dict[str, Any]]:
+    """Replay every measured point of a sweep through the simulator (files to `directory`)."""
     predicted = []
-    for repeat, results in enumerate(measured):
-        run = []
-        for result in results:
-            simulated = run_point(trace_from_result(result), setup, result.get("max_concurrency"), report)
-            if output_dir:
-                rate = result["request_rate"]
-                name = f"rate-{rate if rate == 'inf' else format(float(rate), 'g')}.json"
-                save_result(simulated, os.path.join(output_dir, f"run-{repeat + 1}", name))
-            run.append(simulated)
-        predicted.append(run)
+    for result in measured:
+        simulated = run_point(trace_from_result(result), setup, result.get("max_concurrency"), report)
+        if directory:
+            rate = result["request_rate"]
+            name = f"rate-{rate if rate == 'inf' else format(float(rate), 'g')}.json"
+            save_result(simulated, os.path.join(directory, name))
+        predicted.append(simulated)
     return predicted
 
 
