@@ -275,10 +275,14 @@ def test_calibration_profile_recovers_a_known_step_model():
     fit, info = fit_profile_samples(samples)
     for name, value in truth.to_dict().items():
         assert getattr(fit.model, name) == pytest.approx(value, rel=1e-6), name
+    # The decode curve holds the linear model's pure decode steps at each batch size profiled.
+    assert fit.model.decode_rows == (1, 2, 4, 8, 9, 16, 24, 32, 64)
+    assert fit.model.decode_seconds == pytest.approx([truth.intercept_s + truth.per_decode_token_s * b
+                                                      for b in fit.model.decode_rows], rel=1e-6)
     assert info["median_relative_error"] < 1e-9
     assert info["four_term_median_relative_error"] > 0  # without the prefill term the fit misses
     features = [s for s, _ in samples]
-    assert max(s.decode_tokens for s in features) == 32 and max(s.prefill_tokens for s in features) >= 512
+    assert max(s.decode_tokens for s in features) == 64 and max(s.prefill_tokens for s in features) >= 512
     assert any(s.prefill_tokens and s.decode_tokens for s in features)  # mixed steps
 
 

@@ -402,12 +402,14 @@ def format_profile(profile) -> str:
     lines = [
         f"{profile.model_name} on {profile.machine}: {profile.weight_format} weights, {profile.compute_dtype} compute, "
         f"{profile.kv_cache_dtype} KV cache, {profile.num_threads} threads",
-        f"  step = {model.intercept_s * 1e3:.2f} ms + {model.per_prefill_token_s * 1e3:.4f} ms x prefill tokens "
+        f"  step with prefill = {model.intercept_s * 1e3:.2f} ms + {model.per_prefill_token_s * 1e3:.4f} ms x prefill tokens "
         f"+ {model.per_decode_token_s * 1e3:.4f} ms x decode rows",
-        f"         + {model.per_context_token_s * 1e6:.4f} us x decode context tokens "
+        f"      + {model.per_context_token_s * 1e6:.4f} us x decode context tokens "
         f"+ {model.per_prefill_pair_s * 1e9:.4f} ns x prefill attention pairs",
+        *([f"  pure decode steps (ms at rows, + the context term): " + ", ".join(
+            f"{b}: {t * 1e3:.1f}" for b, t in zip(model.decode_rows, model.decode_seconds))] if model.decode_rows else []),
         f"  fit over {fit['samples']} steps: median error {fit['median_relative_error']:.1%}, max "
-        f"{fit['max_relative_error']:.0%} (BLIS's 4 terms alone: median {fit['four_term_median_relative_error']:.1%}, "
+        f"{fit['max_relative_error']:.0%} (BLIS's 4 linear terms alone: median {fit['four_term_median_relative_error']:.1%}, "
         f"max {fit['four_term_max_relative_error']:.0%})",
     ]
     if profile.overheads is not None:

@@ -2,7 +2,7 @@
 
 `calibrate(config)` builds the engine `tokenmill serve` would build with the same
 settings, runs a short profile through it (single prompts of 16-512 tokens, batches of
-4-32 requests decoding at contexts of 32-400 tokens, and decodes with prompts arriving
+1-64 requests decoding at contexts of 16-400 tokens, and decodes with prompts arriving
 among them, so that prefill tokens, decode rows, their contexts and the prefill attention
 vary independently), times every engine step (`StepRecord.duration_s`: scheduling, the
 runner, detokenization and outputs), and fits `planner.costmodel`'s step model to the
@@ -61,14 +61,20 @@ class Workload:
 
 
 WARMUP = Workload("warm-up", (64, 64), 4)
+# Pure decode steps of 1, 2, 4, 8, 16, 24, 32 and 64 rows (two contexts for 4 and 16),
+# prompts alone and among decodes. About 25,000 tokens: 1-4 minutes per repeat on the
+# 2-core box with the default model in float32 on one thread, depending on its load.
 DEFAULT_WORKLOADS = (
     Workload("single prompts", (16, 64, 128, 256, 512), 8, stagger=8),
+    Workload("2 x 256", (256,) * 2, 12),
     Workload("4 x 64", (64,) * 4, 12),
     Workload("4 x 400", (400,) * 4, 12),
     Workload("8 x 200", (200,) * 8, 12),
     Workload("16 x 32", (32,) * 16, 12),
     Workload("16 x 128", (128,) * 16, 12),
+    Workload("24 x 64", (64,) * 24, 12),
     Workload("32 x 32", (32,) * 32, 12),
+    Workload("64 x 16", (16,) * 64, 12),
     Workload("prompts among 8 decodes", (32, 128, 256, 64, 192), 2, stagger=4, background=((64, 40),) * 8),
 )
 
@@ -258,8 +264,9 @@ def find_profile(model_path: str, dtype: str, num_threads: int, directory: Path 
 
 
 def fit_profile_samples(samples: Sequence[tuple[StepFeatures, float]]) -> tuple[Fit, dict[str, Any]]:
-    """The five-term fit (Vidur's prefill attention included), and both fits' errors."""
-    full = fit_step_cost_model(samples, prefill_attention=True)
+    """The fit with Vidur's terms (prefill attention, a decode curve per batch size), and
+    its errors beside those of BLIS's four linear terms alone."""
+    full = fit_step_cost_model(samples, prefill_attention=True, decode_curve=True)
     blis = fit_step_cost_model(samples)
     return full, {
         "samples": full.samples,
