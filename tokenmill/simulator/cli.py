@@ -95,8 +95,8 @@ examples:
 
 Writes OUTPUT_DIR/measured/run-K/ (bench sweep's files), OUTPUT_DIR/predicted/run-K/,
 OUTPUT_DIR/validation.json and OUTPUT_DIR/validation.png (and OUTPUT_DIR/profile-K.json
-with --calibrate). On a shared machine use --calibrate: a calibration made at another
-load predicts another machine.
+with --calibrate: the pooled calibration before and after). On a shared machine use
+--calibrate: a calibration made at another load predicts another machine.
 """
 
 
@@ -207,8 +207,8 @@ def add_validate_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-warmups", type=int, default=1, help="unmeasured requests before each point (default 1)")
     group.add_argument("--repeats", type=_positive_int, default=1, help="measured sweeps to run (default 1)")
     group.add_argument("--calibrate", action="store_true",
-                       help="calibrate afresh (with the server's overheads) before each measured sweep, and predict "
-                            "it with that calibration: on a shared machine the step costs move with the load")
+                       help="calibrate afresh before and after each measured sweep (the server's overheads before) "
+                            "and predict it from both pooled: on a shared machine the step costs move with the load")
     group.add_argument("--measured", default=None, metavar="DIR",
                        help="compare against this measured sweep instead of running one")
     group.add_argument("--output-dir", required=True, help="measured/, predicted/, validation.json, validation.png")
@@ -431,7 +431,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from tokenmill.config import engine_args
     from tokenmill.simulator import setup as simsetup
     from tokenmill.simulator import validate
-    from tokenmill.simulator.profile import calibrate, save_profile
+    from tokenmill.simulator.profile import calibrate, pooled, save_profile
 
     config = _engine_config(args)
     report_settings = _report(args, extra_percentile=90.0)
@@ -456,16 +456,20 @@ def cmd_validate(args: argparse.Namespace) -> int:
         serve_config.check()
         measured, setups = [], []
         for repeat in range(args.repeats):
-            if args.calibrate:
-                log(f"calibrating before measured sweep {repeat + 1}/{args.repeats}")
-                profile = calibrate(config, repeats=2, server=True, log=log)
-                path = save_profile(profile, os.path.join(args.output_dir, f"profile-{repeat + 1}.json"))
-                save_profile(profile)  # also where `simulate` finds it
-            else:
-                profile, path = simsetup.resolve_profile(config, args.profile)
-            setups.append(simsetup.setup_from_profile(config, profile, str(path)))
             directory = os.path.join(args.output_dir, "measured", f"run-{repeat + 1}")
+            if not args.calibrate:
+                profile, path = simsetup.resolve_profile(config, args.profile)
+                measured.append(validate.measure(engine_args(config), serve_config, rates, directory, log))
+                setups.append(simsetup.setup_from_profile(config, profile, str(path)))
+                continue
+            log(f"calibrating before measured sweep {repeat + 1}/{args.repeats}")
+            before = calibrate(config, repeats=1, server=True, log=log)
             measured.append(validate.measure(engine_args(config), serve_config, rates, directory, log))
+            log(f"calibrating after measured sweep {repeat + 1}/{args.repeats}")
+            profile = pooled(before, calibrate(config, repeats=1, server=False, log=log))
+            path = save_profile(profile, os.path.join(args.output_dir, f"profile-{repeat + 1}.json"))
+            save_profile(profile)  # also where `simulate` finds it
+            setups.append(simsetup.setup_from_profile(config, profile, str(path)))
     predicted = [validate.predict(run, setup, report_settings,
                                   os.path.join(args.output_dir, "predicted", f"run-{k + 1}"))
                  for k, (run, setup) in enumerate(zip(measured, setups))]

@@ -25,7 +25,7 @@ import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -310,6 +310,24 @@ def calibrate(config: EngineConfig, workloads: Sequence[Workload] = DEFAULT_WORK
     profile.load_average = list(os.getloadavg())
     profile.profile_seconds = time.perf_counter() - started
     return profile
+
+
+def pooled(first: Profile, second: Profile) -> Profile:
+    """One profile from two calibrations of the same setup (before and after a measured
+    run, so that a load that drifts meanwhile is averaged): every step of both, fitted
+    again; the server's overheads of the first that has them."""
+    if (first.machine, first.model_path, first.compute_dtype, first.num_threads) != \
+            (second.machine, second.model_path, second.compute_dtype, second.num_threads):
+        raise ValueError("only calibrations of the same machine, model, dtype and threads can be pooled")
+    samples = first.samples + second.samples
+    fit, fit_info = fit_profile_samples([(StepFeatures(int(p), int(d), int(c), int(a)), t)
+                                         for p, d, c, a, t in samples])
+    load = [max(a, b) for a, b in zip(first.load_average or [], second.load_average or [])] or None
+    return replace(first, cost_model=fit.model, fit=fit_info, samples=samples,
+                   overheads=first.overheads or second.overheads,
+                   overheads_detail=first.overheads_detail or second.overheads_detail,
+                   created=second.created, load_average=load,
+                   profile_seconds=first.profile_seconds + second.profile_seconds)
 
 
 # ----- the server's overheads ------------------------------------------------------------------------

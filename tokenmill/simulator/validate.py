@@ -4,9 +4,10 @@ It starts `tokenmill serve` with the engine settings given (a subprocess on a fr
 loopback port), runs `bench sweep` over the request rates, stops the server, and replays
 every measured point's requests (their send times, prompt and output lengths, from the
 result file) through the simulator with the calibrated cost model. `--repeats` does it
-again (a shared machine's runs scatter), and `--calibrate` calibrates afresh before each
-measured sweep: on a machine whose load changes, the step costs change with it, and a
-calibration only describes the minutes around it. Per rate it prints the median over the repeats
+again (a shared machine's runs scatter), and `--calibrate` calibrates afresh before and
+after each measured sweep and predicts it from both calibrations' steps pooled: on a
+machine whose load changes, the step costs change with it, and a calibration only
+describes the minutes around it. Per rate it prints the median over the repeats
 of the measured and the predicted median TTFT, median TPOT, output throughput and p90
 TTFT, with the relative error; and the saturation rate (the most requests per second any
 point achieved), against the targets of issue 16 (15%, 15%, 15%, 25%; 10%).
