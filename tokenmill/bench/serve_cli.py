@@ -101,21 +101,18 @@ def add_report_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
     return report
 
 
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    add_common_args(parser)
+def add_load_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """One run's load: --request-rate and --max-concurrency (shared with `tokenmill simulate`)."""
     load = parser.add_argument_group("load")
     load.add_argument("--request-rate", type=_rate, default=math.inf,
                       help="requests per second (default inf: all at once)")
     load.add_argument("--max-concurrency", type=_positive_int, default=None,
                       help="at most this many requests in flight (default: no cap)")
-    out = parser.add_argument_group("output")
-    out.add_argument("--save-result", default=None, metavar="FILE", help="write the result as JSON")
-    out.add_argument("--plot", default=None, metavar="FILE.png",
-                     help="figure of TTFT and ITL CDFs and throughput over time")
+    return load
 
 
-def add_sweep_args(parser: argparse.ArgumentParser) -> None:
-    add_common_args(parser)
+def add_sweep_load_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """A sweep's loads: --request-rates or --concurrencies (shared with `tokenmill simulate sweep`)."""
     load = parser.add_argument_group("load")
     axis = load.add_mutually_exclusive_group(required=True)
     axis.add_argument("--request-rates", default=None, help="comma-separated rates, e.g. 0.5,1,2,4,inf")
@@ -124,6 +121,21 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
                       help="with --concurrencies: the rate at every point (default inf)")
     load.add_argument("--max-concurrency", type=_positive_int, default=None,
                       help="with --request-rates: the cap at every point (default: none)")
+    return load
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    add_common_args(parser)
+    add_load_args(parser)
+    out = parser.add_argument_group("output")
+    out.add_argument("--save-result", default=None, metavar="FILE", help="write the result as JSON")
+    out.add_argument("--plot", default=None, metavar="FILE.png",
+                     help="figure of TTFT and ITL CDFs and throughput over time")
+
+
+def add_sweep_args(parser: argparse.ArgumentParser) -> None:
+    add_common_args(parser)
+    add_sweep_load_args(parser)
     out = parser.add_argument_group("output")
     out.add_argument("--output-dir", required=True, help="directory for one JSON per point, sweep.json and sweep.png")
     out.add_argument("--plot", default=None, metavar="FILE.png", help="the sweep figure (default OUTPUT_DIR/sweep.png)")
