@@ -8,12 +8,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from typing import Any
 
-from tokenmill.bench.serve_cli import _positive_int, _rate, add_dataset_args, add_report_args
+from tokenmill.bench.serve_cli import (
+    _positive_int,
+    add_dataset_args,
+    add_load_args,
+    add_report_args,
+    add_sweep_load_args,
+)
 
 DESCRIPTION = """\
 Simulate `tokenmill serve` under a load: the engine's own scheduler and KV block manager
@@ -134,35 +139,25 @@ def add_model_source_args(parser: argparse.ArgumentParser) -> None:
                       help="from a step's end to the client holding its chunk")
 
 
-def add_load_args(parser: argparse.ArgumentParser, sweep: bool) -> None:
-    load = parser.add_argument_group("load")
+def add_inputs(parser: argparse.ArgumentParser, sweep: bool) -> None:
+    """The cost model, the dataset, the load and the report: what a run and a sweep share."""
+    add_model_source_args(parser)
+    add_dataset_args(parser)
+    load = add_sweep_load_args(parser) if sweep else add_load_args(parser)
     load.add_argument("--burstiness", type=float, default=1.0,
                       help="gamma shape of the inter-arrival times: 1 = Poisson, < 1 burstier, inf = even")
     if sweep:
-        axis = load.add_mutually_exclusive_group(required=True)
-        axis.add_argument("--request-rates", default=None, help="comma-separated rates, e.g. 0.5,1,2,4,inf")
-        axis.add_argument("--concurrencies", default=None, help="comma-separated caps, e.g. 1,2,4,8")
-        load.add_argument("--request-rate", type=_rate, default=math.inf,
-                          help="with --concurrencies: the rate at every point (default inf)")
-        load.add_argument("--max-concurrency", type=_positive_int, default=None,
-                          help="with --request-rates: the cap at every point (default: none)")
         load.add_argument("--grid", action="append", default=None, metavar="SETTING=V1,V2",
                           help="an engine setting to vary (repeatable; every combination is run), e.g. "
                                "max_num_seqs=8,16,32")
     else:
-        load.add_argument("--request-rate", type=_rate, default=math.inf,
-                          help="requests per second (default inf: all at once)")
-        load.add_argument("--max-concurrency", type=_positive_int, default=None,
-                          help="at most this many requests in flight at the client (default: no cap)")
         load.add_argument("--trace", default=None, metavar="RESULT.json",
                           help="replay a `bench serve` result: its send times, prompt and output lengths")
+    add_report_args(parser)
 
 
 def add_run_args(parser: argparse.ArgumentParser) -> None:
-    add_model_source_args(parser)
-    add_dataset_args(parser)
-    add_load_args(parser, sweep=False)
-    add_report_args(parser)
+    add_inputs(parser, sweep=False)
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the result as JSON (bench serve's keys)")
     out.add_argument("--save-result", default=None, metavar="FILE", help="write the result as JSON")
@@ -172,10 +167,7 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
 
 
 def add_sweep_args(parser: argparse.ArgumentParser) -> None:
-    add_model_source_args(parser)
-    add_dataset_args(parser)
-    add_load_args(parser, sweep=True)
-    add_report_args(parser)
+    add_inputs(parser, sweep=True)
     out = parser.add_argument_group("output")
     out.add_argument("--output-dir", required=True, help="one JSON per point, sweep.json and sweep.png (per setting)")
     out.add_argument("--plot", default=None, metavar="FILE.png", help="the sweep figure (default OUTPUT_DIR/sweep.png)")
