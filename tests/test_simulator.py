@@ -74,6 +74,13 @@ def test_server_overheads_shift_arrivals_steps_and_chunks():
     assert run.duration == pytest.approx(0.447)
 
 
+def test_streamed_tokens_slow_the_step_they_come_from():
+    # 3 ms per streamed token: step 1 streams A's first token (0.143), step 2 two (0.146), step 3 two.
+    run = simulate(trace((0.0, 4, 3), (0.05, 2, 2)), setup(overheads=ServerOverheads(chunk_s=0.003)))
+    assert [s.execute_s for s in run.steps] == pytest.approx([0.143, 0.146, 0.146])
+    assert run.records[0].latency == pytest.approx(0.435) and run.records[1].ttft == pytest.approx(0.289 - 0.05)
+
+
 def test_client_concurrency_cap_holds_requests_back():
     # With one request in flight, B is sent when A's last chunk arrives (0.42):
     # A alone: 0.14 + 0.12 + 0.12 = 0.38; B: prefill 2 at [0.38, 0.50], decode [0.50, 0.62].
@@ -286,18 +293,25 @@ def test_calibration_profile_recovers_a_known_step_model():
     assert any(s.prefill_tokens and s.decode_tokens for s in features)  # mixed steps
 
 
-def test_server_overheads_from_lone_requests():
-    from tokenmill.simulator.profile import overheads_from_lone_requests
+def test_server_overheads_from_side_by_side_runs():
+    from tokenmill.simulator.profile import overheads_from_pairs
 
-    model = StepCostModel(0.05, 0.001, 0.002, 1e-5, 1e-7)
-    ttfts, itls = [], []
-    for n_in in (64, 64, 64):
-        ttfts.append(model.predict(StepFeatures(n_in, 0, 0, n_in * (n_in + 1) // 2)) + 0.030)
-        itls.append([model.predict(StepFeatures(0, 1, n_in + k + 1)) + 0.004 for k in range(5)])
-    over, detail = overheads_from_lone_requests({"input_lens": [64] * 3, "ttfts": ttfts, "itls": itls}, model)
-    # The first token's step paid the 4 ms per-step overhead too: 26 ms are the request's own.
-    assert over.request_s == pytest.approx(0.026) and over.step_s == pytest.approx(0.004) and over.token_s == 0
-    assert detail["requests"] == 3
+    def served(ttft: float, gap: float, streams: int) -> dict:
+        return {"ttfts": [ttft] * streams, "itls": [[gap] * 15 for _ in range(streams)]}
+
+    # In process: a 0.30 s prefill and 0.10 s decode steps alone, 0.20 s with 16 rows. Served:
+    # 4 ms more per step, 2 ms more per streamed token, 26 ms more per request.
+    pairs = {
+        1: [(0.30, 0.10, served(0.30 + 0.004 + 0.026, 0.104 + 0.002, 1))] * 3,
+        16: [(1.5, 0.20, served(2.0, 0.20 + 0.004 + 16 * 0.002, 16))] * 3,
+    }
+    over, detail = overheads_from_pairs(pairs)
+    assert over.step_s == pytest.approx(0.006) and over.request_s == pytest.approx(0.024)
+    assert over.chunk_s == pytest.approx((0.036 - 0.006) / 16) and over.token_s == 0
+    assert detail["rounds"] == 3 and detail["streams"] == [1, 16]
+    # A server faster than the engine was (the load fell meanwhile) adds nothing, never less.
+    faster, _ = overheads_from_pairs({1: [(0.3, 0.1, served(0.2, 0.09, 1))], 16: [(1, 0.2, served(1, 0.1, 16))]})
+    assert faster == ServerOverheads()
 
 
 def synthetic_profile(**changes):

@@ -135,6 +135,9 @@ def add_model_source_args(parser: argparse.ArgumentParser) -> None:
                       help="from a request's send to the engine holding it (HTTP, validation, tokenization)")
     over.add_argument("--step-overhead-ms", type=float, default=None,
                       help="the server loop's own time per engine step (outputs to the event loop, SSE work)")
+    over.add_argument("--chunk-overhead-ms", type=float, default=None,
+                      help="per token a step streams, the time the step loses to the event loop's and the client's "
+                           "work on it")
     over.add_argument("--token-overhead-ms", type=float, default=None,
                       help="from a step's end to the client holding its chunk")
 
@@ -222,7 +225,8 @@ def _engine_config(args: argparse.Namespace):
 def _overheads(args: argparse.Namespace, base):
     from tokenmill.simulator.simulate import ServerOverheads
 
-    given = {"request_s": args.request_overhead_ms, "step_s": args.step_overhead_ms, "token_s": args.token_overhead_ms}
+    given = {"request_s": args.request_overhead_ms, "step_s": args.step_overhead_ms,
+             "chunk_s": args.chunk_overhead_ms, "token_s": args.token_overhead_ms}
     base = base or ServerOverheads()
     return ServerOverheads(**{k: (v / 1e3 if v is not None else getattr(base, k)) for k, v in given.items()})
 
@@ -331,7 +335,8 @@ def format_extras(result: dict[str, Any]) -> str:
     lines.append(f"cost model: {result['cost_model']['source']}")
     over = result["server_overheads"]
     lines.append(f"server overheads: {over['request_s'] * 1e3:.1f} ms per request, {over['step_s'] * 1e3:.1f} ms per "
-                 f"step, {over['token_s'] * 1e3:.1f} ms per chunk")
+                 f"step + {over.get('chunk_s', 0) * 1e3:.1f} ms per streamed token, {over['token_s'] * 1e3:.1f} ms "
+                 "chunk delivery")
     lines.append("=" * 60)
     return "\n".join(lines)
 
@@ -407,7 +412,7 @@ def format_profile(profile) -> str:
     if profile.overheads is not None:
         over = profile.overheads
         lines.append(f"  server overheads (measured): {over.request_s * 1e3:.1f} ms per request, "
-                     f"{over.step_s * 1e3:.1f} ms per step")
+                     f"{over.step_s * 1e3:.1f} ms per step + {over.chunk_s * 1e3:.1f} ms per streamed token")
     else:
         lines.append("  server overheads: not measured (--no-server); the simulation adds none")
     load = profile.load_average

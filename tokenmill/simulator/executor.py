@@ -72,23 +72,27 @@ class SimulatedStep:
 
 
 class SimulatedExecutor:
-    """`execute` prices the step with `cost_model`, advances `clock` by it (plus
-    `step_overhead_s`, the server loop's own time per step) and samples `token_id` for
-    every request that samples. `last` is the step just executed."""
+    """`execute` prices the step with `cost_model`, advances `clock` by it (plus the
+    server's `step_overhead_s` per step and `chunk_overhead_s` per token it streams) and
+    samples `token_id` for every request that samples. `last` is the step just executed."""
 
     def __init__(self, cost_model: StepTimeModel, clock: VirtualClock, token_id: int = 0,
-                 step_overhead_s: float = 0.0) -> None:
+                 step_overhead_s: float = 0.0, chunk_overhead_s: float = 0.0) -> None:
         self.cost_model = cost_model
         self.clock = clock
         self.token_id = token_id
         self.step_overhead_s = step_overhead_s
+        self.chunk_overhead_s = chunk_overhead_s
         self.meter = StepMeter()
         self.last: SimulatedStep | None = None
 
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
         features = self.meter.measure(batch)
-        seconds = self.cost_model.predict(features) + self.step_overhead_s if batch.scheduled else 0.0
-        self.clock.advance(seconds)
         sampled = [item.request_id for item in batch.scheduled if item.sample]
+        seconds = 0.0
+        if batch.scheduled:
+            seconds = (self.cost_model.predict(features) + self.step_overhead_s
+                       + self.chunk_overhead_s * len(sampled))
+        self.clock.advance(seconds)
         self.last = SimulatedStep(features, seconds, sampled)
         return RunnerOutput(sampled_token_ids={request_id: [self.token_id] for request_id in sampled})

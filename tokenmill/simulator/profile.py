@@ -304,9 +304,8 @@ def calibrate(config: EngineConfig, workloads: Sequence[Workload] = DEFAULT_WORK
         cost_model=fit.model, fit=fit_info, created=datetime.now().isoformat(timespec="seconds"),
         samples=[[s.prefill_tokens, s.decode_tokens, s.decode_context, s.prefill_attention, t] for s, t in samples],
     )
-    del engine, executor, built  # free the model before a server loads its own
     if server:
-        profile.overheads, profile.overheads_detail = measure_server_overheads(config, fit.model, log)
+        profile.overheads, profile.overheads_detail = measure_server_overheads(config, engine, log=log)
     profile.load_average = list(os.getloadavg())
     profile.profile_seconds = time.perf_counter() - started
     return profile
@@ -335,14 +334,28 @@ def pooled(first: Profile, second: Profile) -> Profile:
 
 OVERHEAD_PROMPT_LEN = 64
 OVERHEAD_OUTPUT_LEN = 16
-OVERHEAD_REQUESTS = 8
+OVERHEAD_STREAMS = (1, 16)  # lone requests (per request, per step); a batch (per streamed token)
+OVERHEAD_ROUNDS = 3
 
 
-def measure_server_overheads(config: EngineConfig, model: StepCostModel,
+@dataclass
+class _Steps(StepObserver):
+    records: list[StepRecord] = field(default_factory=list)
+
+    def on_step(self, record: StepRecord, outputs: list[RequestOutput]) -> None:
+        self.records.append(record)
+
+
+def measure_server_overheads(config: EngineConfig, engine: LLMEngine, rounds: int = OVERHEAD_ROUNDS,
                              log: Log | None = None) -> tuple[ServerOverheads, dict[str, Any]]:
-    """Start `tokenmill serve` with `config`'s flags, send lone requests one after the other
-    (`bench serve` at --max-concurrency 1), and compare their TTFT and inter-token gaps with
-    the cost model's prefill and decode steps."""
+    """What `tokenmill serve` adds to the engine's steps, measured side by side: the same
+    requests (64 prompt tokens, 16 output tokens; 1 and then 16 at once) through `engine`
+    in this process and through a server started with `config`'s flags (`bench serve`'s
+    client), alternately, `rounds` times. From the medians of each pair:
+    - per step: a lone request's inter-token gap - the engine's decode step;
+    - per streamed token: (16 streams' gap - the engine's 16-row decode step - per step) / 16;
+    - per request: a lone request's TTFT - the engine's prefill step - per step.
+    Alternating keeps a machine whose load drifts from reading as an overhead."""
     import asyncio
     from contextlib import AsyncExitStack
 
@@ -351,45 +364,65 @@ def measure_server_overheads(config: EngineConfig, model: StepCostModel,
     from tokenmill.bench.serve import ServeConfig, open_session, run_point
     from tokenmill.config import engine_args
 
-    dataset = DatasetConfig(num_prompts=OVERHEAD_REQUESTS, input_len=OVERHEAD_PROMPT_LEN,
-                            output_len=OVERHEAD_OUTPUT_LEN, seed=12345)
+    steps = _Steps()
+    engine.add_observer(steps)
+    rng = random.Random(4321)
 
-    async def measure(url: str) -> dict[str, Any]:
-        serve_config = ServeConfig(base_url=url, dataset=dataset, max_concurrency=1, num_warmups=1,
-                                   disable_tqdm=True)
+    def in_process(streams: int) -> tuple[float, float]:
+        """(the prefill step, the median decode step) of `streams` requests run at once."""
+        steps.records.clear()
+        for _ in range(streams):
+            _add(engine, [rng.randrange(1000, 5000) for _ in range(OVERHEAD_PROMPT_LEN)], OVERHEAD_OUTPUT_LEN)
+        while engine.has_unfinished_requests():
+            engine.step()
+        prefill = [r.duration_s for r in steps.records if r.num_prefill_tokens]
+        decode = [r.duration_s for r in steps.records if not r.num_prefill_tokens and r.num_decode_tokens == streams]
+        return sum(prefill), statistics.median(decode)
+
+    async def through_server(url: str, streams: int, seed: int) -> dict[str, Any]:
+        dataset = DatasetConfig(num_prompts=streams, input_len=OVERHEAD_PROMPT_LEN, output_len=OVERHEAD_OUTPUT_LEN,
+                                seed=seed)
+        serve_config = ServeConfig(base_url=url, dataset=dataset, max_concurrency=streams, disable_tqdm=True)
         async with AsyncExitStack() as stack:
-            session = await open_session(serve_config, stack)
-            return await run_point(session)
+            return await run_point(await open_session(serve_config, stack))
 
     if log:
-        log(f"measuring the server's overheads: {OVERHEAD_REQUESTS} lone requests of {OVERHEAD_PROMPT_LEN} "
-            f"prompt tokens, {OVERHEAD_OUTPUT_LEN} output tokens")
+        log(f"measuring the server's overheads: {rounds} rounds of 1 and {OVERHEAD_STREAMS[-1]} streams "
+            f"({OVERHEAD_PROMPT_LEN} prompt tokens, {OVERHEAD_OUTPUT_LEN} output tokens), in this process and "
+            "through tokenmill serve")
+    pairs: dict[int, list[tuple[float, float, dict[str, Any]]]] = {n: [] for n in OVERHEAD_STREAMS}
     with LocalServer([*engine_args(config), "--disable-access-log"]) as server:
-        result = asyncio.run(measure(server.url))
-    if result["failed"]:
-        raise RuntimeError(f"measuring the server's overheads: {result['failed']} requests failed: "
-                           f"{next(iter(result['failed_reasons']), '')}")
-    return overheads_from_lone_requests(result, model)
+        asyncio.run(through_server(server.url, 1, 999))  # warm-up
+        for round_index in range(rounds):
+            for streams in OVERHEAD_STREAMS:
+                prefill, decode = in_process(streams)
+                result = asyncio.run(through_server(server.url, streams, 1000 + 10 * round_index + streams))
+                if result["failed"]:
+                    raise RuntimeError(f"measuring the server's overheads: {result['failed']} requests failed: "
+                                       f"{next(iter(result['failed_reasons']), '')}")
+                pairs[streams].append((prefill, decode, result))
+    engine.observers.remove(steps)
+    return overheads_from_pairs(pairs)
 
 
-def overheads_from_lone_requests(result: dict[str, Any], model: StepCostModel) -> tuple[ServerOverheads, dict]:
-    """Per-step overhead: the median excess of an inter-token gap over the predicted decode
-    step (at its context); per-request overhead: the median excess of the TTFT over the
-    predicted prefill step, less the per-step overhead its step also paid. Negative
-    excesses (the machine was faster than when calibrated) count as 0."""
-    ttft_excess, gap_excess = [], []
-    for n_in, ttft, itl in zip(result["input_lens"], result["ttfts"], result["itls"]):
-        prefill = StepFeatures(n_in, 0, 0, n_in * (n_in + 1) // 2)
-        ttft_excess.append(ttft - model.predict(prefill))
-        for k, gap in enumerate(itl):
-            gap_excess.append(gap - model.predict(StepFeatures(0, 1, n_in + k + 1)))
-    step_s = max(statistics.median(gap_excess), 0.0)
-    request_s = max(statistics.median(ttft_excess) - step_s, 0.0)
+def overheads_from_pairs(pairs: dict[int, list[tuple[float, float, dict[str, Any]]]]) -> tuple[ServerOverheads, dict]:
+    """The overheads from (in-process prefill step, in-process decode step, server result)
+    per round and number of streams: see `measure_server_overheads`. Negative excesses
+    count as 0."""
+    def median_gap(result: dict[str, Any]) -> float:
+        return statistics.median(g for itl in result["itls"] for g in itl)
+
+    lone, many = min(pairs), max(pairs)
+    step = statistics.median(median_gap(r) - decode for _, decode, r in pairs[lone])
+    step_s = max(step, 0.0)
+    request = statistics.median(statistics.median(r["ttfts"]) - prefill - step_s for prefill, _, r in pairs[lone])
+    chunk = statistics.median((median_gap(r) - decode - step_s) / many for _, decode, r in pairs[many]) \
+        if many > lone else 0.0
     detail = {
-        "requests": len(ttft_excess), "median_ttft_s": statistics.median(result["ttfts"]),
-        "median_ttft_excess_s": statistics.median(ttft_excess), "median_itl_excess_s": statistics.median(gap_excess),
-        "median_itl_s": statistics.median(g for itl in result["itls"] for g in itl),
+        "rounds": len(pairs[lone]), "streams": sorted(pairs),
+        "step_excess_s": step, "request_excess_s": request, "chunk_excess_s": chunk,
+        "in_process_decode_s": {n: [d for _, d, _ in v] for n, v in pairs.items()},
+        "server_median_itl_s": {n: [median_gap(r) for _, _, r in v] for n, v in pairs.items()},
         "load_average": list(os.getloadavg()),
     }
-    return ServerOverheads(request_s=request_s, step_s=step_s), detail
-
+    return ServerOverheads(request_s=max(request, 0.0), step_s=step_s, chunk_s=max(chunk, 0.0)), detail

@@ -6,13 +6,16 @@ output processor that `tokenmill serve` runs, with the same settings) whose exec
 engine thread: requests that have reached the engine are added between steps, and a step
 runs while there is work; when there is none the clock jumps to the next arrival.
 
-What the server adds around the engine is modelled by three measured constants
-(`ServerOverheads`, measured by `tokenmill simulate calibrate --server`):
+What the server adds around the engine is modelled by measured constants
+(`ServerOverheads`, measured by `tokenmill simulate calibrate`, which runs `serve`):
 - `request_s`: from the client's send to the engine holding the request (HTTP parsing,
   validation, tokenization, the hand-over to the engine thread);
 - `step_s`: the server loop's own time per step beyond the engine's step (handing the
-  outputs to the event loop, and the event loop's SSE work competing for the CPU);
-- `token_s`: from a step's end to the client holding its chunk.
+  outputs to the event loop);
+- `chunk_s`: per token streamed in a step, the time the step loses to the work around
+  it (the event loop encoding and writing the chunk, the client reading it, both taking
+  the GIL or a core from the engine thread);
+- `token_s`: from a step's end to the client holding its chunk (not measured: 0 unless given).
 Detokenization is inside the engine step, so it is in the calibrated step cost.
 
 The per-request records are `bench.metrics.RequestRecord`s, and the result is computed
@@ -49,6 +52,7 @@ class ServerOverheads:
     request_s: float = 0.0
     step_s: float = 0.0
     token_s: float = 0.0
+    chunk_s: float = 0.0
 
     def __post_init__(self) -> None:
         for name, value in asdict(self).items():
@@ -136,7 +140,8 @@ def simulate(trace: Trace, setup: SimulationSetup, max_concurrency: int | None =
         raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
     wall_start = time.perf_counter()
     clock = VirtualClock()
-    executor = SimulatedExecutor(setup.cost_model, clock, step_overhead_s=setup.overheads.step_s)
+    executor = SimulatedExecutor(setup.cost_model, clock, step_overhead_s=setup.overheads.step_s,
+                                 chunk_overhead_s=setup.overheads.chunk_s)
     engine = LLMEngine(setup.config, executor, SimulatedTokenizer(), setup.facts(), clock)
     timeline = _Timeline(executor)
     engine.add_observer(timeline)
