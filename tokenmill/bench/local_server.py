@@ -19,6 +19,17 @@ from pathlib import Path
 import httpx
 
 
+def _die_with_parent() -> None:
+    """In the child, before exec: SIGTERM it when this process dies, even by SIGKILL (the
+    OOM killer), so that no server is left running for nobody (Linux's PR_SET_PDEATHSIG)."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG = 1
+    except OSError:
+        pass
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -43,7 +54,8 @@ class LocalServer:
 
     def start(self) -> LocalServer:
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+        self.proc = subprocess.Popen(self.command, stdout=self.log, stderr=subprocess.STDOUT, env=env,
+                                     preexec_fn=_die_with_parent if sys.platform == "linux" else None)
         deadline = time.monotonic() + self.startup_timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
