@@ -348,26 +348,6 @@ def test_profiles_are_stored_and_found_per_model_dtype_and_threads(tmp_path, mon
         load_profile(tmp_path / "tokenmill" / "simulator" / "junk.json")
 
 
-def test_pooling_two_calibrations_fits_their_steps_together():
-    from tokenmill.simulator.profile import pooled
-
-    def steps(model):
-        made = [StepFeatures(0, b, b * c) for b in (1, 4) for c in (20, 50, 300)]
-        made += [StepFeatures(p, d, d * (p + 9), p * (p + 1) // 2) for p in (16, 64, 256) for d in (0, 2, 8)]
-        return [[s.prefill_tokens, s.decode_tokens, s.decode_context, s.prefill_attention, model.predict(s)]
-                for s in made]
-
-    fast, slow = StepCostModel(0.02, 0.001, 0.002, 1e-6, 1e-8), StepCostModel(0.04, 0.002, 0.004, 2e-6, 2e-8)
-    before = synthetic_profile(samples=steps(fast), load_average=[3.0, 2, 1])
-    after = synthetic_profile(samples=steps(slow), overheads=None, load_average=[5.0, 1, 1], created="2026-01-02")
-    both = pooled(before, after)
-    assert len(both.samples) == 30 and both.overheads == before.overheads and both.load_average == [5.0, 2, 1]
-    step = StepFeatures(64, 2, 80, 2080)
-    assert fast.predict(step) < both.cost_model.predict(step) < slow.predict(step)
-    with pytest.raises(ValueError, match="same machine, model"):
-        pooled(before, synthetic_profile(num_threads=2))
-
-
 def test_setup_from_a_profile_counts_blocks_as_the_builder():
     from tokenmill.simulator.setup import setup_from_profile, with_settings
 

@@ -99,9 +99,9 @@ examples:
       --measured val/measured --output-dir val/          # predict again, measure nothing
 
 Writes OUTPUT_DIR/measured/run-K/ (bench sweep's files), OUTPUT_DIR/predicted/run-K/,
-OUTPUT_DIR/validation.json and OUTPUT_DIR/validation.png (and OUTPUT_DIR/profile-K.json
-with --calibrate: the pooled calibration before and after). On a shared machine use
---calibrate: a calibration made at another load predicts another machine.
+OUTPUT_DIR/validation.json and OUTPUT_DIR/validation.png (and with --calibrate each point's
+calibration, OUTPUT_DIR/profiles/run-K/rate-R.json). On a shared machine use --calibrate:
+a calibration made at another load predicts another machine.
 """
 
 
@@ -202,8 +202,9 @@ def add_validate_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--num-warmups", type=int, default=1, help="unmeasured requests before each point (default 1)")
     group.add_argument("--repeats", type=_positive_int, default=1, help="measured sweeps to run (default 1)")
     group.add_argument("--calibrate", action="store_true",
-                       help="calibrate afresh before and after each measured sweep (the server's overheads before) "
-                            "and predict it from both pooled: on a shared machine the step costs move with the load")
+                       help="calibrate around every measured point (a quick profile before and after it, the "
+                            "server's overheads once) and predict each point from its own: on a shared machine the "
+                            "step costs move with the load")
     group.add_argument("--measured", default=None, metavar="DIR",
                        help="compare against this measured sweep instead of running one")
     group.add_argument("--output-dir", required=True, help="measured/, predicted/, validation.json, validation.png")
@@ -428,7 +429,7 @@ def cmd_validate(args: argparse.Namespace) -> int:
     from tokenmill.config import engine_args
     from tokenmill.simulator import setup as simsetup
     from tokenmill.simulator import validate
-    from tokenmill.simulator.profile import calibrate, pooled, save_profile
+    from tokenmill.simulator.profile import save_profile
 
     config = _engine_config(args)
     report_settings = _report(args, extra_percentile=90.0)
@@ -441,10 +442,10 @@ def cmd_validate(args: argparse.Namespace) -> int:
 
     if args.measured:
         if args.calibrate:
-            raise ValueError("--calibrate calibrates before measuring; with --measured nothing is measured")
+            raise ValueError("--calibrate calibrates around the points it measures; with --measured nothing is measured")
         measured = validate.load_measured(args.measured)
         profile, path = simsetup.resolve_profile(config, args.profile)
-        setups = [simsetup.setup_from_profile(config, profile, str(path))] * len(measured)
+        setups = [[simsetup.setup_from_profile(config, profile, str(path))] * len(run) for run in measured]
     else:
         serve_config = ServeConfig(dataset=dataset_from_args(args), burstiness=args.burstiness,
                                    max_concurrency=args.max_concurrency, num_warmups=args.num_warmups,
@@ -454,29 +455,28 @@ def cmd_validate(args: argparse.Namespace) -> int:
         measured, setups = [], []
         for repeat in range(args.repeats):
             directory = os.path.join(args.output_dir, "measured", f"run-{repeat + 1}")
-            if not args.calibrate:
-                profile, path = simsetup.resolve_profile(config, args.profile)
-                measured.append(validate.measure(engine_args(config), serve_config, rates, directory, log))
-                setups.append(simsetup.setup_from_profile(config, profile, str(path)))
+            if args.calibrate:
+                results, profiles = validate.measure_calibrated(config, serve_config, rates, directory, log)
+                for point, profile in zip(results, profiles):
+                    save_profile(profile, os.path.join(args.output_dir, "profiles", f"run-{repeat + 1}",
+                                                       f"rate-{point['request_rate']}.json"))
+                measured.append(results)
+                setups.append([simsetup.setup_from_profile(config, p, f"calibrated around rate {r['request_rate']}")
+                               for r, p in zip(results, profiles)])
                 continue
-            log(f"calibrating before measured sweep {repeat + 1}/{args.repeats}")
-            before = calibrate(config, repeats=1, server=True, log=log)
+            profile, path = simsetup.resolve_profile(config, args.profile)
             measured.append(validate.measure(engine_args(config), serve_config, rates, directory, log))
-            log(f"calibrating after measured sweep {repeat + 1}/{args.repeats}")
-            profile = pooled(before, calibrate(config, repeats=1, server=False, log=log))
-            path = save_profile(profile, os.path.join(args.output_dir, f"profile-{repeat + 1}.json"))
-            save_profile(profile)  # also where `simulate` finds it
-            setups.append(simsetup.setup_from_profile(config, profile, str(path)))
-    predicted = [validate.predict(run, setup, report_settings,
+            setups.append([simsetup.setup_from_profile(config, profile, str(path))] * len(rates))
+    predicted = [validate.predict(run, run_setups, report_settings,
                                   os.path.join(args.output_dir, "predicted", f"run-{k + 1}"))
-                 for k, (run, setup) in enumerate(zip(measured, setups))]
+                 for k, (run, run_setups) in enumerate(zip(measured, setups))]
     report = validate.compare(measured, predicted)
-    report["cost_models"] = [setup.cost_model_source for setup in setups]
-    report["server_overheads"] = [setup.overheads.to_dict() for setup in setups]
+    report["cost_models"] = [[setup.cost_model_source for setup in run] for run in setups]
+    report["server_overheads"] = [[setup.overheads.to_dict() for setup in run] for run in setups]
     report["engine_flags"] = engine_args(config)
     validate.save_report(report, os.path.join(args.output_dir, "validation.json"))
     figure = os.path.join(args.output_dir, "validation.png")
-    validate.plot_validation(report, figure, title=setups[0].model_name)
+    validate.plot_validation(report, figure, title=setups[0][0].model_name)
     print(json.dumps(report, indent=1) if args.json else validate.format_validation(report))
     print(f"results: {args.output_dir}/ (validation.json, validation.png)", file=sys.stderr)
     return 0

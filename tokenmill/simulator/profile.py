@@ -25,7 +25,7 @@ import re
 import statistics
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -75,6 +75,20 @@ DEFAULT_WORKLOADS = (
     Workload("24 x 64", (64,) * 24, 12),
     Workload("32 x 32", (32,) * 32, 12),
     Workload("64 x 16", (16,) * 64, 12),
+    Workload("prompts among 8 decodes", (32, 128, 256, 64, 192), 2, stagger=4, background=((64, 40),) * 8),
+)
+
+
+# A lighter profile (about 9,000 tokens) to calibrate around every point of a validation sweep.
+QUICK_WORKLOADS = (
+    Workload("single prompts", (16, 64, 128, 256), 8, stagger=8),
+    Workload("2 x 128", (128,) * 2, 10),
+    Workload("4 x 64", (64,) * 4, 10),
+    Workload("8 x 64", (64,) * 8, 10),
+    Workload("16 x 48", (48,) * 16, 10),
+    Workload("24 x 32", (32,) * 24, 10),
+    Workload("32 x 32", (32,) * 32, 10),
+    Workload("64 x 16", (16,) * 64, 10),
     Workload("prompts among 8 decodes", (32, 128, 256, 64, 192), 2, stagger=4, background=((64, 40),) * 8),
 )
 
@@ -277,56 +291,61 @@ def fit_profile_samples(samples: Sequence[tuple[StepFeatures, float]]) -> tuple[
     }
 
 
+class Calibrator:
+    """The engine `tokenmill serve` would build from `config`, loaded once in this process
+    (and torch with it), to profile: `profile()` runs workloads and returns the steps,
+    `make_profile(samples)` fits them into a `Profile`."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from tokenmill.builder import build_executor, default_kv_cache_memory, resolve_device
+        from tokenmill.planner.shape import read_model
+
+        self.config = config
+        built = build_executor(config)
+        self.facts = built.facts
+        self.executor = MeteredExecutor(built.executor)
+        self.engine = LLMEngine(config, self.executor, built.tokenizer, self.facts)
+        self.model_max_len = read_model(self.facts.model_path).shape.max_position_embeddings
+        self.default_kv_cache_memory = default_kv_cache_memory(resolve_device(config.device.device))
+        self._seed = 0
+
+    def profile(self, workloads: Sequence[Workload] = DEFAULT_WORKLOADS, repeats: int = 1,
+                log: Log | None = None) -> list[tuple[StepFeatures, float]]:
+        if log:
+            facts = self.facts
+            log(f"calibrating {facts.model_name} ({facts.weight_format} weights, {facts.compute_dtype} compute, "
+                f"{facts.num_threads} threads): about {profile_tokens(workloads) * repeats:,} tokens")
+        self._seed += 1  # fresh prompts: none is in the prefix cache
+        return run_profile(self.engine, self.executor, workloads, repeats, seed=self._seed, log=log)
+
+    def make_profile(self, samples: Sequence[tuple[StepFeatures, float]], seconds: float = 0.0) -> Profile:
+        facts, config = self.facts, self.config
+        fit, fit_info = fit_profile_samples(samples)
+        return Profile(
+            machine=machine_name(), model_name=facts.model_name, model_path=facts.model_path,
+            requested_dtype=config.model.dtype, compute_dtype=facts.compute_dtype,
+            weight_format=facts.weight_format, kv_cache_dtype=facts.kv_cache_dtype, num_threads=facts.num_threads,
+            kv_bytes_per_token=facts.kv_bytes_per_token, model_max_len=self.model_max_len,
+            default_kv_cache_memory=self.default_kv_cache_memory, cost_model=fit.model, fit=fit_info,
+            created=datetime.now().isoformat(timespec="seconds"), load_average=list(os.getloadavg()),
+            profile_seconds=seconds,
+            samples=[[s.prefill_tokens, s.decode_tokens, s.decode_context, s.prefill_attention, t]
+                     for s, t in samples],
+        )
+
+
 def calibrate(config: EngineConfig, workloads: Sequence[Workload] = DEFAULT_WORKLOADS, repeats: int = 2,
               server: bool = True, log: Log | None = None) -> Profile:
     """Profile the real runner built from `config`, fit the step model, and (with `server`)
     measure the server's overheads. Loads the model (and torch)."""
-    from tokenmill.builder import build_executor, default_kv_cache_memory, resolve_device
-    from tokenmill.planner.shape import read_model
-
     started = time.perf_counter()
-    built = build_executor(config)
-    facts = built.facts
-    executor = MeteredExecutor(built.executor)
-    engine = LLMEngine(config, executor, built.tokenizer, facts)
-    if log:
-        log(f"calibrating {facts.model_name} ({facts.weight_format} weights, {facts.compute_dtype} compute, "
-            f"{facts.num_threads} threads): about {profile_tokens(workloads) * repeats:,} tokens")
-    samples = run_profile(engine, executor, workloads, repeats, log=log)
-    fit, fit_info = fit_profile_samples(samples)
-    profile = Profile(
-        machine=machine_name(), model_name=facts.model_name, model_path=facts.model_path,
-        requested_dtype=config.model.dtype, compute_dtype=facts.compute_dtype, weight_format=facts.weight_format,
-        kv_cache_dtype=facts.kv_cache_dtype, num_threads=facts.num_threads,
-        kv_bytes_per_token=facts.kv_bytes_per_token,
-        model_max_len=read_model(facts.model_path).shape.max_position_embeddings,
-        default_kv_cache_memory=default_kv_cache_memory(resolve_device(config.device.device)),
-        cost_model=fit.model, fit=fit_info, created=datetime.now().isoformat(timespec="seconds"),
-        samples=[[s.prefill_tokens, s.decode_tokens, s.decode_context, s.prefill_attention, t] for s, t in samples],
-    )
+    calibrator = Calibrator(config)
+    samples = calibrator.profile(workloads, repeats, log)
+    profile = calibrator.make_profile(samples, time.perf_counter() - started)
     if server:
-        profile.overheads, profile.overheads_detail = measure_server_overheads(config, engine, log=log)
-    profile.load_average = list(os.getloadavg())
-    profile.profile_seconds = time.perf_counter() - started
+        profile.overheads, profile.overheads_detail = measure_server_overheads(config, calibrator.engine, log=log)
+        profile.profile_seconds = time.perf_counter() - started
     return profile
-
-
-def pooled(first: Profile, second: Profile) -> Profile:
-    """One profile from two calibrations of the same setup (before and after a measured
-    run, so that a load that drifts meanwhile is averaged): every step of both, fitted
-    again; the server's overheads of the first that has them."""
-    if (first.machine, first.model_path, first.compute_dtype, first.num_threads) != \
-            (second.machine, second.model_path, second.compute_dtype, second.num_threads):
-        raise ValueError("only calibrations of the same machine, model, dtype and threads can be pooled")
-    samples = first.samples + second.samples
-    fit, fit_info = fit_profile_samples([(StepFeatures(int(p), int(d), int(c), int(a)), t)
-                                         for p, d, c, a, t in samples])
-    load = [max(a, b) for a, b in zip(first.load_average or [], second.load_average or [])] or None
-    return replace(first, cost_model=fit.model, fit=fit_info, samples=samples,
-                   overheads=first.overheads or second.overheads,
-                   overheads_detail=first.overheads_detail or second.overheads_detail,
-                   created=second.created, load_average=load,
-                   profile_seconds=first.profile_seconds + second.profile_seconds)
 
 
 # ----- the server's overheads ------------------------------------------------------------------------
@@ -347,11 +366,11 @@ class _Steps(StepObserver):
 
 
 def measure_server_overheads(config: EngineConfig, engine: LLMEngine, rounds: int = OVERHEAD_ROUNDS,
-                             log: Log | None = None) -> tuple[ServerOverheads, dict[str, Any]]:
+                             log: Log | None = None, url: str | None = None) -> tuple[ServerOverheads, dict[str, Any]]:
     """What `tokenmill serve` adds to the engine's steps, measured side by side: the same
     requests (64 prompt tokens, 16 output tokens; 1 and then 16 at once) through `engine`
     in this process and through a server started with `config`'s flags (`bench serve`'s
-    client), alternately, `rounds` times. From the medians of each pair:
+    client; or the one at `url`), alternately, `rounds` times. From the medians of each pair:
     - per step: a lone request's inter-token gap - the engine's decode step;
     - per streamed token: (16 streams' gap - the engine's 16-row decode step - per step) / 16;
     - per request: a lone request's TTFT - the engine's prefill step - per step.
@@ -391,17 +410,26 @@ def measure_server_overheads(config: EngineConfig, engine: LLMEngine, rounds: in
             f"({OVERHEAD_PROMPT_LEN} prompt tokens, {OVERHEAD_OUTPUT_LEN} output tokens), in this process and "
             "through tokenmill serve")
     pairs: dict[int, list[tuple[float, float, dict[str, Any]]]] = {n: [] for n in OVERHEAD_STREAMS}
-    with LocalServer([*engine_args(config), "--disable-access-log"]) as server:
-        asyncio.run(through_server(server.url, 1, 999))  # warm-up
+
+    def measure(server_url: str) -> None:
+        asyncio.run(through_server(server_url, 1, 999))  # warm-up
         for round_index in range(rounds):
             for streams in OVERHEAD_STREAMS:
                 prefill, decode = in_process(streams)
-                result = asyncio.run(through_server(server.url, streams, 1000 + 10 * round_index + streams))
+                result = asyncio.run(through_server(server_url, streams, 1000 + 10 * round_index + streams))
                 if result["failed"]:
                     raise RuntimeError(f"measuring the server's overheads: {result['failed']} requests failed: "
                                        f"{next(iter(result['failed_reasons']), '')}")
                 pairs[streams].append((prefill, decode, result))
-    engine.observers.remove(steps)
+
+    try:
+        if url is not None:
+            measure(url)
+        else:
+            with LocalServer([*engine_args(config), "--disable-access-log"]) as server:
+                measure(server.url)
+    finally:
+        engine.observers.remove(steps)
     return overheads_from_pairs(pairs)
 
 

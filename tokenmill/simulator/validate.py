@@ -4,10 +4,9 @@ It starts `tokenmill serve` with the engine settings given (a subprocess on a fr
 loopback port), runs `bench sweep` over the request rates, stops the server, and replays
 every measured point's requests (their send times, prompt and output lengths, from the
 result file) through the simulator with the calibrated cost model. `--repeats` does it
-again (a shared machine's runs scatter), and `--calibrate` calibrates afresh before and
-after each measured sweep and predicts it from both calibrations' steps pooled: on a
-machine whose load changes, the step costs change with it, and a calibration only
-describes the minutes around it. Per rate it prints the median over the repeats
+again (a shared machine's runs scatter), and `--calibrate` calibrates around every point
+of the sweep (`measure_calibrated`): on a machine whose load changes, the step costs
+change with it, and a calibration only describes the minutes around it. Per rate it prints the median over the repeats
 of the measured and the predicted median TTFT, median TPOT, output throughput and p90
 TTFT, with the relative error; and the saturation rate (the most requests per second any
 point achieved), against the targets of issue 16 (15%, 15%, 15%, 25%; 10%).
@@ -66,6 +65,52 @@ def measure(engine_flags: list[str], serve_config, rates: Sequence[float], direc
         return run_sweep(serve_config, "request_rate", points, directory, echo=False)
 
 
+def measure_calibrated(config, serve_config, rates: Sequence[float], directory: str,
+                       log: Log | None = None) -> tuple[list[dict[str, Any]], list[Any]]:
+    """The sweep with a calibration around every point, for a machine whose load drifts:
+    the engine is loaded in this process and the server started once; then calibration 0,
+    point 1, calibration 1, point 2, ... (the quick profile, ~9,000 tokens, while the
+    server idles; each point while this process's engine idles). Point k is predicted from
+    calibrations k - 1 and k together. The server's overheads are measured side by side
+    first. Returns the results (bench sweep's files in `directory`) and each point's profile."""
+    import asyncio
+    from contextlib import AsyncExitStack
+
+    from tokenmill.bench.local_server import LocalServer
+    from tokenmill.bench.plots import plot_sweep
+    from tokenmill.bench.serve import open_session, run_point as run_measured_point
+    from tokenmill.bench.sweep import SweepPoint, summary_row
+    from tokenmill.config import engine_args
+    from tokenmill.simulator.profile import QUICK_WORKLOADS, Calibrator, measure_server_overheads
+
+    async def one_point(rate: float, index: int) -> dict[str, Any]:
+        async with AsyncExitStack() as stack:
+            session = await open_session(serve_config, stack)
+            return await run_measured_point(session, rate, serve_config.max_concurrency, seed_offset=index)
+
+    os.makedirs(directory, exist_ok=True)
+    calibrator = Calibrator(config)
+    results, profiles = [], []
+    with LocalServer([*engine_args(config), "--disable-access-log"]) as server:
+        serve_config.base_url = server.url
+        overheads, detail = measure_server_overheads(config, calibrator.engine, log=log, url=server.url)
+        samples = [calibrator.profile(QUICK_WORKLOADS, log=log)]
+        for index, rate in enumerate(rates):
+            if log:
+                log(f"measuring rate {rate:g} -> {directory}")
+            result = asyncio.run(one_point(rate, index))
+            save_result(result, os.path.join(directory, SweepPoint(rate, None).file_name("request_rate")))
+            samples.append(calibrator.profile(QUICK_WORKLOADS, log=log))
+            profile = calibrator.make_profile(samples[-2] + samples[-1])
+            profile.overheads, profile.overheads_detail = overheads, detail
+            results.append(result)
+            profiles.append(profile)
+    with open(os.path.join(directory, "sweep.json"), "w", encoding="utf-8") as file:
+        json.dump({"axis": "request_rate", "points": [summary_row(r) for r in results]}, file, indent=1)
+    plot_sweep(results, os.path.join(directory, "sweep.png"), "request_rate")
+    return results, profiles
+
+
 def load_measured(directory: str) -> list[list[dict[str, Any]]]:
     """The results of a measured sweep directory (`rate-*.json`), or of each of its `run-*/`."""
     runs = sorted(glob.glob(os.path.join(directory, "run-*"))) or [directory]
@@ -82,11 +127,12 @@ def load_measured(directory: str) -> list[list[dict[str, Any]]]:
 # ----- predicting and comparing ----------------------------------------------------------------------------
 
 
-def predict(measured: list[dict[str, Any]], setup: SimulationSetup, report: Report,
+def predict(measured: list[dict[str, Any]], setups: Sequence[SimulationSetup], report: Report,
             directory: str | None = None) -> list[dict[str, Any]]:
-    """Replay every measured point of a sweep through the simulator (files to `directory`)."""
+    """Replay every measured point of a sweep through the simulator, point k with
+    `setups[k]` (files to `directory`)."""
     predicted = []
-    for result in measured:
+    for result, setup in zip(measured, setups, strict=True):
         simulated = run_point(trace_from_result(result), setup, result.get("max_concurrency"), report)
         if directory:
             rate = result["request_rate"]
