@@ -7,10 +7,11 @@ among them, so that prefill tokens, decode rows, their contexts and the prefill 
 vary independently), times every engine step (`StepRecord.duration_s`: scheduling, the
 runner, detokenization and outputs), and fits `planner.costmodel`'s step model to the
 steps (`StepMeter` gives their features). With `server=True` it then starts `tokenmill
-serve` with the same settings and times lone requests through HTTP, to measure what the
-server adds (`ServerOverheads`): the excess of the measured TTFT over the predicted
-prefill step is the per-request overhead, and the excess of the inter-token gap over the
-predicted decode step is the server loop's per-step overhead.
+serve` with the same settings and sends the same small workloads (1 and 16 streams) to it
+and to the engine in this process, alternately, to measure what the server adds
+(`ServerOverheads`: per request, per step, per streamed token). `Calibrator` keeps the
+engine loaded for repeated profiles (`simulate validate --calibrate` profiles around
+every measured point).
 
 A profile is a JSON file per machine, model, dtype and thread count, under
 `~/.cache/tokenmill/simulator/` (or `$XDG_CACHE_HOME/tokenmill/simulator/`).
@@ -62,7 +63,7 @@ class Workload:
 
 WARMUP = Workload("warm-up", (64, 64), 4)
 # Pure decode steps of 1, 2, 4, 8, 16, 24, 32 and 64 rows (two contexts for 4 and 16),
-# prompts alone and among decodes. About 25,000 tokens: 1-4 minutes per repeat on the
+# prompts alone and among decodes. About 15,000 tokens: 1-3 minutes per repeat on the
 # 2-core box with the default model in float32 on one thread, depending on its load.
 DEFAULT_WORKLOADS = (
     Workload("single prompts", (16, 64, 128, 256, 512), 8, stagger=8),
