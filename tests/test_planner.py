@@ -620,3 +620,37 @@ def test_planner_kv_bytes_match_the_engines_kv_cache_spec() -> None:
                         (torch.float8_e4m3fn, "fp8_e4m3")):
         spec = KVCacheSpec(shape.num_layers, shape.num_kv_heads, shape.head_dim, 16, dtype)
         assert spec.bytes_per_token == kv_bytes_per_token(shape, KV_CACHE_DTYPES[name])
+
+
+def test_cost_model_decode_curve_fits_steps_that_are_not_linear_in_rows() -> None:
+    """Pure decode steps that grow as sqrt(rows) (a runner switching kernels with the batch):
+    the linear model misses them, the curve fits each profiled batch size exactly and
+    interpolates between them; prefill and mixed steps keep the linear terms."""
+    from tokenmill.planner.costmodel import StepCostModel, StepFeatures, decode_curve_value, fit_step_cost_model
+
+    def truth(step: StepFeatures) -> float:
+        if step.prefill_tokens == 0:
+            return 0.05 * step.decode_tokens ** 0.5 + 1e-6 * step.decode_context
+        return 0.04 + 0.002 * step.prefill_tokens + 0.003 * step.decode_tokens + 1e-6 * step.decode_context \
+            + 2e-8 * step.prefill_attention
+
+    steps = [StepFeatures(0, b, b * c) for b in (1, 4, 16, 64) for c in (10, 100, 1000)]
+    steps += [StepFeatures(p, d, d * 50, p * (p + 1) // 2) for p in (16, 128, 512) for d in (0, 4, 16)]
+    samples = [(step, truth(step)) for step in steps]
+    linear = fit_step_cost_model(samples, prefill_attention=True)
+    curved = fit_step_cost_model(samples, prefill_attention=True, decode_curve=True)
+    assert linear.max_relative_error > 0.1
+    assert curved.max_relative_error < 1e-9
+    model = curved.model
+    assert model.decode_rows == (1, 4, 16, 64)
+    assert model.decode_seconds == pytest.approx([0.05, 0.1, 0.2, 0.4])
+    assert model.per_prefill_pair_s == pytest.approx(2e-8) and model.per_decode_token_s == pytest.approx(0.003)
+    # Between profiled sizes: linear interpolation; past the last, its segment extended.
+    assert model.predict(StepFeatures(0, 10, 0)) == pytest.approx(0.15)
+    assert model.predict(StepFeatures(0, 100, 0)) == pytest.approx(0.4 + 0.2 / 48 * 36)
+    assert decode_curve_value((1,), (0.3,), 7) == 0.3
+    assert StepCostModel.from_dict(model.to_dict()) == model
+    with pytest.raises(ValueError, match="needs at least 3 pure decode steps"):
+        fit_step_cost_model(samples[12:], decode_curve=True)
+    with pytest.raises(ValueError, match="increasing batch sizes"):
+        StepCostModel(0, 0, 0, 0, decode_rows=(4, 2), decode_seconds=(0.1, 0.2))

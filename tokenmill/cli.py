@@ -1,4 +1,4 @@
-"""`tokenmill` command line: generate, chat, serve, bench, plan, eval."""
+"""`tokenmill` command line: generate, chat, serve, bench, plan, simulate, eval."""
 
 from __future__ import annotations
 
@@ -126,11 +126,13 @@ def _add_optional_commands(sub) -> None:
     from tokenmill.eval import cli as eval_cli
     from tokenmill.planner import cli as plan_cli
     from tokenmill.serve import cli as serve_cli
+    from tokenmill.simulator import cli as simulate_cli
 
     serve_cli.register(sub)
     bench_cli.register(sub)
     plan_cli.register(sub)
     eval_cli.register(sub)
+    simulate_cli.register(sub)
 
 
 if __name__ == "__main__":

@@ -411,13 +411,14 @@ def _check_choice(name: str, value: Any, choices: tuple) -> None:
 # ----- command line --------------------------------------------------------------------
 
 
-def add_engine_args(parser: Any) -> None:
-    """Add one flag per engine setting to an argparse parser, grouped as the config is."""
+def add_engine_args(parser: Any, skip: tuple[str, ...] = ()) -> None:
+    """Add one flag per engine setting to an argparse parser, grouped as the config is
+    (settings named in `skip` are left out: a command whose own flag has that name)."""
     import argparse
 
     for name, cls in GROUPS.items():
         group = parser.add_argument_group(f"engine: {name}", (cls.__doc__ or "").strip() or None)
-        for s in (s for s in engine_settings() if s.group == name):
+        for s in (s for s in engine_settings() if s.group == name and s.name not in skip):
             if s.is_bool:
                 group.add_argument(s.flag, dest=s.name, default=s.default, action=argparse.BooleanOptionalAction,
                                    help=s.help)
@@ -437,6 +438,21 @@ def config_from_args(args: Any, **overrides: Any) -> EngineConfig:
     values = vars(args) if not isinstance(args, dict) else args
     settings = {s.name: values[s.name] for s in engine_settings() if s.name in values}
     return EngineConfig.from_kwargs(**{**settings, **overrides})
+
+
+def engine_args(config: EngineConfig) -> list[str]:
+    """The command-line flags that rebuild `config` (settings at their defaults left out),
+    e.g. to start `tokenmill serve` as a subprocess with the settings of this process."""
+    args: list[str] = []
+    for s in engine_settings():
+        value = getattr(getattr(config, s.group), s.name)
+        if value == s.default:
+            continue
+        if s.is_bool:
+            args.append(s.flag if value else "--no-" + s.flag.removeprefix("--"))
+        else:
+            args += [s.flag, str(value)]
+    return args
 
 
 # ----- facts found at load -------------------------------------------------------------

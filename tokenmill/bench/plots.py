@@ -50,11 +50,14 @@ def run_title(result: dict[str, Any]) -> str:
 
 
 def plot_run(result: dict[str, Any], path: str) -> None:
-    """TTFT CDF, ITL (and TPOT) CDF, and output throughput / requests in flight over time."""
+    """TTFT CDF, ITL (and TPOT) CDF, and output throughput / requests in flight over time;
+    with a simulator's result also the KV cache's usage over time."""
     plt = _pyplot()
     records = records_from_result(result)
     ok = [r for r in records if r.success]
-    fig, (ax_ttft, ax_itl, ax_time) = plt.subplots(1, 3, figsize=(16, 4.6))
+    kv = result.get("kv_usage_timeline")
+    fig, axes = plt.subplots(1, 4 if kv else 3, figsize=(21 if kv else 16, 4.6))
+    ax_ttft, ax_itl, ax_time = axes[:3]
 
     _cdf(ax_ttft, [r.ttft * 1000 for r in ok], "TTFT")
     ax_ttft.set_xlabel("time to first token (ms)")
@@ -83,12 +86,30 @@ def plot_run(result: dict[str, Any], path: str) -> None:
     twin.set_ylabel("requests in flight (mean over the bin)", color="tab:orange")
     twin.set_ylim(bottom=0)
     ax_time.set_ylim(bottom=0)
-    for ax in (ax_ttft, ax_itl, ax_time):
+    if kv:
+        _plot_kv_usage(axes[3], result)
+    for ax in axes:
         ax.grid(alpha=0.3)
     fig.suptitle(run_title(result), fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def _plot_kv_usage(ax, result: dict[str, Any]) -> None:
+    """KV cache usage and running / waiting requests after each step (a simulator's result)."""
+    kv = result["kv_usage_timeline"]
+    ax.plot(kv["times"], [u * 100 for u in kv["kv_usage"]], color="tab:green", label="KV cache used (%)")
+    ax.set_ylim(0, 105)
+    ax.set_xlabel("seconds since the start of the run")
+    ax.set_ylabel("KV cache used (%)", color="tab:green")
+    ax.set_title(f"KV cache ({result.get('num_preemptions', 0)} preemptions)")
+    twin = ax.twinx()
+    twin.plot(kv["times"], kv["num_running"], color="tab:blue", lw=0.8, label="running")
+    twin.plot(kv["times"], kv["num_waiting"], color="tab:red", lw=0.8, label="waiting")
+    twin.set_ylabel("requests")
+    twin.set_ylim(bottom=0)
+    twin.legend(loc="upper right", fontsize=8)
 
 
 def _x_positions(values: Sequence[float]) -> tuple[list[float], list[str]]:

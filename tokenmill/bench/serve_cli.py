@@ -49,6 +49,26 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
                         help="sent as 'Authorization: Bearer KEY' (default: $OPENAI_API_KEY)")
     server.add_argument("--timeout", type=float, default=3600.0, help="seconds one request may take (default 3600)")
 
+    add_dataset_args(parser)
+
+    request = parser.add_argument_group("requests")
+    request.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
+                         help="send ignore_eos (default: on for random and shared-prefix, off for jsonl)")
+    request.add_argument("--temperature", type=float, default=None, help="default: the server's")
+    request.add_argument("--extra-body", type=json.loads, default=None,
+                         help="JSON object merged into every request body")
+    request.add_argument("--burstiness", type=float, default=1.0,
+                         help="gamma shape of the inter-arrival times: 1 = Poisson, < 1 burstier, inf = even")
+    request.add_argument("--num-warmups", type=int, default=0,
+                         help="requests sent (with fresh prompts) and not measured before the run (default 0)")
+
+    report = add_report_args(parser)
+    report.add_argument("--save-detailed", action="store_true", help="also save every generated text")
+    report.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+
+
+def add_dataset_args(parser: argparse.ArgumentParser) -> None:
+    """The dataset flags (shared with `tokenmill simulate`, which replays the same datasets)."""
     data = parser.add_argument_group("dataset")
     data.add_argument("--dataset", default="random", choices=["random", "shared-prefix", "jsonl", "grounded"],
                       help="random token ids; random suffixes after shared prefixes; a JSONL file; or "
@@ -71,41 +91,29 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
                       help="GGUF file or Hugging Face directory (or 'default': tokenmill's default model) whose "
                            "vocabulary random prompts use (default: the server's /tokenize, else ids 1000-4999)")
 
-    request = parser.add_argument_group("requests")
-    request.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=None,
-                         help="send ignore_eos (default: on for random and shared-prefix, off for jsonl)")
-    request.add_argument("--temperature", type=float, default=None, help="default: the server's")
-    request.add_argument("--extra-body", type=json.loads, default=None,
-                         help="JSON object merged into every request body")
-    request.add_argument("--burstiness", type=float, default=1.0,
-                         help="gamma shape of the inter-arrival times: 1 = Poisson, < 1 burstier, inf = even")
-    request.add_argument("--num-warmups", type=int, default=0,
-                         help="requests sent (with fresh prompts) and not measured before the run (default 0)")
 
+def add_report_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """SLOs, percentiles and a label (shared with `tokenmill simulate`); the group, for more flags."""
     report = parser.add_argument_group("report")
     report.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
                         help="SLOs for goodput, e.g. ttft:1000 tpot:100 e2el:5000 (milliseconds)")
     report.add_argument("--metric-percentiles", default="90,99", help="percentiles to report (default 90,99)")
     report.add_argument("--label", default=None, help="free-form label stored in the result")
-    report.add_argument("--save-detailed", action="store_true", help="also save every generated text")
-    report.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
+    return report
 
 
-def add_serve_args(parser: argparse.ArgumentParser) -> None:
-    add_common_args(parser)
+def add_load_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """One run's load: --request-rate and --max-concurrency (shared with `tokenmill simulate`)."""
     load = parser.add_argument_group("load")
     load.add_argument("--request-rate", type=_rate, default=math.inf,
                       help="requests per second (default inf: all at once)")
     load.add_argument("--max-concurrency", type=_positive_int, default=None,
                       help="at most this many requests in flight (default: no cap)")
-    out = parser.add_argument_group("output")
-    out.add_argument("--save-result", default=None, metavar="FILE", help="write the result as JSON")
-    out.add_argument("--plot", default=None, metavar="FILE.png",
-                     help="figure of TTFT and ITL CDFs and throughput over time")
+    return load
 
 
-def add_sweep_args(parser: argparse.ArgumentParser) -> None:
-    add_common_args(parser)
+def add_sweep_load_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
+    """A sweep's loads: --request-rates or --concurrencies (shared with `tokenmill simulate sweep`)."""
     load = parser.add_argument_group("load")
     axis = load.add_mutually_exclusive_group(required=True)
     axis.add_argument("--request-rates", default=None, help="comma-separated rates, e.g. 0.5,1,2,4,inf")
@@ -114,6 +122,21 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
                       help="with --concurrencies: the rate at every point (default inf)")
     load.add_argument("--max-concurrency", type=_positive_int, default=None,
                       help="with --request-rates: the cap at every point (default: none)")
+    return load
+
+
+def add_serve_args(parser: argparse.ArgumentParser) -> None:
+    add_common_args(parser)
+    add_load_args(parser)
+    out = parser.add_argument_group("output")
+    out.add_argument("--save-result", default=None, metavar="FILE", help="write the result as JSON")
+    out.add_argument("--plot", default=None, metavar="FILE.png",
+                     help="figure of TTFT and ITL CDFs and throughput over time")
+
+
+def add_sweep_args(parser: argparse.ArgumentParser) -> None:
+    add_common_args(parser)
+    add_sweep_load_args(parser)
     out = parser.add_argument_group("output")
     out.add_argument("--output-dir", required=True, help="directory for one JSON per point, sweep.json and sweep.png")
     out.add_argument("--plot", default=None, metavar="FILE.png", help="the sweep figure (default OUTPUT_DIR/sweep.png)")
@@ -130,22 +153,31 @@ def register(bench_subparsers) -> None:
     sweep.set_defaults(func=cmd_sweep)
 
 
-def config_from_args(args: argparse.Namespace):
+def dataset_from_args(args: argparse.Namespace):
     from tokenmill.bench.datasets import DatasetConfig
-    from tokenmill.bench.metrics import parse_goodput
-    from tokenmill.bench.serve import ServeConfig
 
-    try:
-        percentiles = tuple(float(p) for p in args.metric_percentiles.split(",") if p.strip())
-    except ValueError:
-        raise ValueError(f"--metric-percentiles: {args.metric_percentiles!r} is not a list of numbers") from None
-    if args.extra_body is not None and not isinstance(args.extra_body, dict):
-        raise ValueError("--extra-body must be a JSON object")
-    dataset = DatasetConfig(
+    return DatasetConfig(
         name=args.dataset, num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
         range_ratio=args.range_ratio, prefix_len=args.prefix_len, num_prefixes=args.num_prefixes,
         path=args.dataset_path, seed=args.seed,
     )
+
+
+def percentiles_from_args(args: argparse.Namespace) -> tuple[float, ...]:
+    try:
+        return tuple(float(p) for p in args.metric_percentiles.split(",") if p.strip())
+    except ValueError:
+        raise ValueError(f"--metric-percentiles: {args.metric_percentiles!r} is not a list of numbers") from None
+
+
+def config_from_args(args: argparse.Namespace):
+    from tokenmill.bench.metrics import parse_goodput
+    from tokenmill.bench.serve import ServeConfig
+
+    percentiles = percentiles_from_args(args)
+    if args.extra_body is not None and not isinstance(args.extra_body, dict):
+        raise ValueError("--extra-body must be a JSON object")
+    dataset = dataset_from_args(args)
     config = ServeConfig(
         base_url=args.base_url.rstrip("/"), endpoint=args.endpoint, model=args.model, dataset=dataset,
         request_rate=args.request_rate, burstiness=args.burstiness, max_concurrency=args.max_concurrency,

@@ -60,7 +60,23 @@ def batch_sizes(max_batch: int, extra: int = 0) -> list[int]:
     return sorted(sizes)
 
 
-def make_plan(inputs: PlanInputs) -> dict[str, Any]:
+@dataclass(frozen=True)
+class Resolved:
+    """What a plan's inputs come to: the deployment every step formula reads, the weight
+    format, the compute dtype wanted and the one the device's figures give, the weights and
+    the KV budget per device."""
+
+    deployment: Deployment
+    weights: WeightFormat
+    wanted_compute: str
+    weights_per_device: float
+    kv_budget: float
+    kv_budget_source: str
+
+
+def resolve(inputs: PlanInputs) -> Resolved:
+    """The weight format (a GGUF as stored when none is given), the KV dtype, the compute
+    rate and the KV budget (--kv-cache-memory, else utilization x memory - weights)."""
     spec, shape, par, device = inputs.model, inputs.model.shape, inputs.parallel, inputs.device
     _check(inputs)
     stored = spec.stored
@@ -73,17 +89,27 @@ def make_plan(inputs: PlanInputs) -> dict[str, Any]:
         fmt, wbytes = inputs.weights, weight_bytes(params, inputs.weights)
     kv: KVCacheDtype = kv_cache_dtype(inputs.kv_cache_dtype, fmt)
     wanted_compute = inputs.compute_dtype or fmt.compute_dtype
-    rate, used_compute = device.compute_rate(wanted_compute)
+    _, used_compute = device.compute_rate(wanted_compute)
     dep = Deployment(shape, params, wbytes, kv, device, used_compute, par)
-
-    context = inputs.context_len or min(4096, shape.max_position_embeddings)
-    prompt = inputs.input_len or context
     per_device_weights = device_weight_bytes(wbytes, shape, par)
     if inputs.kv_cache_memory is not None:
         budget, budget_source = float(inputs.kv_cache_memory), "--kv-cache-memory"
     else:
         budget = kv_budget(device, per_device_weights, inputs.memory_utilization)
         budget_source = f"{inputs.memory_utilization:g} x device memory - weights"
+    return Resolved(dep, fmt, wanted_compute, per_device_weights, budget, budget_source)
+
+
+def make_plan(inputs: PlanInputs) -> dict[str, Any]:
+    spec, shape, par, device = inputs.model, inputs.model.shape, inputs.parallel, inputs.device
+    resolved = resolve(inputs)
+    dep, fmt, wanted_compute = resolved.deployment, resolved.weights, resolved.wanted_compute
+    params, wbytes, kv, used_compute = dep.params, dep.weights, dep.kv, dep.compute_dtype
+    rate = dep.flops_rate
+    per_device_weights, budget, budget_source = resolved.weights_per_device, resolved.kv_budget, \
+        resolved.kv_budget_source
+    context = inputs.context_len or min(4096, shape.max_position_embeddings)
+    prompt = inputs.input_len or context
     per_request = kv_bytes_per_request(shape, kv, context, par)
     fits = budget > 0 and per_device_weights < device.memory_bytes
     concurrent = max_concurrent_requests(budget, per_request) if fits else 0

@@ -453,7 +453,7 @@ def weights_read_per_step(dep: Deployment, tokens: int) -> float:
     return ((w.layers - w.experts + experts) * stage + w.lm_head + w.final_norm + w.other) / par.tensor_parallel_size
 
 
-def _comm_seconds(dep: Deployment, tokens: int) -> float:
+def communication_seconds(dep: Deployment, tokens: int) -> float:
     """2 all-reduces per layer of tokens x h activations under TP, and (PP - 1) hand-overs
     between stages, when a link bandwidth is given (see `allreduce_seconds`)."""
     par = dep.parallel
@@ -485,7 +485,7 @@ def decode_step(dep: Deployment, batch: int, context: int) -> StepTime:
     per_sequence = (linear_flops_per_token(dep.params, shape) + attention_flops(shape, 1, context - 1)) * stage
     flops = batch * (per_sequence + lm_head_flops(shape)) / tp
     return StepTime(read, flops, read / dep.device.bandwidth, flops / dep.flops_rate,
-                    _comm_seconds(dep, batch), par.pipeline_parallel_size)
+                    communication_seconds(dep, batch), par.pipeline_parallel_size)
 
 
 def prefill_step(dep: Deployment, batch: int, prompt_len: int) -> StepTime:
@@ -502,7 +502,7 @@ def prefill_step(dep: Deployment, batch: int, prompt_len: int) -> StepTime:
     flops = (layer_flops * stage + batch * lm_head_flops(shape)) / par.tensor_parallel_size
     read = weights_read_per_step(dep, tokens)
     return StepTime(read, flops, read / dep.device.bandwidth, flops / dep.flops_rate,
-                    _comm_seconds(dep, tokens), par.pipeline_parallel_size)
+                    communication_seconds(dep, tokens), par.pipeline_parallel_size)
 
 
 def compute_bound_batch(dep: Deployment, context: int, limit: int = 1 << 20) -> int | None:

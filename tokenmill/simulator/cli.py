@@ -1,0 +1,489 @@
+"""`tokenmill simulate [calibrate|sweep|validate]`: the serving simulator's command line.
+
+Only argparse is imported here; the simulator loads when a command runs (torch only for
+`calibrate`, which runs the real model, and to find the default model's path).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from typing import Any
+
+from tokenmill.bench.serve_cli import (
+    _positive_int,
+    add_dataset_args,
+    add_load_args,
+    add_report_args,
+    add_sweep_load_args,
+)
+
+DESCRIPTION = """\
+Simulate `tokenmill serve` under a load: the engine's own scheduler and KV block manager
+(the same code and settings as `serve`: --max-num-seqs, --max-num-batched-tokens,
+--block-size, --kv-cache-memory, --enable-prefix-caching, --max-model-len) run on virtual
+time, and each step takes the time a cost model predicts. The cost model is this
+machine's calibration (`tokenmill simulate calibrate`, stored per model, dtype and
+threads) or, with --device, the roofline of a catalog device. The report has the keys and
+definitions of `tokenmill bench serve` (TTFT, TPOT, ITL, E2E latency, throughput,
+goodput), plus the KV cache's usage over time and the preemptions.
+
+Sub-commands: calibrate (profile the real runner here: ~3-10 minutes), sweep (request
+rates, concurrencies or a grid of engine settings), validate (predicted against a real
+`bench sweep`).
+"""
+
+EPILOG = """\
+examples:
+  tokenmill simulate calibrate --dtype float32 --num-threads 1     # once per model, dtype and threads
+  tokenmill simulate --dtype float32 --num-threads 1 --request-rate 2 --num-prompts 1000 \\
+      --input-len 128 --output-len 32 --goodput ttft:2000 tpot:200 --plot run.png
+  tokenmill simulate --dtype float32 --num-threads 1 --trace results/rate-1.json   # replay a bench serve run
+  tokenmill simulate sweep --dtype float32 --num-threads 1 --request-rates 0.25,0.5,1,2,inf \\
+      --input-len 128 --output-len 32 --num-prompts 500 --output-dir sim/
+  tokenmill simulate sweep --dtype float32 --num-threads 1 --request-rates 0.5,1,2 \\
+      --grid max_num_seqs=8,32 --grid max_num_batched_tokens=256,2048 --output-dir grid/
+  tokenmill simulate --model llama-3.1-8b --device h100-sxm --request-rate 20 --input-len 1024 --output-len 256
+  tokenmill simulate validate --dtype float32 --num-threads 1 --max-model-len 1024 \\
+      --request-rates 0.25,0.5,1,2,inf --num-prompts 32 --input-len 128 --output-len 32 --output-dir val/
+"""
+
+CALIBRATE_HELP = "profile the real runner on this machine and fit the step cost model (stored per model, dtype, threads)"
+SWEEP_HELP = "simulated runs over request rates, concurrencies, or a grid of engine settings, with bench sweep's plots"
+VALIDATE_HELP = "run bench sweep against a real tokenmill serve and the simulator on the same requests; compare"
+
+
+def register(sub) -> None:
+    parser = sub.add_parser("simulate", help="simulate serving on virtual time: the real scheduler, a cost model",
+                            description=DESCRIPTION, epilog=EPILOG,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_args(parser)
+    parser.set_defaults(func=cmd_simulate)
+    commands = parser.add_subparsers(dest="simulate_command", metavar="{calibrate,sweep,validate}")
+
+    calibrate = commands.add_parser("calibrate", help=CALIBRATE_HELP, description=CALIBRATE_HELP + ".",
+                                    epilog=CALIBRATE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_calibrate_args(calibrate)
+    calibrate.set_defaults(func=cmd_calibrate)
+
+    sweep = commands.add_parser("sweep", help=SWEEP_HELP, description=SWEEP_HELP + ".", epilog=EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_sweep_args(sweep)
+    sweep.set_defaults(func=cmd_sweep)
+
+    validate = commands.add_parser("validate", help=VALIDATE_HELP, description=VALIDATE_HELP + ".",
+                                   epilog=VALIDATE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_validate_args(validate)
+    validate.set_defaults(func=cmd_validate)
+
+
+CALIBRATE_EPILOG = """\
+examples:
+  tokenmill simulate calibrate --dtype float32 --num-threads 1
+  tokenmill simulate calibrate --dtype float32 --num-threads 1 --repeats 3 --no-server
+  tokenmill simulate calibrate --model ~/models/qwen2.5-0.5b.gguf --output qwen.json
+
+The profile goes to ~/.cache/tokenmill/simulator/ (one file per machine, model, --dtype
+and --num-threads), where `tokenmill simulate` finds it. Calibrate on a quiet machine:
+every other process's load ends up in the coefficients.
+"""
+
+VALIDATE_EPILOG = """\
+examples:
+  tokenmill simulate validate --dtype float32 --num-threads 1 --max-model-len 1024 \\
+      --request-rates 0.25,0.5,1,2,inf --num-prompts 32 --input-len 128 --output-len 32 \\
+      --num-warmups 1 --repeats 2 --calibrate --output-dir val/
+  tokenmill simulate validate --dtype float32 --num-threads 1 --max-model-len 1024 \\
+      --measured val/measured --output-dir val/          # predict again, measure nothing
+
+Writes OUTPUT_DIR/measured/run-K/ (bench sweep's files), OUTPUT_DIR/predicted/run-K/,
+OUTPUT_DIR/validation.json and OUTPUT_DIR/validation.png (and with --calibrate each point's
+calibration, OUTPUT_DIR/profiles/run-K/rate-R.json). On a shared machine use --calibrate:
+a calibration made at another load predicts another machine.
+"""
+
+
+# ----- flags -------------------------------------------------------------------------------------------
+
+
+def add_engine_group(parser: argparse.ArgumentParser, runs_model: bool = False) -> None:
+    """serve's engine flags, but the sampler's --seed (here --seed draws the dataset) and,
+    unless the command runs the model, the engine's --device (here the cost model's)."""
+    from tokenmill.config import add_engine_args
+
+    add_engine_args(parser, skip=("seed",) if runs_model else ("seed", "device"))
+
+
+def add_model_source_args(parser: argparse.ArgumentParser) -> None:
+    """Where a step's cost comes from: this machine's calibration, or a device's roofline."""
+    source = parser.add_argument_group("cost model (--model: with --device also a `tokenmill plan` preset)")
+    source.add_argument("--profile", default=None, metavar="FILE",
+                        help="a calibration file (default: the stored one for --model, --dtype, --num-threads)")
+    source.add_argument("--device", default="this",
+                        help="'this' (the calibration, default), or a catalog device / device JSON of `tokenmill "
+                             "plan`: the roofline of the model there")
+    source.add_argument("--weights", default=None, help="--device: the weight format (as `tokenmill plan`)")
+    source.add_argument("--kv-cache-dtype", default="auto", help="--device: the KV cache dtype (as `tokenmill plan`)")
+    source.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="--device: TP degree")
+    source.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="--device: PP degree")
+    source.add_argument("--gpu-memory-utilization", type=float, default=0.9,
+                        help="--device: share of its memory for weights and KV (default 0.9)")
+    over = parser.add_argument_group("server overheads (default: the calibration's measured ones; 0 with --device)")
+    over.add_argument("--request-overhead-ms", type=float, default=None,
+                      help="from a request's send to the engine holding it (HTTP, validation, tokenization)")
+    over.add_argument("--step-overhead-ms", type=float, default=None,
+                      help="the server loop's own time per engine step (outputs to the event loop, SSE work)")
+    over.add_argument("--chunk-overhead-ms", type=float, default=None,
+                      help="per token a step streams, the time the step loses to the event loop's and the client's "
+                           "work on it")
+    over.add_argument("--token-overhead-ms", type=float, default=None,
+                      help="from a step's end to the client holding its chunk")
+
+
+def add_inputs(parser: argparse.ArgumentParser, sweep: bool) -> None:
+    """The cost model, the dataset, the load and the report: what a run and a sweep share."""
+    add_model_source_args(parser)
+    add_dataset_args(parser)
+    load = add_sweep_load_args(parser) if sweep else add_load_args(parser)
+    load.add_argument("--burstiness", type=float, default=1.0,
+                      help="gamma shape of the inter-arrival times: 1 = Poisson, < 1 burstier, inf = even")
+    if sweep:
+        load.add_argument("--grid", action="append", default=None, metavar="SETTING=V1,V2",
+                          help="an engine setting to vary (repeatable; every combination is run), e.g. "
+                               "max_num_seqs=8,16,32")
+    else:
+        load.add_argument("--trace", default=None, metavar="RESULT.json",
+                          help="replay a `bench serve` result: its send times, prompt and output lengths")
+    add_report_args(parser)
+
+
+def add_run_args(parser: argparse.ArgumentParser) -> None:
+    add_inputs(parser, sweep=False)
+    out = parser.add_argument_group("output")
+    out.add_argument("--json", action="store_true", help="print the result as JSON (bench serve's keys)")
+    out.add_argument("--save-result", default=None, metavar="FILE", help="write the result as JSON")
+    out.add_argument("--plot", default=None, metavar="FILE.png",
+                     help="TTFT and ITL CDFs, throughput and KV cache usage over time")
+    add_engine_group(parser)
+
+
+def add_sweep_args(parser: argparse.ArgumentParser) -> None:
+    add_inputs(parser, sweep=True)
+    out = parser.add_argument_group("output")
+    out.add_argument("--output-dir", required=True, help="one JSON per point, sweep.json and sweep.png (per setting)")
+    out.add_argument("--plot", default=None, metavar="FILE.png", help="the sweep figure (default OUTPUT_DIR/sweep.png)")
+    out.add_argument("--plot-runs", action="store_true", help="also draw each point's run figure")
+    out.add_argument("--json", action="store_true", help="print the sweep's summary rows as JSON")
+    add_engine_group(parser)
+
+
+def add_calibrate_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("calibration")
+    group.add_argument("--repeats", type=_positive_int, default=2,
+                       help="times the profile's workloads run (default 2: noise averages out)")
+    group.add_argument("--server", action=argparse.BooleanOptionalAction, default=True,
+                       help="also start `tokenmill serve` and time lone requests, to measure the server's "
+                            "overheads (default on)")
+    group.add_argument("--output", default=None, metavar="FILE",
+                       help="write the profile here (default: ~/.cache/tokenmill/simulator/)")
+    group.add_argument("--json", action="store_true", help="print the profile as JSON")
+    add_engine_group(parser, runs_model=True)
+
+
+def add_validate_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("validation")
+    group.add_argument("--profile", default=None, metavar="FILE",
+                       help="a calibration file (default: the stored one for --model, --dtype, --num-threads)")
+    group.add_argument("--request-rates", required=True, help="comma-separated rates, e.g. 0.25,0.5,1,2,inf")
+    group.add_argument("--max-concurrency", type=_positive_int, default=None, help="client cap at every point")
+    group.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the inter-arrival times")
+    group.add_argument("--num-warmups", type=int, default=1, help="unmeasured requests before each point (default 1)")
+    group.add_argument("--repeats", type=_positive_int, default=1, help="measured sweeps to run (default 1)")
+    group.add_argument("--calibrate", action="store_true",
+                       help="calibrate around every measured point (a quick profile before and after it, the "
+                            "server's overheads once) and predict each point from its own: on a shared machine the "
+                            "step costs move with the load")
+    group.add_argument("--measured", default=None, metavar="DIR",
+                       help="compare against this measured sweep instead of running one")
+    group.add_argument("--output-dir", required=True, help="measured/, predicted/, validation.json, validation.png")
+    group.add_argument("--json", action="store_true", help="print the comparison as JSON")
+    add_dataset_args(parser)
+    add_report_args(parser)
+    add_engine_group(parser, runs_model=True)
+
+
+# ----- commands ----------------------------------------------------------------------------------------
+
+
+def _engine_config(args: argparse.Namespace):
+    from tokenmill.config import config_from_args
+
+    return config_from_args(args)
+
+
+def _overheads(args: argparse.Namespace, base):
+    from tokenmill.simulator.simulate import ServerOverheads
+
+    given = {"request_s": args.request_overhead_ms, "step_s": args.step_overhead_ms,
+             "chunk_s": args.chunk_overhead_ms, "token_s": args.token_overhead_ms}
+    base = base or ServerOverheads()
+    return ServerOverheads(**{k: (v / 1e3 if v is not None else getattr(base, k)) for k, v in given.items()})
+
+
+def build_setup(args: argparse.Namespace):
+    """The SimulationSetup the flags describe."""
+    from tokenmill.simulator import setup as simsetup
+
+    config = _engine_config(args)
+    if args.device.strip().lower() == "this":
+        for flag, value, default in (("--weights", args.weights, None), ("--kv-cache-dtype", args.kv_cache_dtype, "auto"),
+                                     ("--tensor-parallel-size", args.tensor_parallel_size, 1),
+                                     ("--pipeline-parallel-size", args.pipeline_parallel_size, 1)):
+            if value != default:
+                raise ValueError(f"{flag} describes a --device for the roofline; this machine's calibration "
+                                 "has the weights and threads it was run with")
+        profile, path = simsetup.resolve_profile(config, args.profile)
+        return simsetup.setup_from_profile(config, profile, str(path), _overheads(args, profile.overheads))
+    from tokenmill.planner.cli import resolve_device
+    from tokenmill.planner.roofline import Parallelism
+
+    if config.model.model is None:
+        raise ValueError("--device needs a MODEL: a `tokenmill plan` preset, a GGUF file or a config.json")
+    return simsetup.setup_from_roofline(
+        config, config.model.model, resolve_device(args.device), weights=args.weights,
+        kv_cache_dtype=args.kv_cache_dtype, parallel=Parallelism(args.tensor_parallel_size,
+                                                                 args.pipeline_parallel_size),
+        memory_utilization=args.gpu_memory_utilization, overheads=_overheads(args, None),
+    )
+
+
+def _report(args: argparse.Namespace, extra_percentile: float | None = None):
+    from tokenmill.bench.metrics import parse_goodput
+    from tokenmill.bench.serve_cli import percentiles_from_args
+    from tokenmill.simulator.sweep import Report
+
+    percentiles = percentiles_from_args(args)
+    if not percentiles or any(not 0 < p <= 100 for p in percentiles):
+        raise ValueError(f"--metric-percentiles must lie in (0, 100], got {args.metric_percentiles!r}")
+    if extra_percentile is not None:
+        percentiles = tuple(sorted({*percentiles, extra_percentile}))
+    return Report(parse_goodput(args.goodput) or None, percentiles, args.label)
+
+
+def _trace(args: argparse.Namespace, setup):
+    from tokenmill.bench.serve_cli import dataset_from_args
+    from tokenmill.simulator.trace import load_result, synthetic_trace, trace_from_jsonl, trace_from_result
+
+    if args.trace:
+        return trace_from_result(load_result(args.trace), seed=args.seed)
+    dataset = dataset_from_args(args)
+    if dataset.name == "jsonl":
+        return trace_from_jsonl(dataset, args.request_rate, args.burstiness, _encoder(args, setup))
+    return synthetic_trace(dataset, args.request_rate, args.burstiness)
+
+
+def _encoder(args: argparse.Namespace, setup):
+    """Text prompts of a JSONL dataset: the model's tokenizer (or --tokenizer)."""
+    def encode(text: str) -> list[int]:
+        from tokenmill.bench.datasets import LocalTokenSource
+
+        if not hasattr(encode, "tokenizer"):
+            spec = args.tokenizer or args.model or "default"
+            encode.tokenizer = LocalTokenSource(spec).tokenizer
+        return encode.tokenizer.encode(text)
+
+    return encode
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from tokenmill.bench.serve import format_table, save_result
+    from tokenmill.simulator.sweep import run_point
+
+    setup = build_setup(args)
+    trace = _trace(args, setup)
+    report = _report(args)
+    result = run_point(trace, setup, args.max_concurrency, report)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(format_table(result))
+        print(format_extras(result))
+    if args.save_result:
+        save_result(result, args.save_result)
+        print(f"result: {args.save_result}", file=sys.stderr)
+    if args.plot:
+        from tokenmill.bench.plots import plot_run
+
+        plot_run(result, args.plot)
+        print(f"figure: {args.plot}", file=sys.stderr)
+    return 0 if result["completed"] else 1
+
+
+def format_extras(result: dict[str, Any]) -> str:
+    """What the simulator adds to bench serve's table."""
+    lines = ["{:-^60}".format(" Simulation ")]
+
+    def row(label: str, value: str) -> None:
+        lines.append(f"{label:<44} {value:>15}")
+
+    row("Engine steps:", f"{result['num_steps']:,}")
+    row("Preemptions:", f"{result['num_preemptions']:,}")
+    row("Peak / mean KV cache usage (%):", f"{result['max_kv_usage']:.1%} / {result['mean_kv_usage']:.1%}")
+    row("Prefix cache hit rate (%):", f"{result['prefix_cache_hit_rate']:.1%}")
+    row("Simulated in (s):", f"{result['simulation_wall_s']:.2f}")
+    lines.append(f"cost model: {result['cost_model']['source']}")
+    over = result["server_overheads"]
+    lines.append(f"server overheads: {over['request_s'] * 1e3:.1f} ms per request, {over['step_s'] * 1e3:.1f} ms per "
+                 f"step + {over.get('chunk_s', 0) * 1e3:.1f} ms per streamed token, {over['token_s'] * 1e3:.1f} ms "
+                 "chunk delivery")
+    lines.append("=" * 60)
+    return "\n".join(lines)
+
+
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from tokenmill.bench.serve import ServeConfig
+    from tokenmill.bench.serve_cli import dataset_from_args
+    from tokenmill.bench.sweep import format_sweep_table, parse_concurrencies, parse_rates, sweep_points
+    from tokenmill.simulator.sweep import parse_grid, run_sweep
+
+    setup = build_setup(args)
+    dataset = dataset_from_args(args)
+    if dataset.name == "jsonl":
+        raise ValueError("simulate sweep draws random or shared-prefix datasets; replay a JSONL with `simulate`")
+    report = _report(args, extra_percentile=99.0)  # the sweep table reports p99
+    rates = parse_rates(args.request_rates) if args.request_rates is not None else None
+    caps = parse_concurrencies(args.concurrencies) if args.concurrencies is not None else None
+    base = ServeConfig(request_rate=args.request_rate, max_concurrency=args.max_concurrency)
+    axis, points = sweep_points(rates, caps, base)
+    grid = parse_grid(args.grid)
+    everything = run_sweep(setup, dataset, axis, points, args.burstiness, report, args.output_dir, grid,
+                           args.plot, args.plot_runs)
+    if args.json:
+        from tokenmill.bench.sweep import summary_row
+
+        print(json.dumps({label: [summary_row(r) for r in results] for label, results in everything.items()}))
+        return 0
+    for label, results in everything.items():
+        if len(everything) > 1:
+            print(f"\n[{label}]")
+        print(format_sweep_table(results, axis))
+        print("preemptions: " + ", ".join(str(r["num_preemptions"]) for r in results)
+              + "; peak KV usage: " + ", ".join(f"{r['max_kv_usage']:.0%}" for r in results))
+    print(f"cost model: {setup.cost_model_source}")
+    print(f"results: {args.output_dir}/", file=sys.stderr)
+    return 0
+
+
+def cmd_calibrate(args: argparse.Namespace) -> int:
+    from tokenmill.simulator.profile import calibrate, save_profile
+
+    config = _engine_config(args)
+    _quiet_http_logs()
+
+    def log(message: str) -> None:
+        print(f"[calibrate] {message}", file=sys.stderr, flush=True)
+
+    profile = calibrate(config, repeats=args.repeats, server=args.server, log=log)
+    path = save_profile(profile, args.output)
+    if args.json:
+        print(json.dumps(profile.to_dict(), indent=1))
+    else:
+        print(format_profile(profile))
+    print(f"profile: {path}", file=sys.stderr)
+    return 0
+
+
+def format_profile(profile) -> str:
+    model, fit = profile.cost_model, profile.fit
+    lines = [
+        f"{profile.model_name} on {profile.machine}: {profile.weight_format} weights, {profile.compute_dtype} compute, "
+        f"{profile.kv_cache_dtype} KV cache, {profile.num_threads} threads",
+        f"  step with prefill = {model.intercept_s * 1e3:.2f} ms + {model.per_prefill_token_s * 1e3:.4f} ms x prefill tokens "
+        f"+ {model.per_decode_token_s * 1e3:.4f} ms x decode rows",
+        f"      + {model.per_context_token_s * 1e6:.4f} us x decode context tokens "
+        f"+ {model.per_prefill_pair_s * 1e9:.4f} ns x prefill attention pairs",
+        *([f"  pure decode steps (ms at rows, + the context term): " + ", ".join(
+            f"{b}: {t * 1e3:.1f}" for b, t in zip(model.decode_rows, model.decode_seconds))] if model.decode_rows else []),
+        f"  fit over {fit['samples']} steps: median error {fit['median_relative_error']:.1%}, max "
+        f"{fit['max_relative_error']:.0%} (BLIS's 4 linear terms alone: median {fit['four_term_median_relative_error']:.1%}, "
+        f"max {fit['four_term_max_relative_error']:.0%})",
+    ]
+    if profile.overheads is not None:
+        over = profile.overheads
+        lines.append(f"  server overheads (measured): {over.request_s * 1e3:.1f} ms per request, "
+                     f"{over.step_s * 1e3:.1f} ms per step + {over.chunk_s * 1e3:.1f} ms per streamed token")
+    else:
+        lines.append("  server overheads: not measured (--no-server); the simulation adds none")
+    load = profile.load_average
+    lines.append(f"  profiled in {profile.profile_seconds:.0f} s; load average at the end "
+                 f"{', '.join(f'{x:.2f}' for x in load) if load else '-'} (on {os.cpu_count()} CPUs)")
+    return "\n".join(lines)
+
+
+def cmd_validate(args: argparse.Namespace) -> int:
+    from tokenmill.bench.serve import ServeConfig
+    from tokenmill.bench.serve_cli import dataset_from_args
+    from tokenmill.bench.sweep import parse_rates
+    from tokenmill.config import engine_args
+    from tokenmill.simulator import setup as simsetup
+    from tokenmill.simulator import validate
+    from tokenmill.simulator.profile import save_profile
+
+    config = _engine_config(args)
+    report_settings = _report(args, extra_percentile=90.0)
+    rates = parse_rates(args.request_rates)
+    os.makedirs(args.output_dir, exist_ok=True)
+    _quiet_http_logs()
+
+    def log(message: str) -> None:
+        print(f"[validate] {message}", file=sys.stderr, flush=True)
+
+    if args.measured:
+        if args.calibrate:
+            raise ValueError("--calibrate calibrates around the points it measures; with --measured nothing is measured")
+        measured = validate.load_measured(args.measured)
+        profile, path = simsetup.resolve_profile(config, args.profile)
+        setups = [[simsetup.setup_from_profile(config, profile, str(path))] * len(run) for run in measured]
+    else:
+        serve_config = ServeConfig(dataset=dataset_from_args(args), burstiness=args.burstiness,
+                                   max_concurrency=args.max_concurrency, num_warmups=args.num_warmups,
+                                   goodput=report_settings.goodput or {}, percentiles=report_settings.percentiles,
+                                   tokenizer=args.tokenizer, label=args.label, disable_tqdm=True)
+        serve_config.check()
+        measured, setups = [], []
+        for repeat in range(args.repeats):
+            directory = os.path.join(args.output_dir, "measured", f"run-{repeat + 1}")
+            if args.calibrate:
+                results, profiles = validate.measure_calibrated(config, serve_config, rates, directory, log)
+                for point, profile in zip(results, profiles):
+                    save_profile(profile, os.path.join(args.output_dir, "profiles", f"run-{repeat + 1}",
+                                                       f"rate-{point['request_rate']}.json"))
+                measured.append(results)
+                setups.append([simsetup.setup_from_profile(config, p, f"calibrated around rate {r['request_rate']}")
+                               for r, p in zip(results, profiles)])
+                continue
+            profile, path = simsetup.resolve_profile(config, args.profile)
+            measured.append(validate.measure(engine_args(config), serve_config, rates, directory, log))
+            setups.append([simsetup.setup_from_profile(config, profile, str(path))] * len(rates))
+    predicted = [validate.predict(run, run_setups, report_settings,
+                                  os.path.join(args.output_dir, "predicted", f"run-{k + 1}"))
+                 for k, (run, run_setups) in enumerate(zip(measured, setups))]
+    report = validate.compare(measured, predicted)
+    report["cost_models"] = [[setup.cost_model_source for setup in run] for run in setups]
+    report["server_overheads"] = [[setup.overheads.to_dict() for setup in run] for run in setups]
+    report["engine_flags"] = engine_args(config)
+    validate.save_report(report, os.path.join(args.output_dir, "validation.json"))
+    figure = os.path.join(args.output_dir, "validation.png")
+    validate.plot_validation(report, figure, title=setups[0][0].model_name)
+    print(json.dumps(report, indent=1) if args.json else validate.format_validation(report))
+    print(f"results: {args.output_dir}/ (validation.json, validation.png)", file=sys.stderr)
+    return 0
+
+
+def _quiet_http_logs() -> None:
+    """httpx logs every request at INFO: a sweep would drown the progress lines."""
+    import logging
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)
