@@ -110,10 +110,12 @@ a calibration made at another load predicts another machine.
 
 def add_engine_group(parser: argparse.ArgumentParser, runs_model: bool = False) -> None:
     """serve's engine flags, but the sampler's --seed (here --seed draws the dataset) and,
-    unless the command runs the model, the engine's --device (here the cost model's)."""
-    from tokenmill.config import add_engine_args
+    unless the command runs the model, those the cost model has a flag of the same name for
+    (--device, --kv-cache-dtype, -tp, -pp: one flag each, read by both)."""
+    from tokenmill.config import add_engine_args, engine_settings
 
-    add_engine_args(parser, skip=("seed",) if runs_model else ("seed", "device"))
+    taken = () if runs_model else tuple(s.name for s in engine_settings() if s.flag in parser._option_string_actions)
+    add_engine_args(parser, skip=("seed", *taken))
 
 
 def add_model_source_args(parser: argparse.ArgumentParser) -> None:
@@ -125,7 +127,8 @@ def add_model_source_args(parser: argparse.ArgumentParser) -> None:
                         help="'this' (the calibration, default), or a catalog device / device JSON of `tokenmill "
                              "plan`: the roofline of the model there")
     source.add_argument("--weights", default=None, help="--device: the weight format (as `tokenmill plan`)")
-    source.add_argument("--kv-cache-dtype", default="auto", help="--device: the KV cache dtype (as `tokenmill plan`)")
+    source.add_argument("--kv-cache-dtype", default="auto", help="the KV cache dtype: with --device as `tokenmill plan` names it, and its bytes "
+                             "size the cache; with a calibration it is the engine's (serve's --kv-cache-dtype)")
     source.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="--device: TP degree")
     source.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="--device: PP degree")
     source.add_argument("--gpu-memory-utilization", type=float, default=0.9,
