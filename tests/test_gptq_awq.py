@@ -23,9 +23,10 @@ from tokenmill.model.loader import open_checkpoint
 from tokenmill.quantization.formats import QuantizedWeights
 
 GROUP = 32  # divides the tiny model's 96 and 192 in_features
-SETTINGS = dict(kv_cache_memory="16MiB", max_model_len=256, enable_prefix_caching=False)
+SETTINGS = {"kv_cache_memory": "16MiB", "max_model_len": 256, "enable_prefix_caching": False}
 CASES = {  # name: (quantization_config, act_order)
-    "gptq-sym-act-order": ({"quant_method": "gptq", "bits": 4, "group_size": GROUP, "sym": True, "desc_act": True}, True),
+    "gptq-sym-act-order": ({"quant_method": "gptq", "bits": 4, "group_size": GROUP, "sym": True, "desc_act": True},
+                           True),
     "gptq-asym": ({"quant_method": "gptq", "bits": 4, "group_size": GROUP, "sym": False, "desc_act": False}, False),
     "gptq-8bit": ({"quant_method": "gptq", "bits": 8, "group_size": GROUP, "sym": True, "desc_act": False}, False),
     "awq": ({"quant_method": "awq", "bits": 4, "group_size": GROUP, "version": "gemm", "zero_point": True}, False),
@@ -49,7 +50,8 @@ def quantize(w: torch.Tensor, bits: int, sym: bool, g_idx: np.ndarray) -> tuple[
     n, k = w.shape
     top = 2**bits - 1
     groups = k // GROUP
-    codes, scales, zeros = np.zeros((k, n), np.int64), np.zeros((groups, n), np.float16), np.zeros((groups, n), np.int64)
+    codes, zeros = np.zeros((k, n), np.int64), np.zeros((groups, n), np.int64)
+    scales = np.zeros((groups, n), np.float16)
     w = w.double().numpy()
     for g in range(groups):
         cols = g_idx == g
@@ -74,7 +76,8 @@ def dequantized(codes, scales, zeros, g_idx) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(w.T))
 
 
-def write_quantized(source: Path, target: Path, quant: dict, act_order: bool, seed: int = 0) -> tuple[Path, Path]:
+def write_quantized(source: Path, target: Path, quant: dict, act_order: bool, seed: int = 0,
+                    share_orders: bool = True) -> tuple[Path, Path]:
     """`source`'s decoder linears quantized into `quant`'s layout at target/quantized, and
     the same model with those weights dequantized at target/float (the reference)."""
     rng = np.random.default_rng(seed)
@@ -90,6 +93,7 @@ def write_quantized(source: Path, target: Path, quant: dict, act_order: bool, se
         # GPTQ's act order: columns by the Hessian of the linear's input, so q/k/v (and
         # gate/up), which read the same input, share it.
         shared_input = name.replace("k_proj", "q_proj").replace("v_proj", "q_proj").replace("up_proj", "gate_proj")
+        shared_input = shared_input if share_orders else name
         order = orders.setdefault(shared_input, rng.permutation(k) if act_order else np.arange(k))
         g_idx = np.empty(k, dtype=np.int32)
         g_idx[order] = np.arange(k) // GROUP
@@ -166,6 +170,21 @@ def test_dtype_float32_dequantizes_to_exactly_the_float_model(case, float_model,
     assert greedy(dequant, prompts) == greedy(reference, prompts)
 
 
+def test_fused_parts_with_different_act_orders_are_served_dense(float_model, tmp_path) -> None:
+    """q/k/v (gate/up) that cannot share one quantized stream are dequantized into the dense
+    format: right numbers, never a wrong permutation."""
+    quantized_dir, float_dir = write_quantized(float_model, tmp_path, CASES["gptq-sym-act-order"][0], True,
+                                               share_orders=False)
+    stored = LLM(str(quantized_dir), dtype="float32", quantization="gptq", **SETTINGS)
+    layer = stored.engine.executor.model.layers[0]
+    assert not isinstance(layer.self_attn.qkv_proj.weights, QuantizedWeights)
+    assert isinstance(layer.self_attn.o_proj.weights, QuantizedWeights)
+    reference = LLM(str(float_dir), dtype="float32", **SETTINGS)
+    ids = list(range(5, 60, 5))
+    got, want = logits(stored, ids), logits(reference, ids)
+    assert float((got - want).norm() / want.norm()) < 0.02
+
+
 def _with_config(directory: Path, **changes) -> Path:
     config = json.loads((directory / "config.json").read_text())
     config["quantization_config"] = {**config["quantization_config"], **changes}
@@ -191,7 +210,7 @@ def test_flags_and_older_exports(float_model, tmp_path) -> None:
     from tokenmill.builder import quantized_as_stored
     from tokenmill.config import EngineConfig
 
-    quantized_dir, float_dir = write_quantized(float_model, tmp_path, CASES["gptq-asym"][0], False)
+    quantized_dir, _ = write_quantized(float_model, tmp_path, CASES["gptq-asym"][0], False)
     checkpoint = open_checkpoint(str(quantized_dir))
     assert checkpoint.quantized == "gptq" and checkpoint.column_unit == GROUP
     assert quantized_as_stored(EngineConfig.from_kwargs(quantization="gptq", dtype="float32"), "gptq", True)

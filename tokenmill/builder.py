@@ -351,8 +351,8 @@ def quantized_as_stored(config: EngineConfig, stored: str | None, kernels_ok: bo
     method = config.quantization.quantization
     if method in _STORED_QUANTIZATIONS and stored != method:
         found = f"a {stored} checkpoint" if stored else "a float checkpoint"
-        raise ValueError(f"quantization {method} needs {_STORED_QUANTIZATIONS[method]}; {config.model.model or 'the model'} "
-                         f"is {found}")
+        model = config.model.model or "the model"
+        raise ValueError(f"quantization {method} needs {_STORED_QUANTIZATIONS[method]}; {model} is {found}")
     if method in ("int8", "int4") and stored is not None:
         raise ValueError(f"the checkpoint's weights are quantized already ({stored}); quantization {method} is for "
                          "float checkpoints (leave --quantization unset to serve them as stored, or use none)")

@@ -280,7 +280,8 @@ def _open_hf_dir(path: str) -> Checkpoint:
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path} (PyTorch .bin checkpoints are not supported)")
     tokenizer = Tokenizer.from_hf_dir(path)
-    handles = {name: handle for handle in (safe_open(str(f), framework="pt") for f in files) for name in handle.keys()}
+    opened = [safe_open(str(f), framework="pt") for f in files]
+    handles = {name: handle for handle in opened for name in handle.keys()}  # noqa: SIM118 (not a dict)
     # A quantized linear's scales, zeros and g_idx are read with its qweight (from whichever file).
     companions = {name for name in handles if name.endswith(COMPANIONS)
                   and name.rsplit(".", 1)[0] + ".qweight" in handles}
@@ -300,7 +301,7 @@ def _open_hf_dir(path: str) -> Checkpoint:
                     raise ValueError(f"{path} holds the quantized tensor {name!r} but its config.json has no "
                                      f"quantization_config (supported: {SUPPORTED_CHECKPOINTS})")
                 # Converted whole; the model cuts this rank's rows or groups (QuantizedTensor.narrow_*).
-                qt = quant.convert(prefix, lambda suffix: read(prefix + suffix))
+                qt = quant.convert(prefix, lambda suffix, prefix=prefix: read(prefix + suffix))
                 yield prefix + ".weight", qt if keep_quantized else qt.dequantize()
                 continue
             short = name.removeprefix("model.")

@@ -18,6 +18,9 @@ GPTQ `sym=True` means zero = 2**(bits - 1) whatever qzeros holds (as vLLM's GPTQ
 reads it). Zero points all equal become a symmetric code offset with
 the float16 scales kept as stored; otherwise each group gets min = -zero * scale in float32
 (exact). Act-order is a column permutation that sorts the columns by group (col_perm).
+
+`prequantized_config` reads a checkpoint's `quantization_config` into what serving it needs
+and refuses what cannot be served; the loader hands each linear's tensors to its `convert`.
 """
 
 from __future__ import annotations
