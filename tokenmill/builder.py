@@ -344,22 +344,33 @@ def choose_plan(config: EngineConfig, device: torch.device, dtype: DtypePlan, ke
 
 def quantized_as_stored(config: EngineConfig, stored: str | None, kernels_ok: bool) -> bool:
     """Whether the checkpoint's quantized weights are served as stored: by default for a
-    quantized GGUF (as llama.cpp and Ollama do) unless --dtype float32/bfloat16 asks to
-    dequantize; never without the native kernels (they would be dequantized every step)."""
+    quantized GGUF (as llama.cpp and Ollama do) or a GPTQ / AWQ checkpoint unless --dtype
+    float32/bfloat16 asks to dequantize; never without the native kernels (they would be
+    dequantized every step). `--quantization gguf|gptq|awq` names the checkpoint's own
+    (vLLM's spelling), which must be what it stores."""
     method = config.quantization.quantization
-    if method == "gguf" and stored != "gguf":
-        raise ValueError("quantization gguf needs a GGUF file whose linear weights are stored in quantized blocks")
+    if method in _STORED_QUANTIZATIONS and stored != method:
+        found = f"a {stored} checkpoint" if stored else "a float checkpoint"
+        model = config.model.model or "the model"
+        raise ValueError(f"quantization {method} needs {_STORED_QUANTIZATIONS[method]}; {model} is {found}")
     if method in ("int8", "int4") and stored is not None:
         raise ValueError(f"the checkpoint's weights are quantized already ({stored}); quantization {method} is for "
                          "float checkpoints (leave --quantization unset to serve them as stored, or use none)")
     if stored is None or method == "none":
         return False
-    if method == "gguf" or config.model.dtype == "auto":
+    if method == stored or config.model.dtype == "auto":
         if not kernels_ok:
             logger.warning("serving the %s weights dequantized: the native CPU kernels are off or did not build", stored)
             return False
         return True
     return False
+
+
+_STORED_QUANTIZATIONS = {
+    "gguf": "a GGUF file whose linear weights are stored in quantized blocks",
+    "gptq": "a GPTQ checkpoint (quantization_config quant_method gptq)",
+    "awq": "an AWQ checkpoint (quantization_config quant_method awq)",
+}
 
 
 def cpu_matmul_choice(config: EngineConfig, weights: torch.dtype, arch: ModelArchConfig | None) -> CPUMatmulChoice:

@@ -199,7 +199,7 @@ class ParallelConfig:
         return self.world_size // self.nnodes
 
 
-QUANTIZATION_CHOICES = ("none", "int8", "int4", "gguf")
+QUANTIZATION_CHOICES = ("none", "int8", "int4", "gguf", "gptq", "awq")
 
 
 @dataclass(frozen=True)
@@ -208,7 +208,8 @@ class QuantizationConfig:
 
     quantization: str | None = setting(None, choices=QUANTIZATION_CHOICES,
                                        help="default: as the checkpoint stores its weights (a GGUF's quantized "
-                                            "blocks served as stored unless --dtype float32/bfloat16 is given); "
+                                            "blocks, a GPTQ or AWQ checkpoint's int4 served as stored unless "
+                                            "--dtype float32/bfloat16 is given; gguf, gptq, awq name them); "
                                             "int8 (per-output-channel symmetric) or int4 (group-wise asymmetric) "
                                             "computed at load from float weights; none dequantizes")
     quantization_group_size: int = setting(32, choices=(32, 64, 128), help="columns per scale group of int4")

@@ -242,6 +242,8 @@ class LlamaForCausalLM(nn.Module):
                     and self._tied_head_takes(tensor, fmt):
                 loaded.add(f"{target}#{shard}")
                 continue
+            if target.endswith(".bias") and target not in params and not _nonzero(tensor):
+                continue  # AutoGPTQ writes a zero bias for every quantized linear, biased or not
             if target not in params and target not in linears:
                 raise ValueError(f"checkpoint tensor {name!r} has no place in the {self.cfg.architecture} model")
             loaded.add(f"{target}#{shard}")
@@ -352,3 +354,7 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
     if tuple(dst.shape) != tuple(src.shape):
         raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(src.shape)}, the model expects {tuple(dst.shape)}")
     dst.copy_(src)
+
+
+def _nonzero(tensor: torch.Tensor | QuantizedTensor) -> bool:
+    return isinstance(tensor, QuantizedTensor) or bool(tensor.any())

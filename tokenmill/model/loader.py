@@ -25,6 +25,7 @@ from tokenmill.gguf_file import GGUFFile
 from tokenmill.model.layers import Linear
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.quantization import QuantizedTensor, WeightFormat
+from tokenmill.quantization.checkpoints import COMPANIONS, SUPPORTED_CHECKPOINTS, prequantized_config
 from tokenmill.quantization.gguf_blocks import from_gguf_blocks
 from tokenmill.tokenizer import Tokenizer
 
@@ -98,7 +99,7 @@ class Checkpoint:
     read: WeightReader
     num_tensors: int
     column_unit: int  # the widest quantization block of its matrices (TP cuts fall on its multiples)
-    quantized: str | None = None  # "gguf" when linear weights are stored in quantized blocks
+    quantized: str | None = None  # "gguf", "gptq" or "awq" when linear weights are stored quantized
 
     @property
     def name(self) -> str:
@@ -263,29 +264,67 @@ def unpermute_rope_rows(weight: np.ndarray, num_heads: int) -> np.ndarray:
 
 
 def _open_hf_dir(path: str) -> Checkpoint:
+    """A float checkpoint, or a GPTQ / AWQ one (config.json's `quantization_config`): each
+    quantized linear's `qweight`, `qzeros`, `scales` (and `g_idx`) become one
+    QuantizedTensor under the linear's `.weight` name, kept as stored or dequantized."""
     from safetensors import safe_open
 
     root = Path(path)
-    arch = ModelArchConfig.from_hf_config(json.loads((root / "config.json").read_text()))
+    config = json.loads((root / "config.json").read_text())
+    arch = ModelArchConfig.from_hf_config(config)
+    quant = prequantized_config(_quantization_config(root, config))
+    if quant is not None:
+        quant.check_in_features({"hidden_size": arch.hidden_size, "heads x head_dim": arch.num_heads * arch.head_dim,
+                                 "intermediate_size": arch.intermediate_size})
     files = sorted(root.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {path} (PyTorch .bin checkpoints are not supported)")
     tokenizer = Tokenizer.from_hf_dir(path)
-    handles = [safe_open(str(f), framework="pt") for f in files]
-    num_tensors = sum(len(h.keys()) for h in handles)
+    opened = [safe_open(str(f), framework="pt") for f in files]
+    handles = {name: handle for handle in opened for name in handle.keys()}  # noqa: SIM118 (not a dict)
+    # A quantized linear's scales, zeros and g_idx are read with its qweight (from whichever file).
+    companions = {name for name in handles if name.endswith(COMPANIONS)
+                  and name.rsplit(".", 1)[0] + ".qweight" in handles}
 
-    def weights(layout: ShardLayout, keep_quantized: bool) -> Iterator[tuple[str, torch.Tensor]]:
-        for handle in handles:
-            for name in handle.keys():
-                short = name.removeprefix("model.")
-                if layout.local_name(short) is None:
+    def read(name: str) -> torch.Tensor | None:
+        return handles[name].get_tensor(name) if name in handles else None
+
+    def weights(layout: ShardLayout, keep_quantized: bool) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+        for name, handle in handles.items():
+            if name in companions:
+                continue
+            if name.endswith(".qweight"):
+                prefix = name.removesuffix(".qweight")
+                if layout.local_name(prefix.removeprefix("model.") + ".weight") is None:
                     continue  # another pipeline stage's
-                part = layout.checkpoint_part(short)
-                if part is None:
-                    yield name, handle.get_tensor(name)
-                    continue
-                dim, span = part  # read only this rank's rows or columns
-                sliced = handle.get_slice(name)
-                yield name, sliced[span.start : span.stop] if dim == 0 else sliced[:, span.start : span.stop]
+                if quant is None:
+                    raise ValueError(f"{path} holds the quantized tensor {name!r} but its config.json has no "
+                                     f"quantization_config (supported: {SUPPORTED_CHECKPOINTS})")
+                # Converted whole; the model cuts this rank's rows or groups (QuantizedTensor.narrow_*).
+                qt = quant.convert(prefix, lambda suffix, prefix=prefix: read(prefix + suffix))
+                yield prefix + ".weight", qt if keep_quantized else qt.dequantize()
+                continue
+            short = name.removeprefix("model.")
+            if layout.local_name(short) is None:
+                continue  # another pipeline stage's
+            part = layout.checkpoint_part(short)
+            if part is None:
+                yield name, handle.get_tensor(name)
+                continue
+            dim, span = part  # read only this rank's rows or columns
+            sliced = handle.get_slice(name)
+            yield name, sliced[span.start : span.stop] if dim == 0 else sliced[:, span.start : span.stop]
 
-    return Checkpoint(path, arch, tokenizer, weights, num_tensors, 1)
+    return Checkpoint(path, arch, tokenizer, weights, len(handles) - len(companions),
+                      quant.column_unit if quant else 1, quant.method if quant else None)
+
+
+def _quantization_config(root: Path, config: dict) -> dict | None:
+    """config.json's `quantization_config`; else AutoGPTQ's quantize_config.json or AutoAWQ's
+    quant_config.json beside it (older exports), whose method their file name says."""
+    if config.get("quantization_config"):
+        return config["quantization_config"]
+    for file_name, method in (("quantize_config.json", "gptq"), ("quant_config.json", "awq")):
+        if (root / file_name).is_file():
+            return {"quant_method": method, **json.loads((root / file_name).read_text())}
+    return None

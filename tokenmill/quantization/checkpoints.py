@@ -18,16 +18,104 @@ GPTQ `sym=True` means zero = 2**(bits - 1) whatever qzeros holds (as vLLM's GPTQ
 reads it). Zero points all equal become a symmetric code offset with
 the float16 scales kept as stored; otherwise each group gets min = -zero * scale in float32
 (exact). Act-order is a column permutation that sorts the columns by group (col_perm).
+
+`prequantized_config` reads a checkpoint's `quantization_config` into what serving it needs
+and refuses what cannot be served; the loader hands each linear's tensors to its `convert`.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
 import torch
 
-from tokenmill.quantization.qtensor import QuantizedTensor
+from tokenmill.quantization.qtensor import QuantizedTensor, kernel_span
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # nibble i of a word holds column order[i] of its 8
 GPTQ_FORMATS = ("gptq", "gptq_v2")
+SUPPORTED_CHECKPOINTS = "gptq (4- or 8-bit), awq (4-bit gemm), or a float checkpoint"
+# A quantized linear's tensors beside its `qweight` (AWQ has no g_idx).
+COMPANIONS = (".qzeros", ".scales", ".g_idx")
+
+
+@dataclass(frozen=True)
+class PrequantizedConfig:
+    """A checkpoint's `quantization_config` as far as serving it needs."""
+
+    method: str  # "gptq" or "awq"
+    bits: int
+    group_size: int  # -1: one group per output channel
+    sym: bool = True
+    desc_act: bool = False
+    checkpoint_format: str = "gptq"
+
+    @property
+    def column_unit(self) -> int:
+        """Tensor-parallel cuts along K fall on whole groups."""
+        return max(self.group_size, 1)
+
+    def check_in_features(self, in_features: Mapping[str, int]) -> None:
+        """Refuse at open a group size the model's linears (named by what sets their K)
+        cannot take, before any tensor is read."""
+        if self.group_size == -1:
+            return
+        for what, k in in_features.items():
+            if k % self.group_size:
+                raise ValueError(f"quantization_config group_size {self.group_size} does not divide the in_features "
+                                 f"{k} ({what}) of the model's linears")
+            kernel_span(k, self.group_size)
+
+    def convert(self, prefix: str, tensor: Callable[[str], torch.Tensor | None]) -> QuantizedTensor:
+        """The linear `prefix`'s tensors (`tensor(".qweight")`, ...; None when absent) ->
+        QuantizedTensor [N, K]; a problem names the linear."""
+        needed = (".qweight", ".qzeros", ".scales")
+        missing = [s for s in needed if tensor(s) is None]
+        if missing:
+            raise ValueError(f"{self.method} linear {prefix!r} lacks {', '.join(prefix + s for s in missing)}")
+        qweight, qzeros, scales = (tensor(s) for s in needed)
+        try:
+            if self.method == "awq":
+                return from_awq(qweight, qzeros, scales, group_size=self.group_size)
+            return from_gptq(qweight, qzeros, scales, tensor(".g_idx"), bits=self.bits, group_size=self.group_size,
+                             sym=self.sym, desc_act=self.desc_act, checkpoint_format=self.checkpoint_format)
+        except ValueError as e:
+            raise ValueError(f"{self.method} linear {prefix!r}: {e}") from e
+
+
+def prequantized_config(config: Mapping | None) -> PrequantizedConfig | None:
+    """A Hugging Face `quantization_config` -> what tokenmill serves of it, None for a float
+    checkpoint; anything else is refused with what was found and what is supported. Keys
+    as transformers' GPTQConfig / AwqConfig write them (AutoAWQ's `w_bit`, `q_group_size`
+    too)."""
+    if not config:
+        return None
+    method = str(config.get("quant_method", "")).lower()
+    bits = config.get("bits", config.get("w_bit"))
+    group_size = config.get("group_size", config.get("q_group_size", -1 if method == "gptq" else 128))
+    if method not in ("gptq", "awq"):
+        raise ValueError(f"quantization_config quant_method {config.get('quant_method')!r} is not supported; "
+                         f"supported: {SUPPORTED_CHECKPOINTS}")
+    if not isinstance(group_size, int) or not (group_size == -1 or group_size > 0):
+        raise ValueError(f"quantization_config group_size must be a positive integer or -1, got {group_size!r}")
+    if method == "gptq":
+        if bits not in (4, 8):
+            raise ValueError(f"quantization_config: gptq with bits {bits!r} is not supported; "
+                             f"supported: {SUPPORTED_CHECKPOINTS}")
+        fmt = str(config.get("checkpoint_format") or "gptq").lower()
+        if fmt not in GPTQ_FORMATS:
+            raise ValueError(f"quantization_config: gptq checkpoint_format {fmt!r} is not supported; "
+                             f"supported: {', '.join(GPTQ_FORMATS)}")
+        return PrequantizedConfig("gptq", bits, group_size, bool(config.get("sym", True)),
+                                  bool(config.get("desc_act", False)), fmt)
+    version = str(config.get("version", "gemm")).lower()
+    if bits != 4 or version != "gemm":
+        raise ValueError(f"quantization_config: awq with bits {bits!r}, version {config.get('version')!r} is not "
+                         f"supported; supported: {SUPPORTED_CHECKPOINTS}")
+    if not config.get("zero_point", True):
+        raise ValueError("quantization_config: awq without zero points (zero_point false) is not supported; "
+                         f"supported: {SUPPORTED_CHECKPOINTS}")
+    return PrequantizedConfig("awq", 4, group_size, sym=False)
 
 
 def unpack_int32(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
