@@ -370,3 +370,39 @@ def _checkpoint_of(model) -> list[tuple[str, torch.Tensor]]:
         else:
             out.append((name, p))
     return out
+
+
+def test_prefill_attention_follows_the_measured_gemm_dtype() -> None:
+    """Where the GEMMs measured fastest in bf16 (native bf16 arithmetic), prefill attention
+    runs in bf16 too; with float32 GEMMs (or float32 weights) it stays in float32. The bf16
+    result is the float32 one within bf16 rounding, chunked (context from the cache) or not."""
+    from tokenmill.attention.backend import BatchLayout
+    from tokenmill.attention.kv_cache import KVCacheSpec, PagedKVCache
+    from tokenmill.attention.paged_sdpa import attend_prefills, prefill_spans
+    from tokenmill.quantization.dense import CPUMatmulChoice
+    from tokenmill.runner.plan import cpu_native_plan, quantized_plan
+
+    bf16_plan = cpu_native_plan(torch.bfloat16, choice=CPUMatmulChoice(8, "onednn_bf16"))
+    assert bf16_plan.prefill_attention_dtype == torch.bfloat16 and "prefill attention in bfloat16" in bf16_plan.describe()
+    assert quantized_plan(bf16_plan, "int8").prefill_attention_dtype == torch.bfloat16
+    assert cpu_native_plan(torch.bfloat16, choice=CPUMatmulChoice(8, "onednn_f32")).prefill_attention_dtype is None
+    assert cpu_native_plan(torch.float32).prefill_attention_dtype is None
+
+    torch.manual_seed(0)
+    cache = PagedKVCache(KVCacheSpec(1, 2, 16, 4, torch.bfloat16), 16, torch.device("cpu"))[0]
+    # request 0: 10 new tokens after 6 cached ones (a chunk reading its context); request 1: 7 fresh tokens
+    layout = BatchLayout(query_lens=[10, 7], context_lens=[16, 7], block_tables=[[0, 1, 2, 3], [4, 5]],
+                         slot_mapping=list(range(6, 16)) + list(range(16, 23)), block_size=4)
+    cache.write(torch.randn(6, 2, 16), torch.randn(6, 2, 16), torch.arange(6))
+    q, k, v = torch.randn(17, 4, 16), torch.randn(17, 2, 16), torch.randn(17, 2, 16)
+    slots = torch.tensor(layout.slot_mapping)
+    cache.write(k, v, slots)
+    spans = prefill_spans(layout, torch.device("cpu"))
+    outs = {}
+    for dtype in (None, torch.bfloat16):
+        out = torch.empty_like(q)
+        attend_prefills(q, k, v, cache, spans, 0.25, out, slots, dtype)
+        outs[dtype] = out
+    assert outs[torch.bfloat16].dtype == torch.float32
+    torch.testing.assert_close(outs[torch.bfloat16], outs[None], atol=3e-2, rtol=3e-2)
+    assert not torch.equal(outs[torch.bfloat16], outs[None])  # it did run in bf16

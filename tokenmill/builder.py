@@ -97,6 +97,7 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltExec
                         keep_quantized=keep_quantized)
     max_model_len = resolve_max_model_len(config, loaded)
     plan = apply_plan(loaded.model, chosen)
+    backend.prefill_dtype = plan.prefill_attention_dtype
     speculative = config.speculative.speculative_config
     draft = load_draft(config, device, loaded, max_model_len, kernels_ok, backend) if _has_draft(speculative) else None
     layout = loaded.model.parallel.layout

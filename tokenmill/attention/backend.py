@@ -54,6 +54,9 @@ class AttentionBackend(ABC):
     """Peers behind one interface: the CPU backends now, CUDA ones beside them later."""
 
     name: str
+    # Prefill chunks' SDPA computes in this dtype (None: the activations'); set once at
+    # load from the execution plan (`ExecutionPlan.prefill_attention_dtype`).
+    prefill_dtype: torch.dtype | None = None
 
     @abstractmethod
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> object: ...

@@ -56,7 +56,7 @@ class CPUNativeBackend(AttentionBackend):
         out = torch.empty_like(q)
         if metadata.decode is not None:
             self._decode(q, kv_cache, metadata.decode, scale, out)
-        attend_prefills(q, k, v, kv_cache, metadata.prefills, scale, out, metadata.slot_mapping)
+        attend_prefills(q, k, v, kv_cache, metadata.prefills, scale, out, metadata.slot_mapping, self.prefill_dtype)
         if native and kv_cache.rotation:
             hadamard_(out, kv_cache.rotation)
             return out

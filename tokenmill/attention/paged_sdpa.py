@@ -37,20 +37,25 @@ def prefill_spans(layout: BatchLayout, device: torch.device) -> list[PrefillSpan
 
 
 def attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKVCache,
-                    spans: list[PrefillSpan], scale: float, out: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+                    spans: list[PrefillSpan], scale: float, out: torch.Tensor, slot_mapping: torch.Tensor,
+                    compute_dtype: torch.dtype | None = None) -> None:
+    """Each chunk attends over its context by SDPA, in `compute_dtype` when given (q, k, v
+    cast to it, the output back to out's dtype)."""
+    dtype = compute_dtype or q.dtype
     for span in spans:
         qp = q[span.start : span.end].transpose(0, 1).unsqueeze(0)  # [1, H, n, d]
         if span.context_gather is not None:
-            kp, vp = kv_cache.read(span.context_gather, q.dtype)
+            kp, vp = kv_cache.read(span.context_gather, dtype)
         elif kv_cache.quantized:
             # The whole context is this chunk: an 8-bit cache attends to it as stored, as
             # it will when later tokens read it (so a prefix-cache hit computes what a miss
             # does, and prefill sees the error decode sees).
-            kp, vp = kv_cache.read(slot_mapping[span.start : span.end], q.dtype)
+            kp, vp = kv_cache.read(slot_mapping[span.start : span.end], dtype)
         else:
             kp, vp = k[span.start : span.end], v[span.start : span.end]
         kp = kp.transpose(0, 1).unsqueeze(0)
         vp = vp.transpose(0, 1).unsqueeze(0)
+        qp, kp, vp = qp.to(dtype), kp.to(dtype), vp.to(dtype)
         o = sdpa(qp, kp, vp, span.mask, scale, causal=span.mask is None)
         out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
 

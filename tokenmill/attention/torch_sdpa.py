@@ -50,7 +50,7 @@ class TorchSDPABackend(AttentionBackend):
             kd, vd = kv_cache.read(decode.gather, q.dtype)  # [D, L, KVH, d]
             kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)
             out[decode.rows] = sdpa(qd, kd, vd, decode.mask, scale, causal=False).squeeze(2)
-        attend_prefills(q, k, v, kv_cache, metadata.prefills, scale, out, metadata.slot_mapping)
+        attend_prefills(q, k, v, kv_cache, metadata.prefills, scale, out, metadata.slot_mapping, self.prefill_dtype)
         return kv_cache.rotate_out(out)
 
 

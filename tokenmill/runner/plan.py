@@ -13,6 +13,7 @@ once (`apply_plan`) and the runner only asks "is this step a pure decode that fi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 
@@ -33,6 +34,10 @@ class ExecutionPlan:
     native_ops: bool  # the fused native element-wise ops
     fused_decode: bool  # one native op per decoder layer for pure decode steps
     fused_decode_max_rows: int = SKINNY_MAX_ROWS  # past this the per-op path is faster (oneDNN)
+    # Prefill attention (SDPA) in this dtype, None: the activations'. bf16 where the GEMMs
+    # measured fastest in bf16 (native bf16 arithmetic): 2.8x float32 SDPA at 1024 tokens on
+    # AMX, and the K/V it reads are bf16 in the cache anyway.
+    prefill_attention_dtype: torch.dtype | None = None
 
     @property
     def tier(self) -> str:
@@ -45,6 +50,8 @@ class ExecutionPlan:
         if self.fused_decode:
             parts.append(f"fused native decode layer for pure decode steps of <= {self.fused_decode_max_rows} tokens")
         parts.append("native element-wise ops" if self.native_ops else "PyTorch element-wise ops")
+        if self.prefill_attention_dtype is not None:
+            parts.append(f"prefill attention in {str(self.prefill_attention_dtype).removeprefix('torch.')}")
         return "; ".join(parts)
 
     def use_fused_decode(self, num_tokens: int, all_decode: bool) -> bool:
@@ -59,8 +66,7 @@ def apply_plan(model: LlamaForCausalLM, plan: ExecutionPlan) -> ExecutionPlan:
     if plan.fused_decode and not model.can_fuse_decode():
         logger.info("weights in %s have no fused decode path: running decode steps op by op",
                     plan.weight_format.describe())
-        plan = ExecutionPlan(plan.weight_format, plan.embedding_dtype, plan.native_ops, False,
-                             plan.fused_decode_max_rows)
+        plan = dataclasses.replace(plan, fused_decode=False)
     return plan
 
 
@@ -69,12 +75,14 @@ def cpu_native_plan(weight_dtype: torch.dtype = torch.float32, onednn: bool = Tr
     """Float32 activations on the CPU with the native kernels: weights tiled in
     `weight_dtype` for the skinny kernel and (when `onednn`) packed for oneDNN, multiplied
     as `choice` says; the native element-wise ops; and the fused decode layer (when
-    attention reads the cache natively) for the row counts the skinny kernel takes."""
+    attention reads the cache natively) for the row counts the skinny kernel takes; prefill
+    attention in bf16 where the GEMMs are (`choice.gemm` onednn_bf16: measured faster)."""
     choice = choice or CPUMatmulChoice()
     embedding_dtype = weight_dtype if weight_dtype != torch.float32 else None
     return ExecutionPlan(DenseFormat(weight_dtype, cpu_layout=True, onednn=onednn, choice=choice), embedding_dtype,
                          native_ops=True, fused_decode=fused_decode and choice.skinny_max_rows > 0,
-                         fused_decode_max_rows=choice.skinny_max_rows)
+                         fused_decode_max_rows=choice.skinny_max_rows,
+                         prefill_attention_dtype=torch.bfloat16 if choice.gemm == "onednn_bf16" else None)
 
 
 def reference_plan(weight_dtype: torch.dtype) -> ExecutionPlan:
@@ -91,5 +99,5 @@ def quantized_plan(dense: ExecutionPlan, method: str, group_size: int = 32) -> E
     from tokenmill.quantization.formats import QuantizedFormat
 
     fmt = QuantizedFormat(method, dense.weight_format, group_size)
-    return ExecutionPlan(fmt, dense.embedding_dtype, dense.native_ops, dense.fused_decode,
-                         fused_decode_max_rows=min(QUANT_INTEGER_ROWS.values()))
+    return dataclasses.replace(dense, weight_format=fmt,
+                               fused_decode_max_rows=min(QUANT_INTEGER_ROWS.values()))
