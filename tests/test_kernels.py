@@ -406,3 +406,20 @@ def test_prefill_attention_follows_the_measured_gemm_dtype() -> None:
     assert outs[torch.bfloat16].dtype == torch.float32
     torch.testing.assert_close(outs[torch.bfloat16], outs[None], atol=3e-2, rtol=3e-2)
     assert not torch.equal(outs[torch.bfloat16], outs[None])  # it did run in bf16
+
+
+def test_lm_head_weights_for_many_rows() -> None:
+    """An LM head gets a row per sampling sequence. With bf16 GEMMs it keeps a bf16 oneDNN
+    copy; without one, rows past the skinny kernel's go through it a chunk at a time; both
+    equal the plain product (within the weights' dtype)."""
+    from tokenmill.quantization.dense import CPUMatmulChoice, DenseFormat
+
+    weight, x = torch.randn(200, 64), torch.randn(21, 64)
+    bf16_head = DenseFormat(torch.bfloat16, cpu_layout=True, onednn=True,
+                            choice=CPUMatmulChoice(4, "onednn_bf16")).make(weight, many_rows=False)
+    assert bf16_head.packed is not None
+    f32_head = DenseFormat(torch.float32, cpu_layout=True, onednn=True,
+                           choice=CPUMatmulChoice(4, "onednn_f32")).make(weight, many_rows=False)
+    assert f32_head.packed is None
+    torch.testing.assert_close(f32_head.apply(x), x @ weight.T, atol=1e-4, rtol=1e-4)
+    torch.testing.assert_close(bf16_head.apply(x), x @ weight.bfloat16().float().T, atol=0.15, rtol=0.02)

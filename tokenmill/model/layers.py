@@ -24,7 +24,7 @@ class Linear(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool = False, many_rows: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
-        self.many_rows = many_rows  # False: only ever a few rows (an LM head), see WeightFormat.make
+        self.many_rows = many_rows  # False: an LM head (a row per sampling sequence), see WeightFormat.make
         self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.weights: LinearWeights | None = None

@@ -77,9 +77,9 @@ class WeightFormat(ABC):
 
     @abstractmethod
     def make(self, weight: torch.Tensor, many_rows: bool = True) -> LinearWeights:
-        """A float checkpoint weight [N, K] in this format. `many_rows=False`: the layer
-        only ever multiplies a few rows (an LM head samples from the last positions), so
-        a format need not keep what serves many rows."""
+        """A float checkpoint weight [N, K] in this format. `many_rows=False`: an LM head,
+        which multiplies a row per sampling sequence (few at batch 1, tens in a batch of
+        decodes), never a whole prompt: a format may keep less for many rows there."""
 
     def describe(self) -> str:
         return self.name

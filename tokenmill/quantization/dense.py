@@ -67,7 +67,8 @@ class CPUDenseWeights(LinearWeights):
     - more rows (prefill, large batches): oneDNN on a copy in its blocked layout (`packed`),
       float32 (1.2-1.3x F.linear on the same weights) or, where the CPU computes bf16
       natively (AMX, AVX-512 BF16), bf16 with the inputs rounded to bf16 (4-5x float32);
-    - without a packed copy, F.linear on the weight rebuilt from the tiles.
+    - without a packed copy, the skinny kernel a chunk of rows at a time (rebuilding the
+      weight for F.linear would rewrite all of it every call).
     """
 
     def __init__(self, weight: torch.Tensor, tile_dtype: torch.dtype, choice: CPUMatmulChoice | None,
@@ -95,6 +96,10 @@ class CPUDenseWeights(LinearWeights):
                     y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.packed, None, "none", [], "")
                     return y.float()
                 return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None, "none", [], "")
+            if self.choice.skinny_max_rows > 0:  # no copy: the tiles, a chunk of rows at a time
+                chunk = self.choice.skinny_max_rows
+                return torch.cat([kernels.skinny_linear(part.contiguous(), self.tiled, self.out_features)
+                                  for part in x.split(chunk)])
         return F.linear(x, self.dequantize().to(x.dtype))
 
     def dequantize(self) -> torch.Tensor:
@@ -135,7 +140,12 @@ class DenseFormat(WeightFormat):
 
     def make(self, weight: torch.Tensor, many_rows: bool = True) -> LinearWeights:
         if self.cpu_layout and kernels.can_tile_for_skinny(weight):
-            return CPUDenseWeights(weight, self.weight_dtype, self.choice, self.onednn and many_rows)
+            # An LM head (many_rows False) sees a row per sampling sequence: 64 in a batch of
+            # 64 decodes. Its bf16 oneDNN copy (57 MB for the default model) is worth having
+            # there (64 rows: 3 ms instead of 21); a float32 one is not (the skinny kernel
+            # takes such rows in chunks).
+            onednn = self.onednn and (many_rows or self.choice.gemm == "onednn_bf16")
+            return CPUDenseWeights(weight, self.weight_dtype, self.choice, onednn)
         return PlainWeights(weight.detach().to(self.weight_dtype))
 
     def describe(self) -> str:
