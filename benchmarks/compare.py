@@ -393,6 +393,7 @@ def worker_spec(system: str, args: argparse.Namespace, peers: Peers, prefix_on: 
     threads, prefix = args.threads, "on" if prefix_on else "off"
     if system == "tokenmill":
         argv = [sys.executable, str(WORKERS / "tokenmill_worker.py"), "--dtype", args.tokenmill_dtype]
+        argv += ["--model", args.gguf] if getattr(args, "gguf", None) else []
         return WorkerSpec(system, [*argv, "--threads", str(threads), "--prefix-caching", prefix], worker_env(threads))
     if system == "hf":
         argv = [sys.executable, str(WORKERS / "hf_worker.py"), "--model", peers.gguf, "--dtype", "float32"]
@@ -588,7 +589,9 @@ def cmd_run(args: argparse.Namespace) -> int:
     if args.runs < 1 or args.warmup < 0:
         raise SystemExit("--runs must be at least 1 and --warmup at least 0")
     sizes = QUICK if args.quick else FULL
-    peers = Peers(Path(args.peers_dir).expanduser(), default_model_path())
+    peers = Peers(Path(args.peers_dir).expanduser(), args.gguf or default_model_path())
+    if args.gguf:  # llamacpp-q4_1 runs this file instead: name its column by the file's type
+        LABELS["llamacpp-q4_1"] = f"llama.cpp {Path(args.gguf).name.split('.')[-2]}"
     if args.install:
         install(peers, args.base_python)
     skip = {tuple(pair.strip().split(":", 1)) for pair in args.skip.split(",") if pair.strip()}
@@ -794,6 +797,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--no-probe", action="store_true", help="skip the machine probe (no bound fractions)")
     run.add_argument("--bench-seed", type=int, default=0)
     run.add_argument("--tokenmill-dtype", default="auto")
+    run.add_argument("--gguf", default=None,
+                     help="another GGUF of the default model (e.g. Q8_0, Q4_K_M): tokenmill serves it and the "
+                          "llamacpp-q4_1 system runs it in place of the Q4_1 file")
     run.add_argument("--vllm-dtype", default="bfloat16")
     run.add_argument("--no-vllm-fallback", dest="vllm_fallback", action="store_false",
                      help="do not retry vLLM in float32 when it fails to start in --vllm-dtype")
