@@ -32,6 +32,9 @@ PROMPTS = ["Write one sentence about the sea.", "Name three colours.", "What is 
            "Say hello in French.", "Give me a word that rhymes with cat.", "What day comes after Monday?"]
 
 
+MODEL_NAME = "tokenmill-contention"
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -40,7 +43,7 @@ def free_port() -> int:
 
 def start_server(flags: list[str], port: int) -> subprocess.Popen:
     command = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), "--disable-access-log",
-               "--log-level", "warning", *flags]
+               "--log-level", "warning", "--served-model-name", MODEL_NAME, *flags]
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
@@ -78,7 +81,7 @@ async def load(port: int, clients: int, duration: float, max_tokens: int) -> dic
         nonlocal errors
         k = i
         while time.monotonic() < stop_at:
-            body = {"model": "m", "messages": [{"role": "user", "content": PROMPTS[k % len(PROMPTS)]}],
+            body = {"model": MODEL_NAME, "messages": [{"role": "user", "content": PROMPTS[k % len(PROMPTS)]}],
                     "max_tokens": max_tokens, "temperature": 0}
             k += clients
             t0 = time.monotonic()
@@ -88,6 +91,8 @@ async def load(port: int, clients: int, duration: float, max_tokens: int) -> dic
                     latencies.append(time.monotonic() - t0)
                 else:
                     errors += 1
+                    if errors == 1:
+                        print(f"first error: HTTP {response.status_code} {response.text[:300]}", file=sys.stderr)
             except httpx.HTTPError:
                 errors += 1
 
