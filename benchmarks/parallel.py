@@ -170,45 +170,60 @@ def _run(llm, requests) -> tuple[float, int, float]:
     return time.perf_counter() - started, generated, first or 0.0
 
 
-def tp(args: argparse.Namespace) -> None:
-    from tokenmill.hardware import cpu_info
-    from tokenmill.llm import LLM
+TP_ENGINES = {"1 process x 2 threads": {}, "TP 2 x 1 thread": {"tensor_parallel_size": 2}}
 
-    common = dict(dtype=args.dtype, max_model_len=1024, kv_cache_memory="1GiB")
-    single = LLM(num_threads=2, **common)
-    split = LLM(num_threads=2, tensor_parallel_size=2, **common)  # 1 thread per rank
-    comm = split.engine.executor.ctx.tp
-    print(f"CPU: {cpu_info().model_name}, {os.cpu_count()} cores; dtype {args.dtype}; plans: "
-          f"one process: {single.engine.facts.execution_plan} | TP 2: {split.engine.facts.execution_plan}")
+
+def tp(args: argparse.Namespace) -> None:
+    """Each engine in its own process (torch's thread pool is process-wide: an engine sharing
+    its process with TP rank 0 ran at about half its speed), the two alternating rep by rep."""
+    from tokenmill.hardware import cpu_info
+
+    if args.engine:
+        return _tp_engine(args)
     results: dict[tuple[str, str], list[float]] = {}
-    per_step: list[tuple[float, float, int]] = []
+    collectives: dict[str, list[float]] = {}
+    plans: dict[str, str] = {}
     for rep in range(args.reps):
-        for workload in ("W1", "W3"):
-            requests = _requests(workload, single.tokenizer, single.engine.vocab_size, rep, small_w3=True)
-            for name, llm in (("1 process x 2 threads", single), ("TP 2 x 1 thread", split)):
-                steps_before = llm.engine.num_steps
-                calls, busy = getattr(comm, "calls", 0), getattr(comm, "busy_s", 0.0)
-                wall, generated, ttft = _run(llm, requests)
-                if workload == "W1":
-                    value = (generated - 1) / (wall - ttft)  # decode tokens/s
-                else:
-                    value = generated / wall  # output tokens/s
+        for name in TP_ENGINES:
+            command = [sys.executable, __file__, "tp", "--engine", name, "--rep", str(rep), "--dtype", args.dtype]
+            out = json.loads(subprocess.run(command, check=True, stdout=subprocess.PIPE, text=True).stdout)
+            plans[name] = out["plan"]
+            for workload, value in out["values"].items():
                 results.setdefault((workload, name), []).append(value)
-                if llm is split:
-                    steps = llm.engine.num_steps - steps_before
-                    per_step.append((workload == "W1", (comm.busy_s - busy) / steps * 1e3, (comm.calls - calls) // steps))
                 print(f"  rep {rep} {workload} {name}: {value:.1f} tok/s", flush=True)
+            for workload, ms in out.get("collective_ms", {}).items():
+                collectives.setdefault(workload, []).append(ms)
+    print(f"CPU: {cpu_info().model_name}, {os.cpu_count()} cores; dtype {args.dtype}; plans: "
+          + " | ".join(f"{name}: {plan}" for name, plan in plans.items()))
     print("\n| workload | 1 process x 2 threads | TP 2 x 1 thread per rank | ratio |")
     print("|---|---|---|---|")
     for workload, label in (("W1", "W1 decode (tok/s)"), ("W3", "W3 small, 16 requests (output tok/s)")):
         a = statistics.median(results[(workload, "1 process x 2 threads")])
         b = statistics.median(results[(workload, "TP 2 x 1 thread")])
         print(f"| {label} | {a:.1f} | {b:.1f} | {b / a:.2f} |")
-    for is_w1, label in ((True, "W1"), (False, "W3")):
-        rows = [(ms, calls) for w1, ms, calls in per_step if w1 == is_w1]
-        print(f"{label}: rank 0 spends {statistics.median(r[0] for r in rows):.2f} ms per step in "
-              f"{rows[0][1]} collectives ({split.engine.executor.ctx.all_reduce_kind})")
-    split.engine.executor.close()
+    for workload, values in collectives.items():
+        print(f"{workload}: rank 0 spends {statistics.median(values):.2f} ms per step in its collectives")
+
+
+def _tp_engine(args: argparse.Namespace) -> None:
+    """One engine, one rep of W1 and W3; prints JSON for the parent."""
+    from tokenmill.llm import LLM
+
+    llm = LLM(num_threads=2, dtype=args.dtype, max_model_len=1024, kv_cache_memory="1GiB", **TP_ENGINES[args.engine])
+    comm = llm.engine.executor.ctx.tp if "tensor_parallel_size" in TP_ENGINES[args.engine] else None
+    _run(llm, _requests("W1", llm.tokenizer, llm.engine.vocab_size, 1000 + args.rep, small_w3=True))  # warm-up
+    values, collective_ms = {}, {}
+    for workload in ("W1", "W3"):
+        requests = _requests(workload, llm.tokenizer, llm.engine.vocab_size, args.rep, small_w3=True)
+        steps_before = llm.engine.num_steps
+        busy = comm.busy_s if comm is not None else 0.0
+        wall, generated, ttft = _run(llm, requests)
+        values[workload] = (generated - 1) / (wall - ttft) if workload == "W1" else generated / wall
+        if comm is not None:
+            collective_ms[workload] = (comm.busy_s - busy) / (llm.engine.num_steps - steps_before) * 1e3
+    print(json.dumps({"plan": llm.engine.facts.execution_plan, "values": values, "collective_ms": collective_ms}))
+    if comm is not None:
+        llm.engine.executor.close()
 
 
 # ----- data parallelism: prefix-cache hit rates ----------------------------------------------
@@ -347,6 +362,8 @@ def main() -> None:
     t = sub.add_parser("tp")
     t.add_argument("--reps", type=int, default=3)
     t.add_argument("--dtype", default="float32")
+    t.add_argument("--engine", choices=list(TP_ENGINES), default=None, help=argparse.SUPPRESS)
+    t.add_argument("--rep", type=int, default=0, help=argparse.SUPPRESS)
     d = sub.add_parser("dp")
     d.add_argument("--sessions", type=int, default=16)
     d.add_argument("--turns", type=int, default=4)
