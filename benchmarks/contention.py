@@ -15,8 +15,6 @@ import argparse
 import asyncio
 import json
 import os
-import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -25,9 +23,9 @@ from pathlib import Path
 
 import httpx
 
+from tokenmill.bench.local_server import LocalServer
 from tokenmill.hardware import cpu_info
 
-REPO = Path(__file__).resolve().parent.parent
 PROMPTS = ["Write one sentence about the sea.", "Name three colours.", "What is 2 + 2?",
            "Say hello in French.", "Give me a word that rhymes with cat.", "What day comes after Monday?"]
 
@@ -35,44 +33,17 @@ PROMPTS = ["Write one sentence about the sea.", "Name three colours.", "What is 
 MODEL_NAME = "tokenmill-contention"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(flags: list[str], port: int) -> subprocess.Popen:
-    command = [sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), "--disable-access-log",
-               "--log-level", "warning", "--served-model-name", MODEL_NAME, *flags]
-    process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"the server exited: {process.stderr.read().decode()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return process
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    process.kill()
-    raise RuntimeError("the server did not become healthy in 300 s")
-
-
-def stop(process: subprocess.Popen) -> None:
-    process.send_signal(signal.SIGTERM)
-    try:
-        process.wait(30)
-    except subprocess.TimeoutExpired:
-        process.kill()
+def start_server(flags: list[str]) -> LocalServer:
+    return LocalServer(["--disable-access-log", "--log-level", "warning", "--served-model-name", MODEL_NAME,
+                        *flags]).start()
 
 
 def start_competitors(n: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
-async def load(port: int, clients: int, duration: float, max_tokens: int) -> dict:
-    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+async def load(base_url: str, clients: int, duration: float, max_tokens: int) -> dict:
+    url = f"{base_url}/v1/chat/completions"
     latencies: list[float] = []
     errors = 0
     stop_at = time.monotonic() + duration
@@ -132,15 +103,14 @@ def main() -> int:
     servers = {}
     try:
         for name, flags in settings.items():
-            port = free_port()
-            servers[name] = (start_server(flags, port), port)
-            asyncio.run(load(port, args.clients, args.warmup, args.max_tokens))
+            servers[name] = start_server(flags)
+            asyncio.run(load(servers[name].url, args.clients, args.warmup, args.max_tokens))
         for round_index in range(args.rounds):
             for count in competitors:
-                for name, (_, port) in servers.items():
+                for name, server in servers.items():
                     busy = start_competitors(count)
                     try:
-                        result = asyncio.run(load(port, args.clients, args.duration, args.max_tokens))
+                        result = asyncio.run(load(server.url, args.clients, args.duration, args.max_tokens))
                     finally:
                         for p in busy:
                             p.kill()
@@ -150,8 +120,8 @@ def main() -> int:
                           f"p50 {result['p50_s'] or 0:.2f} s, p99 {result['p99_s'] or 0:.2f} s, "
                           f"{result['errors']} errors", file=sys.stderr, flush=True)
     finally:
-        for process, _ in servers.values():
-            stop(process)
+        for server in servers.values():
+            server.stop()
     print(table(results, args))
     if args.output:
         Path(args.output).write_text(json.dumps({"cpu": cpu_info().describe(), "settings": settings,

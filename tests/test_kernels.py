@@ -387,6 +387,11 @@ def test_prefill_attention_follows_the_measured_gemm_dtype() -> None:
     assert quantized_plan(bf16_plan, "int8").prefill_attention_dtype == torch.bfloat16
     assert cpu_native_plan(torch.bfloat16, choice=CPUMatmulChoice(8, "onednn_f32")).prefill_attention_dtype is None
     assert cpu_native_plan(torch.float32).prefill_attention_dtype is None
+    from tokenmill.attention.torch_sdpa import TorchSDPABackend
+
+    shared = TorchSDPABackend()
+    for_bf16 = shared.for_plan(torch.bfloat16)  # a copy: a draft's plan may differ from its target's
+    assert for_bf16.prefill_dtype == torch.bfloat16 and shared.prefill_dtype is None
 
     torch.manual_seed(0)
     cache = PagedKVCache(KVCacheSpec(1, 2, 16, 4, torch.bfloat16), 16, torch.device("cpu"))[0]

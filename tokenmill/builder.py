@@ -97,7 +97,7 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltExec
                         keep_quantized=keep_quantized)
     max_model_len = resolve_max_model_len(config, loaded)
     plan = apply_plan(loaded.model, chosen)
-    backend.prefill_dtype = plan.prefill_attention_dtype
+    backend = backend.for_plan(plan.prefill_attention_dtype)
     speculative = config.speculative.speculative_config
     draft = load_draft(config, device, loaded, max_model_len, kernels_ok, backend) if _has_draft(speculative) else None
     layout = loaded.model.parallel.layout
@@ -186,7 +186,8 @@ def build_proposer(config: EngineConfig, runner: ModelRunner, draft: LoadedDraft
     block_size = config.cache.block_size
     lookahead = config.scheduler.max_num_seqs * -(-(k - 1) // block_size)
     cache = PagedKVCache(draft.kv_spec, runner.kv_cache.num_blocks + lookahead, device)
-    draft_runner = ModelRunner(draft.loaded.model, cache, runner.backend, plan, device, seed=config.model.seed)
+    backend = runner.backend.for_plan(plan.prefill_attention_dtype)
+    draft_runner = ModelRunner(draft.loaded.model, cache, backend, plan, device, seed=config.model.seed)
     proposer = DraftModelProposer(draft_runner, k, config.scheduler.max_num_batched_tokens,
                                   config.cache.enable_prefix_caching, seed=config.model.seed)
     runner.draft_probs = proposer.draft_probs

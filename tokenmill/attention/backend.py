@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import copy
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -54,9 +55,16 @@ class AttentionBackend(ABC):
     """Peers behind one interface: the CPU backends now, CUDA ones beside them later."""
 
     name: str
-    # Prefill chunks' SDPA computes in this dtype (None: the activations'); set once at
-    # load from the execution plan (`ExecutionPlan.prefill_attention_dtype`).
+    # Prefill chunks' SDPA computes in this dtype (None: the activations'): the execution
+    # plan's (`ExecutionPlan.prefill_attention_dtype`), through `for_plan`.
     prefill_dtype: torch.dtype | None = None
+
+    def for_plan(self, prefill_dtype: torch.dtype | None) -> AttentionBackend:
+        """This backend for a model whose plan computes prefill attention in `prefill_dtype`
+        (a copy: a draft model's plan may differ from its target's)."""
+        backend = copy.copy(self)
+        backend.prefill_dtype = prefill_dtype
+        return backend
 
     @abstractmethod
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> object: ...
