@@ -34,8 +34,8 @@ from tokenmill.model.loader import LoadedModel
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.runner.plan import apply_plan, cpu_native_plan, reference_plan
 from tokenmill.sampling.params import SamplingParams
+from tokenmill.sampling.rejection import RejectionSampler, accept_greedy
 from tokenmill.spec_decode.ngram import NgramProposer, ngram_lookup
-from tokenmill.spec_decode.rejection import RejectionSampler, accept_greedy
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
 DRAFT = {"method": "draft_model", "model": "in-memory", "num_speculative_tokens": 3}

@@ -3,7 +3,7 @@
 It owns the paged KV cache, the attention backend, the execution plan and the
 per-request random generators; it knows requests only through the step messages
 (rebuilt into whole views by a `RequestTable`). A request with proposed tokens gets one
-row of logits per proposal plus one, verified by `spec_decode.rejection`. A draft model
+row of logits per proposal plus one, verified by `sampling.rejection`. A draft model
 runs on its own `ModelRunner` through `forward`.
 """
 
@@ -19,8 +19,8 @@ from tokenmill.engine.batch import PromptLogprobsChunk, RequestTable, RunnerOutp
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.runner.plan import ExecutionPlan
 from tokenmill.runner.threads import ThreadGovernor
+from tokenmill.sampling.rejection import RejectionSampler, Verification
 from tokenmill.sampling.sampler import Sampler, SamplingRow, compute_token_logprobs
-from tokenmill.spec_decode.rejection import RejectionSampler, Verification
 
 # A chunk of at most this many tokens after earlier context (a verification: the last
 # known token and its proposals; a draft catching up) attends as that many one-token

@@ -5,9 +5,10 @@
 - `ngram.py` (numpy): prompt lookup, vLLM's n-gram proposer.
 - `draft.py` (torch): a second, smaller model run by the same `ModelRunner` code over its
   own paged KV cache, which follows its requests' lifetimes.
-- `rejection.py` (torch): verification inside the target runner's step: greedy (longest
-  agreeing prefix) and the lossless rejection rule for sampled requests.
 
+This room holds proposers only; the verifier (greedy and lossless rejection sampling) is
+`sampling/rejection.py`, as vLLM keeps its rejection sampler with sampling. It may import
+engine (the `Proposer` seam), runner, model and sampling; nothing above (builder, serve).
 The engine never imports this package's torch modules: the builder builds a proposer
-and hands it to the engine, and gives the verifier to the runner.
+and hands it to the engine.
 """

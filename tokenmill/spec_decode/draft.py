@@ -30,9 +30,9 @@ from tokenmill.engine.block_manager import KVBlockManager
 from tokenmill.engine.request import Request
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.sampling.params import SamplingParams
+from tokenmill.sampling.rejection import process_logits, sampling_probs
 from tokenmill.sampling.sampler import SamplingRow, make_generator
 from tokenmill.spec_decode.proposer import proposal_room
-from tokenmill.spec_decode.rejection import process_logits, sampling_probs
 
 
 @dataclass
