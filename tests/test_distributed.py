@@ -19,7 +19,7 @@ from tokenmill.distributed.group import max_kv_units
 from tokenmill.distributed.layout import Span, build_layout, split_sizes
 from tokenmill.distributed.pipeline import split_microbatches
 from tokenmill.llm import LLM
-from tokenmill.model.config import ModelArchConfig
+from tokenmill.model_arch import ModelArchConfig
 
 SMOLLM2 = ModelArchConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, tie_word_embeddings=True)
 

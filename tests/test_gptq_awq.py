@@ -234,6 +234,6 @@ def test_flags_and_older_exports(float_model, tmp_path) -> None:
 
 def _single_layout(config: dict):
     from tokenmill.distributed.model_parallel import ModelParallel
-    from tokenmill.model.config import ModelArchConfig
+    from tokenmill.model_arch import ModelArchConfig
 
     return ModelParallel.single(ModelArchConfig.from_hf_config(config)).layout

@@ -162,7 +162,7 @@ def test_prepared_linear_matches_f_linear_for_every_row_count(onednn, weight_dty
 
 
 def _tiny_llama(tie: bool = True):
-    from tokenmill.model.config import ModelArchConfig
+    from tokenmill.model_arch import ModelArchConfig
     from tokenmill.model.llama import LlamaForCausalLM
 
     torch.manual_seed(0)

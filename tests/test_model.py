@@ -10,8 +10,8 @@ from tokenmill import kernels
 from tokenmill.attention.backend import BatchLayout, ForwardContext, PagedDecode, forward_context
 from tokenmill.attention.kv_cache import LayerKVCache
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
-from tokenmill.model.config import ModelArchConfig
 from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model_arch import ModelArchConfig
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
             num_attention_heads=8, max_position_embeddings=256, rms_norm_eps=1e-5)

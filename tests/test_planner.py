@@ -31,7 +31,8 @@ from tokenmill.planner.roofline import (
     weight_bytes,
     weight_format,
 )
-from tokenmill.planner.shape import read_gguf, read_model
+from tokenmill.planner.model_spec import read_model
+from tokenmill.planner.shape import read_gguf
 
 BF16 = KV_CACHE_DTYPES["bfloat16"]
 A100_2TB = Device("A100 at 2.0 TB/s", 80 * GIB, 2.0e12, {"bfloat16": 312e12})
@@ -524,7 +525,7 @@ def test_planner_modules_do_not_import_torch() -> None:
 
 
 def test_arch_config_and_planner_read_a_config_json_alike() -> None:
-    from tokenmill.model.config import ModelArchConfig
+    from tokenmill.model_arch import ModelArchConfig
     from tokenmill.planner.shape import ModelShape, shape_from_hf_config
 
     cfg = {"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2", "vocab_size": 152064, "hidden_size": 3584,

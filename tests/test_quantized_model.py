@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from tokenmill import kernels
-from tokenmill.model.config import ModelArchConfig
 from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model_arch import ModelArchConfig
 from tokenmill.quantization import QuantizedTensor
 from tokenmill.quantization.formats import QuantizedWeights
 from tokenmill.quantization.gguf_blocks import from_gguf_blocks

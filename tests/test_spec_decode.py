@@ -28,9 +28,9 @@ from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.request import Request
 from tokenmill.kernels import cpu_kernels_available
-from tokenmill.model.config import ModelArchConfig
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model.loader import LoadedModel
+from tokenmill.model_arch import ModelArchConfig
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.runner.plan import apply_plan, cpu_native_plan, reference_plan
 from tokenmill.sampling.params import SamplingParams

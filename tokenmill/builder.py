@@ -26,7 +26,7 @@ from tokenmill.attention.torch_sdpa import TorchSDPABackend
 from tokenmill.config import EngineConfig, EngineFacts, SpeculativeConfig
 from tokenmill.engine.engine import LLMEngine, Proposer
 from tokenmill.hardware import cpu_info
-from tokenmill.model.config import ModelArchConfig
+from tokenmill.model_arch import ModelArchConfig
 from tokenmill.model.loader import LoadedModel, load_model, open_checkpoint
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.quantization.dense import CPUMatmulChoice

@@ -22,7 +22,7 @@ def cmd_kernels(args: argparse.Namespace) -> int:
     from tokenmill.hardware import cpu_info
     from tokenmill.kernels import cpu_kernels_available
     from tokenmill.model.loader import resolve_model_path
-    from tokenmill.planner.shape import read_model
+    from tokenmill.planner.model_spec import read_model
     from tokenmill.runner import tune
 
     torch.set_num_threads(args.num_threads or cpu_info().num_cores)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from tokenmill.model.config import ModelArchConfig
+from tokenmill.model_arch import ModelArchConfig
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from typing import Protocol
 import torch
 
 from tokenmill.distributed.layout import ShardLayout
-from tokenmill.model.config import ModelArchConfig
+from tokenmill.model_arch import ModelArchConfig
 
 
 class TPCommunicator(Protocol):

@@ -19,8 +19,8 @@ from tokenmill.attention.backend import PagedDecode, get_forward_context
 from tokenmill.attention.kv_cache import LayerKVCache
 from tokenmill.distributed.layout import ShardLayout
 from tokenmill.distributed.model_parallel import ModelParallel
-from tokenmill.model.config import ModelArchConfig
 from tokenmill.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
+from tokenmill.model_arch import ModelArchConfig
 from tokenmill.quantization import QuantizedTensor, WeightFormat
 
 

@@ -20,10 +20,10 @@ from tqdm import tqdm
 
 from tokenmill.distributed.layout import ShardLayout
 from tokenmill.distributed.model_parallel import ModelParallel
-from tokenmill.model.config import ModelArchConfig
 from tokenmill.gguf_file import GGUFFile
 from tokenmill.model.layers import Linear
 from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model_arch import ModelArchConfig
 from tokenmill.quantization import QuantizedTensor, WeightFormat
 from tokenmill.quantization.checkpoints import COMPANIONS, SUPPORTED_CHECKPOINTS, prequantized_config
 from tokenmill.quantization.gguf_blocks import from_gguf_blocks

@@ -82,7 +82,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from tokenmill.config import parse_memory
     from tokenmill.planner.plan import PlanInputs, format_plan, make_plan, plot_plan
     from tokenmill.planner.roofline import Parallelism, weight_format
-    from tokenmill.planner.shape import read_model
+    from tokenmill.planner.model_spec import read_model
 
     if args.list:
         print(list_choices())

@@ -32,7 +32,7 @@ from tokenmill.planner.roofline import (
     stored_format,
     weight_bytes,
 )
-from tokenmill.planner.shape import ModelSpec
+from tokenmill.planner.model_spec import ModelSpec
 
 SCHEMA = "tokenmill.plan/1"
 

@@ -299,7 +299,7 @@ class Calibrator:
 
     def __init__(self, config: EngineConfig) -> None:
         from tokenmill.builder import build_executor, default_kv_cache_memory, resolve_device
-        from tokenmill.planner.shape import read_model
+        from tokenmill.planner.model_spec import read_model
 
         self.config = config
         built = build_executor(config)

@@ -69,7 +69,7 @@ def setup_from_roofline(config: EngineConfig, model: str, device: Device, weight
                         memory_utilization: float = 0.9, step_overhead_s: float = 0.0,
                         overheads: ServerOverheads | None = None) -> SimulationSetup:
     """The roofline of `model` (a preset, GGUF or config.json) on a catalog `device`."""
-    from tokenmill.planner.shape import read_model
+    from tokenmill.planner.model_spec import read_model
 
     spec = read_model(model)
     fmt = weight_format(weights) if weights else None
