@@ -62,8 +62,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenmill.bench.report import machine_info
-from tokenmill.bench.workloads import (
+from tokenmill.model.loader import default_model_path
+from tokenmill.planner.machine import format_probe
+from tokenmill.planner.machine import probe as measure_with_bounds
+from tokenmill.planner.shape import ModelShape, read_gguf
+from tokenmill.tokenizer import Tokenizer
+from tokenmill.workloads.offline import (
     FULL,
     METRICS,
     QUICK,
@@ -80,11 +84,7 @@ from tokenmill.bench.workloads import (
     run_entry,
     speedup,
 )
-from tokenmill.model.loader import default_model_path
-from tokenmill.planner.machine import format_probe
-from tokenmill.planner.machine import probe as measure_with_bounds
-from tokenmill.planner.shape import ModelShape, read_gguf
-from tokenmill.tokenizer import Tokenizer
+from tokenmill.workloads.report import machine_info
 
 SCHEMA = "tokenmill.benchmarks.compare/1"
 SYSTEMS = ("tokenmill", "vllm", "llamacpp-q4_1", "llamacpp-bf16", "hf")

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import httpx
 
-from tokenmill.bench.local_server import LocalServer
 from tokenmill.hardware import cpu_info
+from tokenmill.workloads.local_server import LocalServer
 
 PROMPTS = ["Write one sentence about the sea.", "Name three colours.", "What is 2 + 2?",
            "Say hello in French.", "Give me a word that rhymes with cat.", "What day comes after Monday?"]

@@ -140,7 +140,7 @@ def step_message_cost() -> None:
 
 
 def _requests(name: str, tokenizer, vocab: int, seed: int, small_w3: bool):
-    from tokenmill.bench.workloads import (
+    from tokenmill.workloads.offline import (
         FULL,
         Sizes,
         build_requests,

@@ -8,8 +8,9 @@ import random
 
 import pytest
 
-from tokenmill.bench import offline, workloads
-from tokenmill.bench.workloads import FULL, QUICK, WORKLOAD_METRICS, WORKLOADS, build_requests, repetition_rng
+from tokenmill.bench import offline
+from tokenmill.workloads import offline as workloads
+from tokenmill.workloads.offline import FULL, QUICK, WORKLOAD_METRICS, WORKLOADS, build_requests, repetition_rng
 
 
 def test_full_workloads_have_the_specified_shapes() -> None:
@@ -154,7 +155,7 @@ def test_quick_cli_with_speculation_runs_it_on_and_off(tmp_path, restore_torch_t
 
 
 def test_grounded_workloads_are_chat_prompts_over_given_passages() -> None:
-    from tokenmill.bench.grounded import PAIRS
+    from tokenmill.workloads.grounded import PAIRS
 
     seen = []
     requests = build_requests("W6", FULL, random.Random(0), [], encode_chat=lambda m: seen.append(m) or [1, 2])

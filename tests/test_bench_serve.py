@@ -15,7 +15,7 @@ import pytest
 
 from tests.server_utils import ServerProcess
 from tokenmill.bench import serve_cli
-from tokenmill.bench.metrics import (
+from tokenmill.workloads.metrics import (
     RequestRecord,
     arrival_times,
     calculate_metrics,
@@ -411,7 +411,7 @@ def test_chat_run_against_tokenmill(server, tmp_path):
 
 
 def test_spec_decode_counters_parse_and_difference():
-    from tokenmill.bench.serve import parse_spec_decode, spec_decode_metrics
+    from tokenmill.workloads.load_client import parse_spec_decode, spec_decode_metrics
 
     def exposition(drafts, tokens, accepted, per_pos, prefix="tokenmill"):
         lines = ["# HELP x", f'{prefix}:spec_decode_num_drafts_total{{model_name="m"}} {drafts}',

@@ -11,8 +11,6 @@ from pathlib import Path
 import pytest
 
 from tests.fakes import FakeRunner, FakeTokenizer, fake_facts
-from tokenmill.bench.datasets import DatasetConfig
-from tokenmill.bench.metrics import RequestRecord, calculate_metrics
 from tokenmill.cli import main
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine, StepObserver
@@ -21,7 +19,9 @@ from tokenmill.planner.roofline import Deployment, decode_step, prefill_step
 from tokenmill.sampling.params import SamplingParams
 from tokenmill.simulator.executor import StepMeter, VirtualClock
 from tokenmill.simulator.simulate import ServerOverheads, SimulationSetup, result_dict, simulate
-from tokenmill.simulator.trace import Trace, TraceRequest, synthetic_trace, trace_from_result
+from tokenmill.workloads.datasets import DatasetConfig
+from tokenmill.workloads.metrics import RequestRecord, calculate_metrics
+from tokenmill.workloads.trace import Trace, TraceRequest, synthetic_trace, trace_from_result
 
 # Step = 100 ms + 10 ms per prefill token + 20 ms per decode row (no context terms): every
 # time below is a sum of these, worked out by hand.
@@ -219,8 +219,8 @@ def test_simulation_and_engine_agree_on_the_schedule(caching):
 def test_synthetic_trace_draws_what_bench_serve_draws():
     import numpy as np
 
-    from tokenmill.bench.datasets import random_token_prompts
-    from tokenmill.bench.metrics import arrival_times
+    from tokenmill.workloads.datasets import random_token_prompts
+    from tokenmill.workloads.metrics import arrival_times
 
     dataset = DatasetConfig(num_prompts=50, input_len=100, output_len=20, range_ratio=0.3, seed=7)
     made = synthetic_trace(dataset, 2.0, burstiness=0.5, seed_offset=3)
@@ -522,7 +522,7 @@ def test_simulator_modules_do_not_import_torch():
     import sys
 
     code = ("import sys; import tokenmill.simulator.simulate, tokenmill.simulator.sweep, tokenmill.simulator.setup, "
-            "tokenmill.simulator.trace, tokenmill.simulator.validate, tokenmill.simulator.cli; "
+            "tokenmill.workloads.trace, tokenmill.simulator.validate, tokenmill.simulator.cli; "
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=Path(__file__).resolve().parents[1])
 

@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from tokenmill.bench.workloads import Request, RunRecord
+from tokenmill.workloads.offline import Request, RunRecord
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -1,6 +1,6 @@
 """`tokenmill bench offline`: fixed synthetic workloads through the offline API.
 
-The workloads W1-W6 are `tokenmill.bench.workloads`' (greedy; W1-W4 with `ignore_eos=True`,
+The workloads W1-W6 are `tokenmill.workloads.offline`' (greedy; W1-W4 with `ignore_eos=True`,
 so every request produces exactly the tokens asked for; the input-grounded W5/W6 end at
 EOS, the same tokens whatever the engine settings, since greedy output does not change).
 With `--speculative-config`, every workload but W4 runs twice per repetition, back to
@@ -30,8 +30,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.bench.report import LABELS, add_speedups, format_table, machine_info
-from tokenmill.bench.workloads import (
+from tokenmill.workloads.offline import (
     FULL,
     GROUNDED,
     ONE_AT_A_TIME,
@@ -51,6 +50,7 @@ from tokenmill.bench.workloads import (
     repetition_rng,
     run_entry,
 )
+from tokenmill.workloads.report import LABELS, add_speedups, format_table, machine_info
 
 SCHEMA = "tokenmill.bench.offline/1"
 

@@ -2,40 +2,29 @@
 
 `register(bench_subparsers)` adds both sub-commands to the sub-parsers of
 `tokenmill bench`; `python -m tokenmill.bench.serve_cli serve|sweep ...` runs them
-on their own. Only argparse is imported here: httpx, numpy and matplotlib load when
-a command runs.
+on their own. The workload's own flags (dataset, load, report) are in `workloads.args`,
+shared with `tokenmill simulate`. Only argparse is imported here: httpx, numpy and
+matplotlib load when a command runs.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 
+from tokenmill.workloads.args import (
+    add_dataset_args,
+    add_load_args,
+    add_report_args,
+    add_sweep_load_args,
+    dataset_from_args,
+    percentiles_from_args,
+)
+
 SERVE_HELP = "load-test a running OpenAI-compatible server (TTFT, TPOT, ITL, E2E latency, throughput, goodput)"
 SWEEP_HELP = "`bench serve` over a series of request rates or concurrencies, with a throughput/latency plot"
-
-
-def _rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a number (or inf)") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0 (or inf), got {text!r}")
-    return value
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
 
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
@@ -67,64 +56,6 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     report.add_argument("--disable-tqdm", action="store_true", help="no progress bar")
 
 
-def add_dataset_args(parser: argparse.ArgumentParser) -> None:
-    """The dataset flags (shared with `tokenmill simulate`, which replays the same datasets)."""
-    data = parser.add_argument_group("dataset")
-    data.add_argument("--dataset", default="random", choices=["random", "shared-prefix", "jsonl", "grounded"],
-                      help="random token ids; random suffixes after shared prefixes; a JSONL file; or "
-                           "input-grounded tasks (repeat/correct/rewrite/summarize a given passage, ending at EOS)")
-    data.add_argument("--dataset-path", default=None,
-                      help='JSONL file, one {"prompt": TEXT or [IDS]} or {"messages": [...]} per line, '
-                           'optionally with "output_len"')
-    data.add_argument("--num-prompts", type=_positive_int, default=100, help="requests per run (default 100)")
-    data.add_argument("--input-len", type=_positive_int, default=512,
-                      help="prompt tokens (random), or suffix tokens after the prefix (shared-prefix); default 512")
-    data.add_argument("--output-len", type=_positive_int, default=128, help="tokens to generate (default 128)")
-    data.add_argument("--range-ratio", type=float, default=0.0,
-                      help="lengths uniform in [len*(1-r), len*(1+r)] (default 0: exact)")
-    data.add_argument("--prefix-len", type=int, default=0,
-                      help="tokens of the shared prefix (random: default 0; shared-prefix: default 512)")
-    data.add_argument("--num-prefixes", type=_positive_int, default=1,
-                      help="shared-prefix: distinct prefixes, assigned round-robin (default 1)")
-    data.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival times (default 0)")
-    data.add_argument("--tokenizer", default=None,
-                      help="GGUF file or Hugging Face directory (or 'default': tokenmill's default model) whose "
-                           "vocabulary random prompts use (default: the server's /tokenize, else ids 1000-4999)")
-
-
-def add_report_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """SLOs, percentiles and a label (shared with `tokenmill simulate`); the group, for more flags."""
-    report = parser.add_argument_group("report")
-    report.add_argument("--goodput", nargs="+", default=None, metavar="METRIC:MS",
-                        help="SLOs for goodput, e.g. ttft:1000 tpot:100 e2el:5000 (milliseconds)")
-    report.add_argument("--metric-percentiles", default="90,99", help="percentiles to report (default 90,99)")
-    report.add_argument("--label", default=None, help="free-form label stored in the result")
-    return report
-
-
-def add_load_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """One run's load: --request-rate and --max-concurrency (shared with `tokenmill simulate`)."""
-    load = parser.add_argument_group("load")
-    load.add_argument("--request-rate", type=_rate, default=math.inf,
-                      help="requests per second (default inf: all at once)")
-    load.add_argument("--max-concurrency", type=_positive_int, default=None,
-                      help="at most this many requests in flight (default: no cap)")
-    return load
-
-
-def add_sweep_load_args(parser: argparse.ArgumentParser) -> argparse._ArgumentGroup:
-    """A sweep's loads: --request-rates or --concurrencies (shared with `tokenmill simulate sweep`)."""
-    load = parser.add_argument_group("load")
-    axis = load.add_mutually_exclusive_group(required=True)
-    axis.add_argument("--request-rates", default=None, help="comma-separated rates, e.g. 0.5,1,2,4,inf")
-    axis.add_argument("--concurrencies", default=None, help="comma-separated caps, e.g. 1,2,4,8")
-    load.add_argument("--request-rate", type=_rate, default=math.inf,
-                      help="with --concurrencies: the rate at every point (default inf)")
-    load.add_argument("--max-concurrency", type=_positive_int, default=None,
-                      help="with --request-rates: the cap at every point (default: none)")
-    return load
-
-
 def add_serve_args(parser: argparse.ArgumentParser) -> None:
     add_common_args(parser)
     add_load_args(parser)
@@ -153,26 +84,9 @@ def register(bench_subparsers) -> None:
     sweep.set_defaults(func=cmd_sweep)
 
 
-def dataset_from_args(args: argparse.Namespace):
-    from tokenmill.bench.datasets import DatasetConfig
-
-    return DatasetConfig(
-        name=args.dataset, num_prompts=args.num_prompts, input_len=args.input_len, output_len=args.output_len,
-        range_ratio=args.range_ratio, prefix_len=args.prefix_len, num_prefixes=args.num_prefixes,
-        path=args.dataset_path, seed=args.seed,
-    )
-
-
-def percentiles_from_args(args: argparse.Namespace) -> tuple[float, ...]:
-    try:
-        return tuple(float(p) for p in args.metric_percentiles.split(",") if p.strip())
-    except ValueError:
-        raise ValueError(f"--metric-percentiles: {args.metric_percentiles!r} is not a list of numbers") from None
-
-
 def config_from_args(args: argparse.Namespace):
-    from tokenmill.bench.metrics import parse_goodput
-    from tokenmill.bench.serve import ServeConfig
+    from tokenmill.workloads.load_client import ServeConfig
+    from tokenmill.workloads.metrics import parse_goodput
 
     percentiles = percentiles_from_args(args)
     if args.extra_body is not None and not isinstance(args.extra_body, dict):
@@ -191,7 +105,7 @@ def config_from_args(args: argparse.Namespace):
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from tokenmill.bench.serve import format_table, run_benchmark, save_result
+    from tokenmill.workloads.load_client import format_table, run_benchmark, save_result
 
     config = config_from_args(args)
     result = run_benchmark(config)
@@ -200,7 +114,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         save_result(result, args.save_result)
         print(f"result: {args.save_result}")
     if args.plot:
-        from tokenmill.bench.plots import plot_run
+        from tokenmill.workloads.plots import plot_run
 
         plot_run(result, args.plot)
         print(f"figure: {args.plot}")
@@ -208,7 +122,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from tokenmill.bench.sweep import format_sweep_table, parse_concurrencies, parse_rates, run_sweep, sweep_points
+    from tokenmill.workloads.sweep import format_sweep_table, parse_concurrencies, parse_rates, run_sweep, sweep_points
 
     config = config_from_args(args)
     config.percentiles = tuple(sorted({*config.percentiles, 99.0}))  # the sweep reports p99

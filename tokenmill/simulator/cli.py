@@ -12,12 +12,12 @@ import os
 import sys
 from typing import Any
 
-from tokenmill.bench.serve_cli import (
-    _positive_int,
+from tokenmill.workloads.args import (
     add_dataset_args,
     add_load_args,
     add_report_args,
     add_sweep_load_args,
+    positive_int,
 )
 
 DESCRIPTION = """\
@@ -184,7 +184,7 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
 
 def add_calibrate_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("calibration")
-    group.add_argument("--repeats", type=_positive_int, default=2,
+    group.add_argument("--repeats", type=positive_int, default=2,
                        help="times the profile's workloads run (default 2: noise averages out)")
     group.add_argument("--server", action=argparse.BooleanOptionalAction, default=True,
                        help="also start `tokenmill serve` and time lone requests, to measure the server's "
@@ -200,10 +200,10 @@ def add_validate_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--profile", default=None, metavar="FILE",
                        help="a calibration file (default: the stored one for --model, --dtype, --num-threads)")
     group.add_argument("--request-rates", required=True, help="comma-separated rates, e.g. 0.25,0.5,1,2,inf")
-    group.add_argument("--max-concurrency", type=_positive_int, default=None, help="client cap at every point")
+    group.add_argument("--max-concurrency", type=positive_int, default=None, help="client cap at every point")
     group.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the inter-arrival times")
     group.add_argument("--num-warmups", type=int, default=1, help="unmeasured requests before each point (default 1)")
-    group.add_argument("--repeats", type=_positive_int, default=1, help="measured sweeps to run (default 1)")
+    group.add_argument("--repeats", type=positive_int, default=1, help="measured sweeps to run (default 1)")
     group.add_argument("--calibrate", action="store_true",
                        help="calibrate around every measured point (a quick profile before and after it, the "
                             "server's overheads once) and predict each point from its own: on a shared machine the "
@@ -263,9 +263,9 @@ def build_setup(args: argparse.Namespace):
 
 
 def _report(args: argparse.Namespace, extra_percentile: float | None = None):
-    from tokenmill.bench.metrics import parse_goodput
-    from tokenmill.bench.serve_cli import percentiles_from_args
     from tokenmill.simulator.sweep import Report
+    from tokenmill.workloads.args import percentiles_from_args
+    from tokenmill.workloads.metrics import parse_goodput
 
     percentiles = percentiles_from_args(args)
     if not percentiles or any(not 0 < p <= 100 for p in percentiles):
@@ -276,8 +276,8 @@ def _report(args: argparse.Namespace, extra_percentile: float | None = None):
 
 
 def _trace(args: argparse.Namespace, setup):
-    from tokenmill.bench.serve_cli import dataset_from_args
-    from tokenmill.simulator.trace import load_result, synthetic_trace, trace_from_jsonl, trace_from_result
+    from tokenmill.workloads.args import dataset_from_args
+    from tokenmill.workloads.trace import load_result, synthetic_trace, trace_from_jsonl, trace_from_result
 
     if args.trace:
         return trace_from_result(load_result(args.trace), seed=args.seed)
@@ -290,7 +290,7 @@ def _trace(args: argparse.Namespace, setup):
 def _encoder(args: argparse.Namespace, setup):
     """Text prompts of a JSONL dataset: the model's tokenizer (or --tokenizer)."""
     def encode(text: str) -> list[int]:
-        from tokenmill.bench.datasets import LocalTokenSource
+        from tokenmill.workloads.datasets import LocalTokenSource
 
         if not hasattr(encode, "tokenizer"):
             spec = args.tokenizer or args.model or "default"
@@ -301,8 +301,8 @@ def _encoder(args: argparse.Namespace, setup):
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
-    from tokenmill.bench.serve import format_table, save_result
     from tokenmill.simulator.sweep import run_point
+    from tokenmill.workloads.load_client import format_table, save_result
 
     setup = build_setup(args)
     trace = _trace(args, setup)
@@ -317,7 +317,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
         save_result(result, args.save_result)
         print(f"result: {args.save_result}", file=sys.stderr)
     if args.plot:
-        from tokenmill.bench.plots import plot_run
+        from tokenmill.workloads.plots import plot_run
 
         plot_run(result, args.plot)
         print(f"figure: {args.plot}", file=sys.stderr)
@@ -346,10 +346,10 @@ def format_extras(result: dict[str, Any]) -> str:
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from tokenmill.bench.serve import ServeConfig
-    from tokenmill.bench.serve_cli import dataset_from_args
-    from tokenmill.bench.sweep import format_sweep_table, parse_concurrencies, parse_rates, sweep_points
     from tokenmill.simulator.sweep import parse_grid, run_sweep
+    from tokenmill.workloads.args import dataset_from_args
+    from tokenmill.workloads.load_client import ServeConfig
+    from tokenmill.workloads.sweep import format_sweep_table, parse_concurrencies, parse_rates, sweep_points
 
     setup = build_setup(args)
     dataset = dataset_from_args(args)
@@ -364,7 +364,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     everything = run_sweep(setup, dataset, axis, points, args.burstiness, report, args.output_dir, grid,
                            args.plot, args.plot_runs)
     if args.json:
-        from tokenmill.bench.sweep import summary_row
+        from tokenmill.workloads.sweep import summary_row
 
         print(json.dumps({label: [summary_row(r) for r in results] for label, results in everything.items()}))
         return 0
@@ -426,13 +426,13 @@ def format_profile(profile) -> str:
 
 
 def cmd_validate(args: argparse.Namespace) -> int:
-    from tokenmill.bench.serve import ServeConfig
-    from tokenmill.bench.serve_cli import dataset_from_args
-    from tokenmill.bench.sweep import parse_rates
     from tokenmill.config import engine_args
     from tokenmill.simulator import setup as simsetup
     from tokenmill.simulator import validate
     from tokenmill.simulator.profile import save_profile
+    from tokenmill.workloads.args import dataset_from_args
+    from tokenmill.workloads.load_client import ServeConfig
+    from tokenmill.workloads.sweep import parse_rates
 
     config = _engine_config(args)
     report_settings = _report(args, extra_percentile=90.0)

@@ -379,10 +379,10 @@ def measure_server_overheads(config: EngineConfig, engine: LLMEngine, rounds: in
     import asyncio
     from contextlib import AsyncExitStack
 
-    from tokenmill.bench.datasets import DatasetConfig
-    from tokenmill.bench.local_server import LocalServer
-    from tokenmill.bench.serve import ServeConfig, open_session, run_point
     from tokenmill.config import engine_args
+    from tokenmill.workloads.datasets import DatasetConfig
+    from tokenmill.workloads.load_client import ServeConfig, open_session, run_point
+    from tokenmill.workloads.local_server import LocalServer
 
     steps = _Steps()
     engine.add_observer(steps)

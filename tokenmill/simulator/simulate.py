@@ -18,8 +18,8 @@ What the server adds around the engine is modelled by measured constants
 - `token_s`: from a step's end to the client holding its chunk (not measured: 0 unless given).
 Detokenization is inside the engine step, so it is in the calibrated step cost.
 
-The per-request records are `bench.metrics.RequestRecord`s, and the result is computed
-by `bench.metrics.calculate_metrics`: the same keys and definitions as `tokenmill bench
+The per-request records are `workloads.metrics.RequestRecord`s, and the result is computed
+by `workloads.metrics.calculate_metrics`: the same keys and definitions as `tokenmill bench
 serve`, plus the KV cache's usage over time and the preemptions.
 """
 
@@ -34,14 +34,14 @@ from dataclasses import asdict, dataclass, field
 from datetime import datetime
 from typing import Any
 
-from tokenmill.bench.metrics import DEFAULT_PERCENTILES, RequestRecord, calculate_metrics
 from tokenmill.config import EngineConfig, EngineFacts
 from tokenmill.engine.engine import LLMEngine, StepObserver, StepRecord
 from tokenmill.outputs import RequestOutput
 from tokenmill.planner.costmodel import StepTimeModel
 from tokenmill.sampling.params import SamplingParams
 from tokenmill.simulator.executor import SimulatedExecutor, VirtualClock
-from tokenmill.simulator.trace import Trace
+from tokenmill.workloads.metrics import DEFAULT_PERCENTILES, RequestRecord, calculate_metrics
+from tokenmill.workloads.trace import Trace
 
 SCHEMA = "tokenmill.simulate/1"
 TIMELINE_POINTS = 2000  # at most this many KV-usage samples in a result

@@ -17,14 +17,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.bench.datasets import DatasetConfig
-from tokenmill.bench.metrics import DEFAULT_PERCENTILES
-from tokenmill.bench.serve import save_result
-from tokenmill.bench.sweep import SweepPoint, summary_row
 from tokenmill.config import engine_settings
 from tokenmill.simulator.setup import with_settings
 from tokenmill.simulator.simulate import SimulationSetup, result_dict, simulate
-from tokenmill.simulator.trace import Trace, synthetic_trace
+from tokenmill.workloads.datasets import DatasetConfig
+from tokenmill.workloads.load_client import save_result
+from tokenmill.workloads.metrics import DEFAULT_PERCENTILES
+from tokenmill.workloads.sweep import SweepPoint, summary_row
+from tokenmill.workloads.trace import Trace, synthetic_trace
 
 # Summary keys the simulator adds to bench sweep's.
 EXTRA_SUMMARY_KEYS = ("num_preemptions", "max_kv_usage", "mean_kv_usage", "p90_ttft_ms", "simulation_wall_s")
@@ -85,7 +85,7 @@ def run_sweep(setup: SimulationSetup, dataset: DatasetConfig, axis: str, points:
               burstiness: float, report: Report, output_dir: str, grid: Sequence[dict[str, Any]] = ({},),
               plot_path: str | None = None, plot_runs: bool = False) -> dict[str, list[dict[str, Any]]]:
     """Every point for every grid setting: {grid label: results}. Files as `bench sweep`."""
-    from tokenmill.bench.plots import plot_run, plot_sweep
+    from tokenmill.workloads.plots import plot_run, plot_sweep
 
     if not points:
         raise ValueError("the sweep has no points")

@@ -25,10 +25,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.bench.serve import save_result
 from tokenmill.simulator.simulate import SimulationSetup
 from tokenmill.simulator.sweep import Report, run_point
-from tokenmill.simulator.trace import load_result, trace_from_result
+from tokenmill.workloads.load_client import save_result
+from tokenmill.workloads.trace import load_result, trace_from_result
 
 Log = Callable[[str], None]
 
@@ -54,8 +54,8 @@ def measure(engine_flags: list[str], serve_config, rates: Sequence[float], direc
             log: Log | None = None) -> list[dict[str, Any]]:
     """`bench sweep` over `rates` against a fresh `tokenmill serve ENGINE_FLAGS`; its files
     go to `directory`."""
-    from tokenmill.bench.local_server import LocalServer
-    from tokenmill.bench.sweep import SweepPoint, run_sweep
+    from tokenmill.workloads.local_server import LocalServer
+    from tokenmill.workloads.sweep import SweepPoint, run_sweep
 
     points = [SweepPoint(rate, serve_config.max_concurrency) for rate in rates]
     if log:
@@ -76,12 +76,12 @@ def measure_calibrated(config, serve_config, rates: Sequence[float], directory: 
     import asyncio
     from contextlib import AsyncExitStack
 
-    from tokenmill.bench.local_server import LocalServer
-    from tokenmill.bench.plots import plot_sweep
-    from tokenmill.bench.serve import open_session, run_point as run_measured_point
-    from tokenmill.bench.sweep import SweepPoint, summary_row
     from tokenmill.config import engine_args
     from tokenmill.simulator.profile import QUICK_WORKLOADS, Calibrator, measure_server_overheads
+    from tokenmill.workloads.load_client import open_session, run_point as run_measured_point
+    from tokenmill.workloads.local_server import LocalServer
+    from tokenmill.workloads.plots import plot_sweep
+    from tokenmill.workloads.sweep import SweepPoint, summary_row
 
     async def one_point(rate: float, index: int) -> dict[str, Any]:
         async with AsyncExitStack() as stack:
@@ -224,7 +224,7 @@ def _num(value: float) -> str:
 def plot_validation(report: dict[str, Any], path: str, title: str = "") -> None:
     """One panel per compared metric: measured (each repeat, and the median) and predicted
     against the offered request rate."""
-    from tokenmill.bench.plots import _pyplot, _x_positions
+    from tokenmill.workloads.plots import _pyplot, _x_positions
 
     plt = _pyplot()
     points = report["points"]

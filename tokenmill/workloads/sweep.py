@@ -21,7 +21,7 @@ from contextlib import AsyncExitStack
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.bench.serve import ServeConfig, format_table, open_session, run_point, save_result
+from tokenmill.workloads.load_client import ServeConfig, format_table, open_session, run_point, save_result
 
 SUMMARY_KEYS = (
     "request_rate", "max_concurrency", "num_prompts", "completed", "failed", "duration",
@@ -107,7 +107,7 @@ def format_sweep_table(results: list[dict[str, Any]], axis: str) -> str:
 
 async def _sweep(config: ServeConfig, axis: str, points: list[SweepPoint], output_dir: str,
                  plot_runs: bool, echo: bool) -> list[dict[str, Any]]:
-    from tokenmill.bench.plots import plot_run
+    from tokenmill.workloads.plots import plot_run
 
     results = []
     async with AsyncExitStack() as stack:
@@ -134,7 +134,7 @@ def run_sweep(config: ServeConfig, axis: str, points: list[SweepPoint], output_d
     with open(os.path.join(output_dir, "sweep.json"), "w", encoding="utf-8") as file:
         json.dump({"axis": axis, "points": [summary_row(r) for r in results]}, file, indent=1)
         file.write("\n")
-    from tokenmill.bench.plots import plot_sweep
+    from tokenmill.workloads.plots import plot_sweep
 
     plot_sweep(results, plot_path or os.path.join(output_dir, "sweep.png"), axis)
     return results

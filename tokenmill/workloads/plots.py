@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from tokenmill.bench.metrics import RequestRecord, output_timeline, percentile_key
+from tokenmill.workloads.metrics import RequestRecord, output_timeline, percentile_key
 
 
 def _pyplot():

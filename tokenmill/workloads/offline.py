@@ -11,7 +11,7 @@ harness (`benchmarks/compare.py`), so every system runs exactly the same request
 - W4: 32 requests sharing one 512-token prefix, each with its own 32-token suffix,
   64 new tokens each -> throughput and mean TTFT, with prefix caching on and off.
 - W5: input-grounded prompts (repeat, correct, rewrite, summarize a passage; annotate
-  code: `tokenmill.bench.grounded`) in the chat template, one request at a time, up to
+  code: `tokenmill.workloads.grounded`) in the chat template, one request at a time, up to
   256 new tokens each, stopping at EOS -> output tokens/s at batch 1, and the draft
   acceptance when speculative decoding is on.
 - W6: the same kind of prompts, 32 at once -> output tokens/s under load.
@@ -93,7 +93,7 @@ def build_requests(name: str, sizes: Sizes, rng: random.Random, pool: Sequence[i
     if name in GROUNDED:
         if encode_chat is None:
             raise ValueError(f"{name} needs the model's chat template (encode_chat)")
-        from tokenmill.bench.grounded import grounded_messages
+        from tokenmill.workloads.grounded import grounded_messages
 
         count = sizes.w5_requests if name == "W5" else sizes.w6_requests
         return [(encode_chat(messages), sizes.grounded_new) for messages in grounded_messages(count, rng)]

@@ -1,5 +1,5 @@
 """Reports of the offline benchmark: the machine it ran on, speedup columns, and the
-tables as text and Markdown. `python -m tokenmill.bench.report results.json [--markdown]`
+tables as text and Markdown. `python -m tokenmill.workloads.report results.json [--markdown]`
 prints the tables of a saved report."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import subprocess
 import sys
 from typing import Any
 
-from tokenmill.bench.workloads import METRICS, NOT_SPEEDUPS, WORKLOAD_METRICS, speedup
 from tokenmill.hardware import cpu_info
+from tokenmill.workloads.offline import METRICS, NOT_SPEEDUPS, WORKLOAD_METRICS, speedup
 
 # Which pairs get a speedup column: (name, numerator system, denominator system).
 COMPARISONS = {
@@ -195,8 +195,8 @@ def format_markdown(report: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Print the tables of a saved report: `python -m tokenmill.bench.report results.json [--markdown]`."""
-    parser = argparse.ArgumentParser(prog="python -m tokenmill.bench.report", description=main.__doc__)
+    """Print the tables of a saved report: `python -m tokenmill.workloads.report results.json [--markdown]`."""
+    parser = argparse.ArgumentParser(prog="python -m tokenmill.workloads.report", description=main.__doc__)
     parser.add_argument("report")
     parser.add_argument("--markdown", action="store_true")
     args = parser.parse_args(argv)

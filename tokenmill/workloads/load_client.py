@@ -17,7 +17,7 @@ per position over the run, as `vllm bench serve` does.
 A request fails (and is counted, with its reason, while the run goes on) on an
 HTTP status >= 400, an error event in the stream, a dropped connection, a
 timeout, or a stream that ends before `data: [DONE]` or a finish reason.
-The metrics are computed in `tokenmill.bench.metrics`.
+The metrics are computed in `tokenmill.workloads.metrics`.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 import numpy as np
 
-from tokenmill.bench.datasets import (
+from tokenmill.workloads.datasets import (
     NEEDS_TOKEN_SOURCE,
     DatasetConfig,
     IdRangeSource,
@@ -49,7 +49,7 @@ from tokenmill.bench.datasets import (
     TokenSource,
     build_requests,
 )
-from tokenmill.bench.metrics import (
+from tokenmill.workloads.metrics import (
     DEFAULT_PERCENTILES,
     DISTRIBUTION_METRICS,
     RequestRecord,

@@ -3,8 +3,8 @@
 Three sources, the same as `tokenmill bench serve` has:
 
 - a synthetic workload (`synthetic_trace`): the bench's random or shared-prefix dataset
-  (`bench.datasets.random_token_prompts`) at gamma/Poisson arrivals
-  (`bench.metrics.arrival_times`), drawn from the same seeds the bench draws from, so a
+  (`workloads.datasets.random_token_prompts`) at gamma/Poisson arrivals
+  (`workloads.metrics.arrival_times`), drawn from the same seeds the bench draws from, so a
   simulated point and a measured one see the same arrival times and lengths;
 - a recorded `bench serve` result (`trace_from_result`): its per-request send times,
   prompt lengths (the server's count) and output lengths, replayed as they were; prompts
@@ -27,8 +27,8 @@ from typing import Any
 
 import numpy as np
 
-from tokenmill.bench.datasets import FALLBACK_ID_RANGE, DatasetConfig, load_jsonl, random_token_prompts
-from tokenmill.bench.metrics import arrival_times
+from tokenmill.workloads.datasets import FALLBACK_ID_RANGE, DatasetConfig, load_jsonl, random_token_prompts
+from tokenmill.workloads.metrics import arrival_times
 
 RANDOM_POOL = list(range(*FALLBACK_ID_RANGE))
 

@@ -1,6 +1,6 @@
 """Prompts for `tokenmill bench serve`: random, shared-prefix, JSONL and input-grounded
 datasets (`grounded`: chat messages asking to repeat, correct, rewrite or summarize a
-passage given in the prompt, `tokenmill.bench.grounded`; the answers end at EOS).
+passage given in the prompt, `tokenmill.workloads.grounded`; the answers end at EOS).
 
 Random prompts are random token ids. Which ids are ordinary tokens comes from one of
 three token sources, in this order:
@@ -120,7 +120,7 @@ class LocalTokenSource:
             self.tokenizer = Tokenizer.from_gguf(path)
         else:
             raise FileNotFoundError(f"--tokenizer {spec!r}: no such GGUF file or Hugging Face directory")
-        from tokenmill.bench.workloads import ordinary_token_ids
+        from tokenmill.workloads.offline import ordinary_token_ids
 
         self.pool = ordinary_token_ids(self.tokenizer, self.tokenizer.vocab_size)
         self.description = f"local tokenizer {path}"
@@ -282,7 +282,7 @@ def grounded_requests(count: int, output_len: int, chat: bool, seed: int) -> lis
     """Chat messages, or for /v1/completions the same text as a plain prompt."""
     import random
 
-    from tokenmill.bench.grounded import grounded_messages
+    from tokenmill.workloads.grounded import grounded_messages
 
     return [SampleRequest(None, output_len, None, messages) if chat
             else SampleRequest(messages[0]["content"], output_len)
