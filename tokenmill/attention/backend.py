@@ -78,6 +78,7 @@ class AttentionBackend(ABC):
         kv_cache: LayerKVCache,
         metadata: object,
         scale: float,
+        window: int | None = None,  # a sliding-window layer: each query sees its last `window` keys
     ) -> torch.Tensor: ...  # [tokens, heads, head_dim]
 
 

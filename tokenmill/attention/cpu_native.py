@@ -6,16 +6,21 @@ plus masked SDPA of the pure-PyTorch backend; it reads int8/fp8 caches with thei
 as they are. Prefill chunks go through the shared SDPA path (`paged_sdpa`), which SDPA's
 flash kernel already does well. An 8-bit cache is written by the native write (one op
 instead of a dozen per layer), to the same bytes as the PyTorch write.
+
+The native decode kernel attends to a whole context: a sliding-window layer whose
+decodes reach past the window attends them by the shared padded SDPA path instead,
+narrowed to the window (as are its prefill chunks).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, BatchLayout, padded_block_tables
-from tokenmill.attention.paged_sdpa import PrefillSpan, attend_prefills, prefill_spans, write_kv
+from tokenmill.attention.paged_sdpa import (PaddedDecode, PrefillSpan, attend_padded_decode, attend_prefills,
+                                            padded_decode, prefill_spans, windowed_spans, write_kv)
 from tokenmill.kernels import hadamard_, paged_decode_attention, write_kv_cache
 
 
@@ -29,8 +34,23 @@ class NativeDecode:
 @dataclass
 class NativeMetadata:
     slot_mapping: torch.Tensor  # [tokens]
-    decode: NativeDecode | None
+    decode: NativeDecode | PaddedDecode | None
     prefills: list[PrefillSpan]
+    layout: BatchLayout | None = None
+    windowed: dict[int, NativeMetadata] = field(default_factory=dict)  # per sliding window, built on first use
+
+    def for_window(self, window: int | None, device: torch.device) -> NativeMetadata:
+        if window is None or self.layout is None:
+            return self
+        if window not in self.windowed:
+            layout = self.layout
+            decodes = [i for i, n in enumerate(layout.query_lens) if n == 1]
+            decode = self.decode
+            if decodes and max(layout.context_lens[i] for i in decodes) > window:
+                decode = padded_decode(layout, decodes, device, window)
+            self.windowed[window] = NativeMetadata(self.slot_mapping, decode,
+                                                   windowed_spans(self.prefills, window, device))
+        return self.windowed[window]
 
 
 class CPUNativeBackend(AttentionBackend):
@@ -42,9 +62,12 @@ class CPUNativeBackend(AttentionBackend):
             slot_mapping=torch.tensor(layout.slot_mapping, dtype=torch.long, device=device),
             decode=_native_decode(layout, decodes, device) if decodes else None,
             prefills=prefill_spans(layout, device),
+            layout=layout,
         )
 
-    def forward(self, q, k, v, kv_cache, metadata: NativeMetadata, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, kv_cache, metadata: NativeMetadata, scale: float,
+                window: int | None = None) -> torch.Tensor:
+        metadata = metadata.for_window(window, q.device)
         native = kv_cache.quantized and q.dtype == torch.float32
         if not native:
             q, k, v = kv_cache.rotate_in(q, k, v)
@@ -54,7 +77,9 @@ class CPUNativeBackend(AttentionBackend):
                 hadamard_(t, kv_cache.rotation)
             write_kv_cache(k, v, (kv_cache.k, kv_cache.v), kv_cache.scales, metadata.slot_mapping)
         out = torch.empty_like(q)
-        if metadata.decode is not None:
+        if isinstance(metadata.decode, PaddedDecode):
+            attend_padded_decode(q, kv_cache, metadata.decode, scale, out)
+        elif metadata.decode is not None:
             self._decode(q, kv_cache, metadata.decode, scale, out)
         attend_prefills(q, k, v, kv_cache, metadata.prefills, scale, out, metadata.slot_mapping, self.prefill_dtype)
         if native and kv_cache.rotation:

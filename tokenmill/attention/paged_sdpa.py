@@ -5,6 +5,11 @@ A prefill chunk attends to its whole context: when earlier chunks (or cached pre
 blocks) exist, that context is gathered from the cache and a causal mask aligned to the
 bottom right lets the chunk see all of it; otherwise the chunk is the whole context and
 SDPA's own causal mask applies. Matrix-shaped work that SDPA's flash kernel does well.
+
+A sliding-window layer (query at position p sees keys in (p - window, p]) attends over
+the same spans narrowed to the window (`windowed_spans`): keys before the window are
+not even gathered, so blocks a hybrid cache has let go of are never read. Decode rows
+gathered and padded into one batch (`padded_decode`) are narrowed the same way.
 """
 
 from __future__ import annotations
@@ -14,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from tokenmill.attention.backend import BatchLayout
+from tokenmill.attention.backend import BatchLayout, padded_block_tables
 from tokenmill.attention.kv_cache import LayerKVCache
 
 
@@ -24,6 +29,65 @@ class PrefillSpan:
     end: int
     context_gather: torch.Tensor | None  # cache slots of the whole context; None: no earlier context
     mask: torch.Tensor | None  # bottom-right causal mask [q_len, context_len]
+    context_len: int = 0  # tokens in the context after this chunk
+
+
+@dataclass
+class PaddedDecode:
+    """Decode rows attended in one padded batch: each row's context gathered from the
+    cache (padded to the longest) and SDPA with a mask over them."""
+
+    rows: torch.Tensor  # query rows of the decode requests
+    gather: torch.Tensor  # [decodes, width] cache slots, padded
+    mask: torch.Tensor  # [decodes, 1, 1, width] True = attend
+
+
+def padded_decode(layout: BatchLayout, decodes: list[int], device: torch.device,
+                  window: int | None = None) -> PaddedDecode:
+    """The decode requests `decodes` (indices into the layout), each over its whole
+    context or, with a window, over its last `window` tokens."""
+    size, starts = layout.block_size, layout.query_starts
+    lens = torch.tensor([layout.context_lens[i] for i in decodes], device=device)
+    first = (lens - window).clamp(min=0) if window else torch.zeros_like(lens)
+    width = int((lens - first).max())
+    pos = first.unsqueeze(1) + torch.arange(width, device=device)  # [D, width] positions attended
+    mask = pos < lens.unsqueeze(1)
+    pos = torch.minimum(pos, lens.unsqueeze(1) - 1)  # padding reads a real slot of the row, masked out
+    max_blocks = -(-int(lens.max()) // size)
+    table = torch.tensor(padded_block_tables([layout.block_tables[i] for i in decodes], max_blocks),
+                         dtype=torch.long, device=device)
+    gather = table.gather(1, pos // size) * size + pos % size
+    return PaddedDecode(
+        rows=torch.tensor([starts[i] for i in decodes], dtype=torch.long, device=device),
+        gather=gather,
+        mask=mask[:, None, None, :],
+    )
+
+
+def attend_padded_decode(q: torch.Tensor, kv_cache: LayerKVCache, decode: PaddedDecode, scale: float,
+                         out: torch.Tensor) -> None:
+    qd = q[decode.rows].unsqueeze(2)  # [D, H, 1, d]
+    kd, vd = kv_cache.read(decode.gather, q.dtype)  # [D, L, KVH, d]
+    kd, vd = kd.transpose(1, 2), vd.transpose(1, 2)
+    out[decode.rows] = sdpa(qd, kd, vd, decode.mask, scale, causal=False).squeeze(2)
+
+
+def windowed_spans(spans: list[PrefillSpan], window: int, device: torch.device) -> list[PrefillSpan]:
+    """The step's prefill spans for a sliding-window layer: query at position p sees keys
+    in (p - window, p]; keys before the first query's window are not gathered."""
+    result = []
+    for span in spans:
+        q_len = span.end - span.start
+        first_query = span.context_len - q_len  # position of the chunk's first query
+        key_start = 0 if span.context_gather is None else max(0, first_query - window + 1)
+        keys = torch.arange(key_start, span.context_len, device=device)
+        queries = torch.arange(first_query, span.context_len, device=device).unsqueeze(1)
+        mask = (keys <= queries) & (keys > queries - window)
+        gather = None if span.context_gather is None else span.context_gather[key_start:]
+        if gather is None and q_len <= window:
+            mask = None  # the whole chunk fits in every query's window: plain causal
+        result.append(PrefillSpan(span.start, span.end, gather, mask, span.context_len))
+    return result
 
 
 def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKVCache, slot_mapping: torch.Tensor) -> None:
@@ -56,7 +120,7 @@ def attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         kp = kp.transpose(0, 1).unsqueeze(0)
         vp = vp.transpose(0, 1).unsqueeze(0)
         qp, kp, vp = qp.to(dtype), kp.to(dtype), vp.to(dtype)
-        o = sdpa(qp, kp, vp, span.mask, scale, causal=span.mask is None)
+        o = sdpa(qp, kp, vp, span.mask, scale, causal=span.mask is None and span.context_gather is None)
         out[span.start : span.end] = o.squeeze(0).transpose(0, 1)
 
 
@@ -79,9 +143,9 @@ def context_slots(block_table: list[int], ctx_len: int, block_size: int, device:
 def _prefill_span(layout: BatchLayout, i: int, start: int, device: torch.device) -> PrefillSpan:
     q_len, ctx_len = layout.query_lens[i], layout.context_lens[i]
     if q_len == ctx_len:
-        return PrefillSpan(start, start + q_len, None, None)
+        return PrefillSpan(start, start + q_len, None, None, ctx_len)
     gather = context_slots(layout.block_tables[i], ctx_len, layout.block_size, device)
     # Query row r sits at position ctx_len - q_len + r and sees keys up to it.
     rows = torch.arange(q_len, device=device).unsqueeze(1) + (ctx_len - q_len)
     mask = torch.arange(ctx_len, device=device).unsqueeze(0) <= rows
-    return PrefillSpan(start, start + q_len, gather, mask)
+    return PrefillSpan(start, start + q_len, gather, mask, ctx_len)

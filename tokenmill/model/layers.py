@@ -1,4 +1,4 @@
-"""Building blocks of Llama-family models: linear layers, RMSNorm, rotary embeddings, SwiGLU."""
+"""Building blocks of Llama-family models: linear layers, RMSNorm, rotary embeddings, gated MLPs."""
 
 from __future__ import annotations
 
@@ -169,19 +169,25 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
-class SwiGLU(nn.Module):
-    """Gate and up projections fused into one matmul, then silu(gate) * up, down."""
+class GatedMLP(nn.Module):
+    """Gate and up projections fused into one matmul, then act(gate) * up, down: SwiGLU
+    (silu, Llama/Qwen) or GeGLU (tanh-approximated gelu, Gemma)."""
 
     native = False  # the execution plan's choice: silu(gate) * up by the native op
 
-    def __init__(self, hidden: int, intermediate: int) -> None:
+    def __init__(self, hidden: int, intermediate: int, act: str = "silu") -> None:
         super().__init__()
+        self.act = act
         self.gate_up_proj = Linear(hidden, 2 * intermediate, bias=False)
         self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate_up = self.gate_up_proj(x)
-        if self.native and gate_up.dim() == 2 and gate_up.is_contiguous():
+        if self.native and self.act == "silu" and gate_up.dim() == 2 and gate_up.is_contiguous():
             return self.down_proj(kernels.silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        gate = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
+        return self.down_proj(gate * up)
+
+
+SwiGLU = GatedMLP  # the name it had while SiLU was the only activation

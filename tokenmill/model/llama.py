@@ -1,4 +1,8 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Mistral without sliding window, Qwen2).
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Gemma 3).
+
+The families' differences are features of the config (ModelArchConfig): q/k norms,
+GeGLU, Gemma's norm layout, embedding scaling and logit soft-capping, and a sliding
+window per layer with its own RoPE base.
 
 `model(input_ids, positions)` takes the step's tokens flattened across requests;
 attention reads its per-step metadata from the forward context, so the model
@@ -19,7 +23,7 @@ from tokenmill.attention.backend import PagedDecode, get_forward_context
 from tokenmill.attention.kv_cache import LayerKVCache
 from tokenmill.distributed.layout import ShardLayout
 from tokenmill.distributed.model_parallel import ModelParallel
-from tokenmill.model.layers import Linear, RMSNorm, RotaryEmbedding, SwiGLU
+from tokenmill.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from tokenmill.model_arch import ModelArchConfig
 from tokenmill.quantization import QuantizedTensor, WeightFormat
 
@@ -34,28 +38,42 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = layout.q_heads.size, layout.kv_heads.size, cfg.head_dim
         self.q_size = self.num_heads * cfg.head_dim
         self.kv_size = self.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim**-0.5
+        self.scale = cfg.attention_scale
+        self.window = cfg.layer_window(layout.layers.start + layer_idx)  # None: attends to the whole context
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
+        # Qwen3 / Gemma 3: RMSNorm over each head of q and of k, before RoPE.
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         tokens, qk_size = qkv.shape[0], self.q_size + self.kv_size
-        # Q and K heads side by side, rotated in one go.
-        qk = self.rotary.rotate(qkv[:, :qk_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim), *rope)
-        q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        qk = qkv[:, :qk_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+        if self.q_norm is None:  # Q and K heads side by side, rotated in one go
+            qk = self.rotary.rotate(qk, *rope)
+            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        else:
+            q = self.rotary.rotate(self.q_norm(qk[:, : self.num_heads]), *rope)
+            k = self.rotary.rotate(self.k_norm(qk[:, self.num_heads :]), *rope)
         v = qkv[:, qk_size:].view(tokens, self.num_kv_heads, self.head_dim)
         ctx = get_forward_context()
         if ctx is None:
             out = self._dense_causal(q, k, v)
         else:
-            out = ctx.backend.forward(q, k, v, ctx.kv_cache[self.layer_idx], ctx.metadata, self.scale)
+            out = ctx.backend.forward(q, k, v, ctx.kv_cache[self.layer_idx], ctx.metadata, self.scale,
+                                      window=self.window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
     def _dense_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+        mask = None
+        if self.window is not None:  # key j is seen from query i iff i - window < j <= i
+            pos = torch.arange(q.shape[2])
+            mask = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - self.window)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scale,
+                                             enable_gqa=True)
         return out.squeeze(0).transpose(0, 1)
 
 
@@ -66,7 +84,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_idx, rotary, parallel.layout)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = SwiGLU(cfg.hidden_size, parallel.layout.intermediate.size)
+        # Gemma's sandwich: post_attention_layernorm normalises the attention output, and
+        # these two the MLP's input and output (Llama's post_attention_layernorm is the
+        # MLP's input norm).
+        self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
+        self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
+        self.mlp = GatedMLP(cfg.hidden_size, parallel.layout.intermediate.size, cfg.hidden_act)
 
     def forward(
         self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, residual: torch.Tensor | None
@@ -79,17 +102,28 @@ class DecoderLayer(nn.Module):
         else:
             x, residual = self.input_layernorm(h, residual)
         reduce = self.parallel.all_reduce
+        if self.pre_feedforward_layernorm is not None:
+            attn = self.post_attention_layernorm(reduce(self.self_attn(rope, x)))
+            x, residual = self.pre_feedforward_layernorm(attn, residual)
+            return self.post_feedforward_layernorm(reduce(self.mlp(x))), residual
         x, residual = self.post_attention_layernorm(reduce(self.self_attn(rope, x)), residual)
         return reduce(self.mlp(x)), residual
 
     def _linears(self) -> tuple[Linear, Linear, Linear, Linear]:
         return self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj
 
+    def fused_decode_covers(self) -> bool:
+        """Whether kernels.llama_decode_layer computes this layer's kind: Llama's two norms
+        and SiLU MLP, whole-context attention; no q/k norms, no sliding window, no sandwich."""
+        attn = self.self_attn
+        return (attn.q_norm is None and attn.window is None and self.pre_feedforward_layernorm is None
+                and self.mlp.act == "silu")
+
     def can_fuse_decode(self) -> bool:
-        """Whether kernels.llama_decode_layer can run this layer: every weight in a format
-        with a fused-decode operand, no biases (SiLU MLP is the only kind here), and no
-        tensor parallelism (its all-reduces fall inside the fused layer)."""
-        return self.parallel.tp_size == 1 and all(
+        """Whether kernels.llama_decode_layer can run this layer: a kind it covers, every
+        weight in a format with a fused-decode operand, no biases, and no tensor
+        parallelism (its all-reduces fall inside the fused layer)."""
+        return self.fused_decode_covers() and self.parallel.tp_size == 1 and all(
             lin.weights is not None and lin.weights.fused_decode_operand() is not None and lin.bias is None
             for lin in self._linears()
         )
@@ -126,16 +160,37 @@ class LlamaForCausalLM(nn.Module):
         self.cfg = cfg
         self.parallel = parallel = parallel or ModelParallel.single(cfg)
         layout = parallel.layout
-        rotary = RotaryEmbedding(
-            cfg.head_dim, max_positions or cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling
-        )
+        self.max_positions = max_positions or cfg.max_position_embeddings
+        self.rotaries = nn.ModuleList(self._rotaries())
         # Vocabulary-parallel: this rank's rows of the embedding and the LM head.
         self.embed_tokens = nn.Embedding(layout.vocab.size, cfg.hidden_size) if layout.holds_embedding else None
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, parallel) for i in range(layout.layers.size))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, self.rotaries[self._rope_kind(layout.layers.start + i)], parallel)
+            for i in range(layout.layers.size)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, layout.vocab.size, bias=False, many_rows=False) if layout.last_stage \
             else None
         self.tie_weights()
+
+    def _rotaries(self) -> list[RotaryEmbedding]:
+        """The RoPE tables: one, or (Gemma 3) a second for the sliding layers' own base."""
+        cfg = self.cfg
+        rotaries = [RotaryEmbedding(cfg.head_dim, self.max_positions, cfg.rope_theta, cfg.rope_scaling)]
+        if cfg.rope_local_theta is not None:
+            rotaries.append(RotaryEmbedding(cfg.head_dim, self.max_positions, cfg.rope_local_theta, None))
+        return rotaries
+
+    def _rope_kind(self, layer: int) -> int:
+        """Index into self.rotaries of a (global) layer."""
+        return int(self.cfg.rope_local_theta is not None and self.cfg.layer_window(layer) is not None)
+
+    def rebuild_rotary(self, device: torch.device) -> None:
+        """Compute the RoPE tables (float32) on `device`: after building on the meta device."""
+        fresh = [r.to(device) for r in self._rotaries()]
+        self.rotaries = nn.ModuleList(fresh)
+        for layer in self.layers:
+            layer.self_attn.rotary = fresh[self._rope_kind(self.parallel.layout.layers.start + layer.self_attn.layer_idx)]
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head (again after moving devices, which
@@ -161,7 +216,7 @@ class LlamaForCausalLM(nn.Module):
     def use_native_ops(self, enabled: bool) -> None:
         """The execution plan's choice of the fused native element-wise ops (float32 CPU)."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, RotaryEmbedding, SwiGLU)):
+            if isinstance(module, (RMSNorm, RotaryEmbedding, GatedMLP)):
                 module.native = enabled
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
@@ -172,16 +227,16 @@ class LlamaForCausalLM(nn.Module):
             h, residual = self._embed(input_ids), None
         else:
             h, residual = parallel.recv_hidden(input_ids.shape[0], self.cfg.hidden_size, self.dtype)
-        rope = self.layers[0].self_attn.rotary.table(positions)
+        tables = {id(r): r.table(positions) for r in self.rotaries}  # looked up once per step
         ctx = get_forward_context()
         if ctx is not None and ctx.decode is not None:  # the plan runs this step fused
             if residual is None:
                 residual, h = h, torch.zeros_like(h)  # the first layer adds nothing to the embeddings
             for layer, kv_cache in zip(self.layers, ctx.kv_cache):
-                h = layer.fused_decode(rope, h, residual, kv_cache, ctx.decode)
+                h = layer.fused_decode(tables[id(layer.self_attn.rotary)], h, residual, kv_cache, ctx.decode)
         else:
             for layer in self.layers:
-                h, residual = layer(rope, h, residual)
+                h, residual = layer(tables[id(layer.self_attn.rotary)], h, residual)
         if not parallel.layout.last_stage:
             parallel.send_hidden(h, residual)
             return None
@@ -190,13 +245,17 @@ class LlamaForCausalLM(nn.Module):
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         vocab = self.parallel.layout.vocab
         if vocab.size == self.cfg.vocab_size:
-            return self._lookup(input_ids)
+            return self._scaled(self._lookup(input_ids))
         # Vocabulary-parallel: rows of other ranks' ids are zero here; the sum has them.
         local = input_ids - vocab.start
         inside = (local >= 0) & (local < vocab.size)
         h = self._lookup(torch.where(inside, local, 0))
         h.masked_fill_(~inside.unsqueeze(-1), 0.0)
-        return self.parallel.all_reduce(h)
+        return self._scaled(self.parallel.all_reduce(h))
+
+    def _scaled(self, h: torch.Tensor) -> torch.Tensor:
+        """Gemma multiplies the embeddings by sqrt(hidden_size)."""
+        return h if self.cfg.embedding_scale is None else h * self.cfg.embedding_scale
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows: from the table, or from a tied head's own storage."""
@@ -206,7 +265,9 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary (gathered from the TP ranks' parts)."""
-        return self.parallel.gather_logits(self.lm_head(hidden).float())
+        logits = self.parallel.gather_logits(self.lm_head(hidden).float())
+        cap = self.cfg.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
     # ----- weights -------------------------------------------------------------------
 
@@ -257,6 +318,8 @@ class LlamaForCausalLM(nn.Module):
                 param = param.narrow(0, *self._shard_range(target, shard))
             if isinstance(tensor, QuantizedTensor):
                 tensor = tensor.dequantize()
+            if target.endswith("norm.weight") and self.cfg.norm_weight_offset:
+                tensor = tensor.float() + self.cfg.norm_weight_offset  # Gemma's (1 + w), folded in once
             with torch.no_grad():
                 _copy(param, tensor, name)
         missing = sorted(expected - loaded)

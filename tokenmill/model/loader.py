@@ -23,7 +23,7 @@ from tokenmill.distributed.model_parallel import ModelParallel
 from tokenmill.gguf_file import GGUFFile
 from tokenmill.model.layers import Linear
 from tokenmill.model.llama import LlamaForCausalLM
-from tokenmill.model_arch import ModelArchConfig
+from tokenmill.model_arch import FULL, SLIDING, SUPPORTED_ARCHITECTURES, ModelArchConfig
 from tokenmill.quantization import QuantizedTensor, WeightFormat
 from tokenmill.quantization.checkpoints import COMPANIONS, SUPPORTED_CHECKPOINTS, prequantized_config
 from tokenmill.quantization.gguf_blocks import from_gguf_blocks
@@ -126,11 +126,7 @@ def load_model(model: str | None | Checkpoint, dtype: str, device: torch.device,
         net = LlamaForCausalLM(arch, max_positions, model_parallel)
     _materialize(net, device, torch_dtype)
     net.tie_weights()
-    # Buffers (the rotary table) were on meta; rebuild them for real, in float32.
-    rotary = net.layers[0].self_attn.rotary
-    fresh = type(rotary)(arch.head_dim, rotary.cos.shape[0], arch.rope_theta, arch.rope_scaling).to(device)
-    for layer in net.layers:
-        layer.self_attn.rotary = fresh
+    net.rebuild_rotary(device)  # buffers (the RoPE tables) were on meta; rebuild them for real, in float32
     desc = f"Loading {os.path.basename(path.rstrip('/'))}"
     weights = checkpoint.read(model_parallel.layout, keep_quantized and weight_format is not None)
     net.load_weights(tqdm(weights, total=checkpoint.num_tensors, desc=desc, unit="tensor", leave=False,
@@ -159,8 +155,9 @@ def _open_gguf(path: str) -> Checkpoint:
     gguf_file = GGUFFile(path)
     meta = gguf_file.metadata
     arch_name = meta.get("general.architecture")
-    if arch_name not in ("llama", "qwen2"):
-        raise ValueError(f"unsupported architecture {arch_name!r} in {path}; tokenmill supports llama and qwen2")
+    if arch_name not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported architecture {arch_name!r} in {path}; tokenmill supports "
+                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     arch = _arch_from_gguf(meta, arch_name, gguf_file)
     tokenizer = Tokenizer.from_gguf({k: v for k, v in meta.items() if k.startswith("tokenizer.")})
     column_unit = max((gguf_file.block_size(t) for t in gguf_file.tensors if len(t.shape) == 2), default=1)
@@ -189,6 +186,11 @@ def _arch_from_gguf(meta: dict, arch: str, gguf_file: GGUFFile) -> ModelArchConf
         scaling = {"rope_type": "factors", "factors": factors}
     elif get("rope.scaling.type") == "linear":
         scaling = {"rope_type": "linear", "factor": get("rope.scaling.factor")}
+    if get("attn_logit_softcapping"):
+        raise ValueError(f"attn_logit_softcapping ({get('attn_logit_softcapping')}) is not supported: "
+                         "tokenmill's attention kernels do not cap attention scores")
+    head_dim = get("attention.key_length") or get("rope.dimension_count") or hidden // heads
+    gemma = _gemma_gguf_features(get, hidden, heads, head_dim) if arch == "gemma3" else {}
     return ModelArchConfig(
         architecture=arch,
         vocab_size=int(vocab),
@@ -197,13 +199,36 @@ def _arch_from_gguf(meta: dict, arch: str, gguf_file: GGUFFile) -> ModelArchConf
         num_layers=get("block_count"),
         num_heads=heads,
         num_kv_heads=get("attention.head_count_kv", heads),
-        head_dim=get("attention.key_length") or get("rope.dimension_count") or hidden // heads,
+        head_dim=head_dim,
         rms_norm_eps=get("attention.layer_norm_rms_epsilon", 1e-5),
         rope_theta=get("rope.freq_base", 10000.0),
         rope_scaling=scaling,
         max_position_embeddings=get("context_length", 4096),
         tie_word_embeddings="output.weight" not in tensors,
         attention_bias="blk.0.attn_q.bias" in tensors,
+        sliding_window=get("attention.sliding_window"),
+        qk_norm="blk.0.attn_q_norm.weight" in tensors,
+        final_logit_softcapping=get("final_logit_softcapping"),
+        **gemma,
+    )
+
+
+def _gemma_gguf_features(get, hidden: int, heads: int, head_dim: int) -> dict:
+    """Gemma 3 as llama.cpp reads it: its files hold no layer pattern, local RoPE base nor
+    query scalar, so llama.cpp's fixed values are used (every 6th layer global, local base
+    10000, scale 1/sqrt(head_dim), 1/sqrt(hidden/heads) for the 62-layer 27B). The norm
+    weights hold Gemma's (1 + w) already (the converter adds the 1)."""
+    layers = get("block_count")
+    pattern = get("attention.sliding_window_pattern")
+    if isinstance(pattern, list):  # newer files: a flag per layer
+        types = tuple(SLIDING if flag else FULL for flag in pattern[:layers])
+    else:
+        every = pattern if isinstance(pattern, int) and pattern > 0 else 6
+        types = tuple(SLIDING if (i + 1) % every else FULL for i in range(layers))
+    return dict(
+        layer_types=types, hidden_act="gelu_tanh", norm_weight_offset=0.0, sandwich_norms=True,
+        embedding_scale=hidden**0.5, query_pre_attn_scalar=hidden // heads if layers == 62 else head_dim,
+        rope_local_theta=get("rope.freq_base_swa", 10000.0),
     )
 
 
@@ -211,7 +236,8 @@ def _gguf_weights(gguf_file: GGUFFile, arch: ModelArchConfig, layout: ShardLayou
                   keep_quantized: bool) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     import gguf
 
-    gguf_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2}[arch.architecture]
+    gguf_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
+                 "gemma3": gguf.MODEL_ARCH.GEMMA3}[arch.architecture]
     name_map = gguf.get_tensor_name_map(gguf_arch, arch.num_layers)
     hf_names = _hf_names_by_gguf_name(name_map, arch)
     for info in gguf_file.tensors:
@@ -243,6 +269,10 @@ def _hf_names_by_gguf_name(name_map, arch: ModelArchConfig) -> dict[str, str]:
     hf_names = ["model.embed_tokens", "model.norm", "lm_head"]
     per_layer = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                  "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj", "input_layernorm", "post_attention_layernorm"]
+    if arch.qk_norm:
+        per_layer += ["self_attn.q_norm", "self_attn.k_norm"]
+    if arch.sandwich_norms:  # gguf maps Llama's post_attention_layernorm to ffn_norm, Gemma's pre_feedforward one
+        per_layer += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
     hf_names += [f"model.layers.{i}.{p}" for i in range(arch.num_layers) for p in per_layer]
     result = {}
     for hf in hf_names:
