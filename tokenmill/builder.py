@@ -423,15 +423,7 @@ def default_kv_cache_memory(device: torch.device) -> int:
 
 def resolve_max_model_len(config: EngineConfig, loaded: LoadedModel) -> int:
     requested = config.model.max_model_len
-    max_model_len = requested or loaded.context_len
-    window = loaded.arch.sliding_window
-    if window is not None and max_model_len > window:
-        if requested is not None:
-            raise ValueError(
-                f"this model uses sliding-window attention ({window} tokens), which tokenmill does not "
-                f"implement; max_model_len {max_model_len} must be at most {window}"
-            )
-        max_model_len = window  # within the window, full attention is exact
+    max_model_len = requested or loaded.context_len  # sliding-window layers attend through their window at any length
     if requested and requested > loaded.context_len:
         logger.warning("max_model_len %d exceeds the model's context length %d", requested, loaded.context_len)
     return max_model_len

