@@ -94,15 +94,17 @@ class ModelShape:
 
     @classmethod
     def from_arch_config(cls, arch: ModelArchConfig, name: str) -> ModelShape:
-        """The shape of a model tokenmill runs today (Llama / Qwen2)."""
+        """The shape of a model tokenmill runs (Llama, Qwen2/3, Gemma 3)."""
         sliding = arch.sliding_window
+        num_sliding = sum(1 for i in range(arch.num_layers) if arch.layer_window(i) is not None)
         return cls(
             name=name, architecture=arch.architecture, vocab_size=arch.vocab_size,
             hidden_size=arch.hidden_size, intermediate_size=arch.intermediate_size,
             num_layers=arch.num_layers, num_heads=arch.num_heads, num_kv_heads=arch.num_kv_heads,
             head_dim=arch.head_dim, tie_word_embeddings=arch.tie_word_embeddings,
             attention_bias=arch.attention_bias, max_position_embeddings=arch.max_position_embeddings,
-            sliding_window=sliding, num_sliding_layers=arch.num_layers if sliding else 0,
+            sliding_window=sliding if num_sliding else None, num_sliding_layers=num_sliding,
+            qk_norm=arch.qk_norm, norms_per_layer=4 if arch.sandwich_norms else 2,
         )
 
 
