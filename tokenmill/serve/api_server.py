@@ -25,8 +25,10 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tokenmill.engine.engine import LLMEngine
+from tokenmill.engine.engine import LLMEngine, StepObserver
 from tokenmill.serve.async_engine import AsyncEngine
+from tokenmill.serve.dashboard import PUBLIC_PATHS as DASHBOARD_PUBLIC_PATHS
+from tokenmill.serve.dashboard import Dashboard
 from tokenmill.serve.errors import bad_request, error_response, install_error_handlers, internal_error_response
 from tokenmill.serve.faults import FaultInjector
 from tokenmill.serve.limits import RequestLimits, payload_too_large
@@ -64,6 +66,7 @@ class ServerSettings:
     health_stall_timeout: float = 60.0  # /health fails when work sits this long without a step
     limits: RequestLimits = field(default_factory=RequestLimits)
     trust_request_chat_template: bool = False
+    enable_dashboard: bool = True  # /dashboard, a live view of the engine (serve/dashboard/)
     on_fatal: Callable[[BaseException], None] | None = None  # e.g. stop uvicorn when the engine dies
 
 
@@ -88,23 +91,25 @@ def create_server(build_engine: Callable[[], LLMEngine], settings: ServerSetting
     metrics = ServerMetrics(lambda: engine.stats, lambda: (serving.model_names or [""])[0],
                             lambda: engine.engine.facts if engine.engine is not None else None)
     faults = FaultInjector.from_env()
+    dashboard = Dashboard(lambda: engine, metrics) if settings.enable_dashboard else None
+    observers: list[StepObserver] = [metrics] + ([dashboard.observer] if dashboard else [])
     engine = AsyncEngine(
         build_engine,
         max_queued_requests=settings.max_queued_requests,
         max_queue_wait=settings.max_queue_wait_s,
         stall_timeout=settings.health_stall_timeout,
-        observers=[metrics],
+        observers=observers,
         on_fatal=settings.on_fatal,
         before_step=faults.before_step if faults else None,
     )
     serving = OpenAIServing(engine, settings.served_model_names, settings.limits,
                             settings.trust_request_chat_template)
-    app = _build_app(engine, serving, metrics, settings)
+    app = _build_app(engine, serving, metrics, settings, dashboard)
     return Server(app, engine, serving, metrics, settings)
 
 
 def _build_app(engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetrics,
-               settings: ServerSettings) -> FastAPI:
+               settings: ServerSettings, dashboard: Dashboard | None = None) -> FastAPI:
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
         engine.start(asyncio.get_running_loop())
@@ -120,10 +125,14 @@ def _build_app(engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetri
     app.add_middleware(BodyLimitMiddleware, limit=settings.limits.max_request_body_bytes)
     if settings.api_key:
         open_paths = frozenset() if settings.protect_health_and_metrics else OPEN_PATHS
+        if dashboard is not None:  # the page's static shell; its data needs the key
+            open_paths |= DASHBOARD_PUBLIC_PATHS
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
     app.add_middleware(ErrorGuardMiddleware)
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)
     _add_routes(app, engine, serving, metrics)
+    if dashboard is not None:
+        dashboard.add_routes(app)
     return app
 
 

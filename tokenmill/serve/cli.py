@@ -80,6 +80,8 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="/health fails when the engine has work but no step ended for this long (default 60)")
     group.add_argument("--keep-alive-on-engine-death", action="store_true",
                        help="keep serving 503s when the engine loop dies, instead of exiting with status 1")
+    group.add_argument("--disable-dashboard", action="store_true",
+                       help="do not serve the live dashboard at /dashboard (default: served; behind --api-key)")
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     group.add_argument("--disable-access-log", action="store_true", help="do not log every HTTP request")
     scale = parser.add_argument_group("scale-out")
@@ -211,6 +213,7 @@ def serve(settings: argparse.Namespace) -> int:
             max_queued_requests=settings.max_queued_requests, max_queue_wait_s=settings.max_queue_wait_s,
             shutdown_timeout=settings.shutdown_timeout, health_stall_timeout=settings.health_stall_timeout,
             limits=limits, trust_request_chat_template=settings.trust_request_chat_template, on_fatal=on_fatal,
+            enable_dashboard=not settings.disable_dashboard,
         ),
     )
     config = uvicorn.Config(
