@@ -5,9 +5,18 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup serve test bench
+.PHONY: setup serve test bench chromium
 
-setup: $(STAMP)
+setup: $(STAMP) chromium
+
+# Debian's Chromium and its driver, for the dashboard's browser test (tests/test_dashboard.py).
+# Best effort, as root on Debian only: elsewhere that test skips and names this command.
+chromium:
+	@if ! command -v chromedriver >/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "installing chromium and chromium-driver for the browser test"; \
+		(apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null) \
+			|| echo "could not install chromium; the dashboard's browser test will skip"; \
+	fi
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)

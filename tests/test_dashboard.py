@@ -10,6 +10,7 @@ shared and cached blocks to show).
 from __future__ import annotations
 
 import json
+import re
 import os
 import shutil
 import threading
@@ -308,3 +309,56 @@ def wait_until(condition, what: str, timeout: float = 60.0) -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"timed out waiting for {what}")
+
+
+# ----- the shipped Grafana dashboard ---------------------------------------------------------------
+
+GRAFANA = Path(__file__).resolve().parents[1] / "examples" / "grafana" / "tokenmill-dashboard.json"
+METRIC_NAME = re.compile(r"\b(?:tokenmill:[A-Za-z0-9_:]+|process_[a-z_]+)")
+# Grafana's variables, as the queries would see them once chosen.
+GRAFANA_VARIABLES = {"$__rate_interval": "1m", "$job": ".*", "$model_name": ".*"}
+
+
+def test_grafana_dashboard_queries_parse_and_name_only_exported_metrics(server, client):
+    import promql_parser
+
+    client.completions.create(model=server.model, prompt="Hello", max_tokens=2)  # every labelled family has data
+    exported = exported_sample_names(httpx.get(server.url + "/metrics", timeout=30).text)
+    dashboard = json.loads(GRAFANA.read_text())
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    assert len(panels) >= 12
+    referenced = set()
+    for panel in panels:
+        assert panel["targets"], panel["title"]
+        for target in panel["targets"]:
+            expr = target["expr"]
+            for variable, value in GRAFANA_VARIABLES.items():
+                expr = expr.replace(variable, value)
+            promql_parser.parse(expr)  # raises ValueError on a syntax error
+            names = set(METRIC_NAME.findall(expr))
+            assert names, (panel["title"], expr)
+            referenced |= names
+    for variable in dashboard["templating"]["list"]:
+        referenced |= set(METRIC_NAME.findall(variable.get("definition", "")))
+    missing = sorted(referenced - exported)
+    assert not missing, f"the Grafana dashboard queries metrics /metrics does not export: {missing}"
+    # The dashboard covers the headline metrics.
+    for name in ("tokenmill:kv_cache_usage_perc", "tokenmill:time_to_first_token_seconds_bucket",
+                 "tokenmill:inter_token_latency_seconds_bucket", "tokenmill:generation_tokens_total",
+                 "tokenmill:num_requests_waiting", "tokenmill:prefix_cache_hits_total"):
+        assert name in referenced, name
+
+
+def exported_sample_names(exposition: str) -> set[str]:
+    """Every sample name an exposition can carry, from its `# TYPE` lines (a labelled family
+    with no child yet has no sample lines, but is declared)."""
+    suffixes = {"counter": ["_total", "_created"], "histogram": ["_bucket", "_count", "_sum", "_created"],
+                "summary": ["", "_count", "_sum", "_created"], "gauge": [""], "info": ["_info"], "untyped": [""]}
+    names = set()
+    for line in exposition.splitlines():
+        if line.startswith("# TYPE "):
+            _, _, name, kind = line.split()
+            if kind == "counter":  # declared with or without its _total, by client version
+                name = name.removesuffix("_total")
+            names |= {name + suffix for suffix in suffixes[kind]}
+    return names
