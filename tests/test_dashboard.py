@@ -143,12 +143,14 @@ def test_browser_page_shows_the_load_and_matches_metrics(server, client, browser
 
     # Under load the page shows requests running and blocks in use.
     seen = {"running": 0, "used": 0, "shared": 0}
+    steps_before = value(browser, "ctr-steps")
     load = threading.Thread(target=run_load, args=(client, server.model, 10, 40))
     load.start()
     while load.is_alive():
         for key, element in (("running", "num-running"), ("used", "kv-used"), ("shared", "kv-shared")):
             seen[key] = max(seen[key], value(browser, element) or 0)
-        if SCREENSHOT and seen["running"] >= 6 and not Path(SCREENSHOT).exists():
+        if (SCREENSHOT and value(browser, "num-running") >= 6 and value(browser, "ctr-steps") >= steps_before + 25
+                and not Path(SCREENSHOT).exists()):  # mid-run: a few steps of history on the page
             browser.save_screenshot(SCREENSHOT)
         time.sleep(0.1)
     load.join()
