@@ -46,10 +46,11 @@ def client(server) -> OpenAI:
 
 
 def run_load(client: OpenAI, model: str, num_requests: int = 8, max_tokens: int = 24) -> None:
-    """Concurrent completions sharing a prompt prefix; returns when all have finished."""
+    """Concurrent completions sharing a prompt prefix, each running to its max_tokens (so the
+    batch stays full for a while); returns when all have finished."""
     def one(i: int) -> None:
         client.completions.create(model=model, prompt=f"{PREFIX}Question {i}: what does the millstone do?",
-                                  max_tokens=max_tokens + 2 * i, temperature=0)
+                                  max_tokens=max_tokens + 2 * i, temperature=0, extra_body={"ignore_eos": True})
 
     threads = [threading.Thread(target=one, args=(i,)) for i in range(num_requests)]
     for thread in threads:
