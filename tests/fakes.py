@@ -35,17 +35,23 @@ def make_request(
     prompt: Sequence[int],
     max_model_len: int = 64,
     cache_salt: str | None = None,
+    priority: int = 0,
+    arrival_time: float | None = None,
     **params: object,
 ) -> Request:
     """A request as the engine builds it (EOS id, max_model_len cap)."""
-    return Request(
+    request = Request(
         request_id=request_id,
         prompt_token_ids=list(prompt),
         params=SamplingParams(**params),
         eos_token_ids=(EOS,),
         max_total_tokens=max_model_len,
         cache_salt=cache_salt,
+        priority=priority,
     )
+    if arrival_time is not None:
+        request.arrival_time = arrival_time
+    return request
 
 
 def next_token(context: Sequence[int]) -> int:
@@ -170,8 +176,11 @@ class Harness:
         enable_caching: bool = True,
         policy: Policy | None = None,
         proposer: Callable[[Request], list[int]] | None = None,
+        scheduling_policy: str = "fcfs",
+        priority_aging: float | None = None,
     ) -> None:
-        self.config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len)
+        self.config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy,
+                                      priority_aging)
         self.kv = KVBlockManager(num_blocks, block_size, enable_caching)
         self.sched = Scheduler(self.config, self.kv)
         self.runner = FakeRunner(num_blocks, block_size, policy)
@@ -183,8 +192,10 @@ class Harness:
         # the slots of rejected proposals stay allocated (the request grows into them).
         self.high_water: dict[str, int] = {}
 
-    def add(self, request_id: str, prompt: Sequence[int], cache_salt: str | None = None, **params: object) -> Request:
-        request = make_request(request_id, prompt, self.config.max_model_len, cache_salt, **params)
+    def add(self, request_id: str, prompt: Sequence[int], cache_salt: str | None = None, priority: int = 0,
+            arrival_time: float | None = None, **params: object) -> Request:
+        request = make_request(request_id, prompt, self.config.max_model_len, cache_salt, priority, arrival_time,
+                               **params)
         self.sched.add_request(request)
         self.kv.check_integrity()
         return request
@@ -214,30 +225,32 @@ class Harness:
         assert out.num_batched_tokens <= cfg.max_num_batched_tokens, "token budget exceeded"
         assert len(out.scheduled) <= cfg.max_num_seqs, "max_num_seqs exceeded (scheduled)"
         assert len(self.sched.running) <= cfg.max_num_seqs, "max_num_seqs exceeded (running)"
-        assert [r.request_id for r in self.sched.running] == [
-            rid for rid in running_before + waiting_before if rid in {r.request_id for r in self.sched.running}
-        ], "running must keep admission order, newly admitted at the end"
-
-        # Running requests first (in order), then admissions from the head of waiting (in order).
+        running_after = [r.request_id for r in self.sched.running]
         old = [rid for rid in ids if rid in running_before]
         new = [rid for rid in ids if rid not in running_before]
-        assert ids == old + new, f"decodes/continuations must come before admissions: {ids}"
-        assert old == [rid for rid in running_before if rid in old]
+        assert old == [rid for rid in running_before if rid in old], "running requests keep their order"
         assert new == waiting_before[: len(new)], f"admissions must come from the head of waiting: {new}"
-        if out.preempted_ids:
-            assert not new, f"admitted {new} in a step that preempted {out.preempted_ids}"
         assert set(out.preempted_ids) <= set(running_before)
         assert not set(out.preempted_ids) & set(ids), "a preempted request was scheduled"
-        # Victims are the most recently admitted running requests, newest first.
+        # Victims are the tail of running (the newest under fcfs, the worst-ranked under priority).
         assert out.preempted_ids == running_before[::-1][: len(out.preempted_ids)]
+        assert set(running_after) == set(running_before) - set(out.preempted_ids) | set(new)
+        if cfg.by_priority:
+            self._check_rank_order(out, ids)
+        else:
+            assert running_after == [rid for rid in running_before + waiting_before if rid in running_after], (
+                "running must keep admission order, newly admitted at the end")
+            # Running requests first (in order), then admissions from the head of waiting (in order).
+            assert ids == old + new, f"decodes/continuations must come before admissions: {ids}"
+            if out.preempted_ids:
+                assert not new, f"admitted {new} in a step that preempted {out.preempted_ids}"
+                head = [r.request_id for r in list(self.sched.waiting)[: len(out.preempted_ids)]]
+                assert head == out.preempted_ids[::-1], "preempted requests go back to the head of waiting"
         for rid in out.preempted_ids:
             self.high_water.pop(rid, None)
             request = self.sched.requests[rid]
             assert request.status == RequestStatus.WAITING and request.num_computed_tokens == 0
             assert kv.get_block_ids(rid) == []
-        if out.preempted_ids:
-            head = [r.request_id for r in list(self.sched.waiting)[: len(out.preempted_ids)]]
-            assert head == out.preempted_ids[::-1], "preempted requests go back to the head of waiting"
 
         # What the runner side rebuilds from the step's diffs is the request as it stands.
         for item in out.scheduled:
@@ -266,6 +279,20 @@ class Harness:
             )
         self.check_queues()
         return out
+
+    def _check_rank_order(self, out: SchedulerOutput, ids: list[str]) -> None:
+        """The priority policy: both queues in rank order, the step in rank order, and no
+        victim ranks better than anything scheduled in its step."""
+        sched = self.sched
+        for name, queue in (("running", sched.running), ("waiting", sched.waiting)):
+            ranks = [sched.rank(r) for r in queue]
+            assert ranks == sorted(ranks), f"{name} is out of rank order: {[r.request_id for r in queue]}"
+        ranks = [sched.rank(sched.requests[rid]) for rid in ids]
+        assert ranks == sorted(ranks), f"the step is out of rank order: {ids}"
+        if ranks and out.preempted_ids:
+            worst_scheduled = max(ranks)
+            assert all(sched.rank(sched.requests[rid]) >= worst_scheduled for rid in out.preempted_ids), (
+                f"preempted {out.preempted_ids} for worse-ranked {ids}")
 
     def step(self) -> SchedulerOutput:
         out = self.schedule()

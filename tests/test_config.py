@@ -63,3 +63,20 @@ def test_llm_documents_every_setting() -> None:
     for s in engine_settings():
         if s.name != "model":
             assert f"{s.name} (default" in LLM.__doc__
+
+
+def test_scheduling_policy_flags_and_checks() -> None:
+    from tokenmill.config import engine_args
+
+    config = config_from_args(parser().parse_args(["--scheduling-policy", "priority", "--priority-aging", "30"]))
+    assert (config.scheduler.scheduling_policy, config.scheduler.priority_aging) == ("priority", 30.0)
+    assert engine_args(config) == ["--scheduling-policy", "priority", "--priority-aging", "30.0"]
+    assert EngineConfig().scheduler.scheduling_policy == "fcfs"
+    with pytest.raises(SystemExit):
+        parser().parse_args(["--scheduling-policy", "lifo"])
+    with pytest.raises(ValueError, match="scheduling_policy must be one of"):
+        EngineConfig.from_kwargs(scheduling_policy="sjf")
+    with pytest.raises(ValueError, match="priority_aging must be a positive number of seconds"):
+        EngineConfig.from_kwargs(scheduling_policy="priority", priority_aging=0)
+    with pytest.raises(ValueError, match="priority_aging applies to --scheduling-policy priority only"):
+        EngineConfig.from_kwargs(priority_aging=5)

@@ -270,3 +270,74 @@ def test_every_step_is_reported_to_every_observer_on_the_injected_clock() -> Non
     assert all(r.schedule_s > 0 and r.execute_s > 0 and r.process_s > 0 for r in records)  # the fake clock ticks
     assert sum(r.num_generated for r in records) == engine.stats().num_generation_tokens
     assert first.outputs[3] == ["a", "b"]
+
+
+# ----- priority scheduling --------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_high_priority_requests_finish_first_under_overload(policy: str) -> None:
+    """Six long low-priority requests fill the two sequence slots and queue; two
+    high-priority ones arrive later. Under priority they take the slots from the running
+    low-priority requests (preempted, recomputed later) and finish first; under fcfs they
+    finish last. Every output is the model's either way."""
+    engine = make_engine(num_blocks=64, max_num_seqs=2, scheduling_policy=policy)
+    by_priority = policy == "priority"
+    prompts = {f"low{i}": list(range(10 + 10 * i, 16 + 10 * i)) for i in range(6)}
+    for rid, prompt in prompts.items():
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=8, ignore_eos=True), priority=int(by_priority))
+    engine.step()
+    engine.step()
+    for rid, prompt in {"high0": [200, 201, 202], "high1": [300, 301, 302]}.items():
+        prompts[rid] = prompt
+        engine.add_request(rid, prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    finals = drain(engine)
+    order = list(finals)
+    if by_priority:
+        assert order == ["high0", "high1", "low0", "low1", "low2", "low3", "low4", "low5"]
+        assert engine.stats().num_preemptions == 2
+    else:
+        assert order == ["low0", "low1", "low2", "low3", "low4", "low5", "high0", "high1"]
+        assert engine.stats().num_preemptions == 0
+    for rid, prompt in prompts.items():
+        assert finals[rid].outputs[0].token_ids == reference_outputs(prompt, 8), rid
+    assert_engine_idle(engine)
+
+
+def test_priority_is_refused_under_fcfs_before_anything_is_queued() -> None:
+    engine = make_engine(num_blocks=16)
+    with pytest.raises(ValueError, match=r"priority must be 0 unless priority scheduling is enabled \(got -2"):
+        engine.add_request("r", [5, 6, 7], SamplingParams(n=2, max_tokens=2), priority=-2)
+    with pytest.raises(ValueError, match="priority must be an integer"):
+        make_engine(scheduling_policy="priority").add_request("r", [5, 6, 7], priority="1")  # type: ignore[arg-type]
+    assert not engine.scheduler.requests and not engine.output_processor.user_requests
+    with pytest.raises(ValueError, match="priority_aging applies to --scheduling-policy priority only"):
+        make_engine(priority_aging=10.0)
+
+
+def test_llm_generate_takes_one_priority_per_prompt() -> None:
+    from tokenmill.engine.engine import StepObserver
+    from tokenmill.llm import LLM
+
+    class Finishes(StepObserver):
+        def __init__(self) -> None:
+            self.order: list[str] = []
+
+        def on_step(self, record, outputs) -> None:
+            self.order += record.finished_ids
+
+    engine = make_engine(num_blocks=32, max_num_seqs=1, scheduling_policy="priority")
+    finishes = Finishes()
+    engine.add_observer(finishes)
+    llm = LLM.from_engine(engine)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    outputs = llm.generate(["abc", "def", "ghi"], params, priority=[2, 0, 1])
+    assert [o.prompt for o in outputs] == ["abc", "def", "ghi"]  # in prompt order
+    assert finishes.order == ["1", "2", "0"]  # run in priority order
+    with pytest.raises(ValueError, match="got 2 priorities for 3 prompts"):
+        llm.generate(["abc", "def", "ghi"], params, priority=[0, 1])
+    fcfs = LLM.from_engine(make_engine(num_blocks=32))
+    with pytest.raises(ValueError, match="priority must be 0 unless"):
+        fcfs.generate(["abc", "def"], params, priority=[0, 1])
+    assert not fcfs.engine.scheduler.requests  # validated before anything was queued
+    assert [o.outputs[0].text for o in fcfs.generate(["abc"], params, priority=[0])] == [outputs[0].outputs[0].text]

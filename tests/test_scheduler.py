@@ -826,3 +826,166 @@ def test_random_workload_with_proposals_preemption_and_stops(enable_caching: boo
         assert h.finished[rid].output_token_ids == outputs, rid
     assert h.num_accepted > 0 and h.sched.num_preemptions > 0
     h.assert_idle()
+
+
+# ----- the priority policy -------------------------------------------------------------------
+
+
+def priority_harness(**kwargs) -> Harness:
+    return Harness(scheduling_policy="priority", **kwargs)
+
+
+def test_priority_admits_by_priority_then_arrival() -> None:
+    h = priority_harness(num_blocks=32, max_num_seqs=1)
+    for rid, priority, arrival in [("a", 1, 0.0), ("b", 0, 1.0), ("c", 1, 2.0), ("d", 0, 3.0), ("e", -1, 4.0),
+                                   ("f", 0, 1.0)]:
+        h.add(rid, tokens(10 * ord(rid), 3), priority=priority, arrival_time=arrival, max_tokens=1)
+    # f ties b on priority and arrival: the one queued first goes first.
+    assert [r.request_id for r in h.sched.waiting] == ["e", "b", "f", "d", "a", "c"]
+    order = [trace(h.step())[0][0] for _ in range(6)]
+    assert order == ["e", "b", "f", "d", "a", "c"]
+    assert list(h.finished) == order
+    h.assert_idle()
+
+
+def test_fcfs_ignores_priority_and_refuses_one_other_than_zero() -> None:
+    h = Harness(num_blocks=32, max_num_seqs=1)
+    h.add("a", tokens(0, 3), priority=0, max_tokens=1)
+    with pytest.raises(ValueError, match=r"priority must be 0 unless priority scheduling is enabled \(got 3"):
+        h.add("b", tokens(10, 3), priority=3, max_tokens=1)
+    assert list(h.sched.requests) == ["a"]
+    with pytest.raises(ValueError, match="priority must be an integer, got 1.5"):
+        priority_harness().add("c", tokens(0, 3), priority=1.5, max_tokens=1)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("priorities,victim", [({"A": 2, "B": 0, "C": 1}, "A"), ({"A": 1, "B": 0, "C": 1}, "C")],
+                         ids=["lowest-priority", "latest-arrival-on-a-tie"])
+def test_priority_preempts_the_worst_ranked_running_request(priorities: dict[str, int], victim: str) -> None:
+    """Under fcfs C (the newest) would go; under priority the highest value goes, the
+    latest arrival among equals."""
+    h = priority_harness(num_blocks=6, block_size=4, enable_caching=False)
+    prompts = {rid: tokens(100 * i, 7) for i, rid in enumerate("ABC")}
+    for i, rid in enumerate("ABC"):
+        h.add(rid, prompts[rid], priority=priorities[rid], arrival_time=float(i), max_tokens=8, ignore_eos=True)
+    order = sorted("ABC", key=lambda rid: (priorities[rid], "ABC".index(rid)))
+    assert [item[0] for item in trace(h.step())] == order
+    assert [r.request_id for r in h.sched.running] == order
+    h.step()
+    out = h.step()  # each needs a third block; none is free
+    assert out.preempted_ids == [victim]
+    assert [item[0] for item in trace(out)] == [rid for rid in order if rid != victim]
+    assert h.sched.requests[victim].num_output_tokens == 2
+    h.run()
+    for rid, prompt in prompts.items():
+        assert h.finished[rid].output_token_ids == reference_outputs(prompt, 8)
+    assert list(h.finished)[-1] == victim
+    h.assert_idle()
+
+
+def test_a_better_ranked_arrival_takes_a_sequence_slot_from_the_worst_running_request() -> None:
+    h = priority_harness(num_blocks=32, max_num_seqs=2)
+    h.add("L1", tokens(0, 4), priority=1, arrival_time=0.0, max_tokens=6)
+    h.add("L2", tokens(100, 4), priority=1, arrival_time=1.0, max_tokens=6)
+    assert trace(h.step()) == [("L1", 0, 4, True), ("L2", 0, 4, True)]
+    h.add("H", tokens(200, 5), priority=0, arrival_time=2.0, max_tokens=2)
+    out = h.step()
+    assert out.preempted_ids == ["L2"]
+    assert trace(out) == [("H", 0, 5, True), ("L1", 4, 1, True)]
+    # An arrival that ranks no better than every running request waits.
+    h.add("L3", tokens(300, 4), priority=1, arrival_time=3.0, max_tokens=1)
+    out = h.step()
+    assert not out.preempted_ids and trace(out) == [("H", 5, 1, True), ("L1", 5, 1, True)]
+    assert h.finished["H"].output_token_ids == reference_outputs(tokens(200, 5), 2)
+    assert [r.request_id for r in h.sched.waiting] == ["L2", "L3"]
+    assert trace(h.step()) == [("L1", 6, 1, True), ("L2", 4, 1, True)]  # its prompt's block is cached
+    h.run()
+    assert list(h.finished) == ["H", "L1", "L3", "L2"]  # L3 needs one step, L2 four more
+    h.assert_idle()
+
+
+def test_a_better_ranked_arrival_takes_kv_memory_only_when_that_makes_room() -> None:
+    h = priority_harness(num_blocks=6, block_size=4, enable_caching=False)
+    h.add("M", tokens(0, 11), priority=1, arrival_time=0.0, max_tokens=4)
+    h.add("L", tokens(100, 5), priority=2, arrival_time=1.0, max_tokens=4)
+    assert trace(h.step()) == [("M", 0, 11, True), ("L", 0, 5, True)]
+    assert h.kv.num_free_blocks == 1  # M holds 3 blocks, L 2
+    # H1 ranks between M and L and needs 4 blocks: the free one and L's 2 are not enough,
+    # and M ranks better, so nothing is preempted (and L, behind H1, still runs).
+    h.add("H1", tokens(200, 13), priority=1, arrival_time=0.5, max_tokens=1)
+    out = h.step()
+    assert not out.preempted_ids and trace(out) == [("M", 11, 1, True), ("L", 5, 1, True)]
+    h.abort("H1")
+    # H2 needs 2 blocks: preempting L (worse-ranked) makes room.
+    h.add("H2", tokens(300, 8), priority=0, arrival_time=2.0, max_tokens=1)
+    out = h.step()
+    assert out.preempted_ids == ["L"]
+    assert trace(out) == [("H2", 0, 8, True), ("M", 12, 1, True)]
+    h.run()
+    assert h.finished["L"].output_token_ids == reference_outputs(tokens(100, 5), 4)
+    assert h.finished["M"].output_token_ids == reference_outputs(tokens(0, 11), 4)
+    h.assert_idle()
+
+
+def stream_with_one_low_priority_request(aging: float | None, num_high: int = 30) -> list[str]:
+    """L (priority 1) arrives at t=0; then one H (priority 0, two steps of work) arrives
+    at every step t = 1, 2, ...: twice the work one sequence slot can serve. The finish order."""
+    h = priority_harness(num_blocks=64, max_num_seqs=1, priority_aging=aging)
+    h.add("L", tokens(0, 4), priority=1, arrival_time=0.0, max_tokens=3)
+    for t in range(1, num_high + 1):
+        h.step()
+        h.add(f"H{t}", tokens(100 * t, 4), priority=0, arrival_time=float(t), max_tokens=2)
+    h.run()
+    h.assert_idle()
+    return list(h.finished)
+
+
+def test_strict_priority_starves_while_better_work_keeps_coming() -> None:
+    order = stream_with_one_low_priority_request(aging=None)
+    assert order == [f"H{t}" for t in range(1, 31)] + ["L"]
+
+
+@pytest.mark.parametrize("aging", [5.0, 10.0])
+def test_aging_bounds_what_overtakes_a_waiting_request(aging: float) -> None:
+    """With aging A a priority-1 request ranks as a priority-0 one that arrived A seconds
+    later: exactly the H that arrived before t = A overtake it (H at t = A ties and the
+    earlier arrival goes first); it is admitted at t = 0, preempted by H1, and finishes
+    once H1..H(A-1) are done, whatever keeps arriving."""
+    order = stream_with_one_low_priority_request(aging=aging)
+    overtakers = int(aging) - 1
+    assert order == [f"H{t}" for t in range(1, overtakers + 1)] + ["L"] + \
+        [f"H{t}" for t in range(overtakers + 1, 31)]
+
+
+@pytest.mark.parametrize("aging", [None, 3.0], ids=["strict", "aging"])
+@pytest.mark.parametrize("enable_caching", [True, False], ids=["caching", "no-caching"])
+def test_random_workload_under_priority_runs_to_completion_without_leaks(
+    aging: float | None, enable_caching: bool
+) -> None:
+    """Random priorities and arrivals, shared prefixes, aborts, proposals and KV pressure:
+    the harness checks rank order, victims and every KV read after each step; outputs are
+    the model's and nothing leaks."""
+    rng = random.Random(21)
+    h = priority_harness(num_blocks=16, block_size=4, max_num_seqs=4, max_num_batched_tokens=12,
+                         enable_caching=enable_caching, priority_aging=aging,
+                         proposer=oracle(3, rng=random.Random(22)))
+    specs = random_specs(rng, 120, max_len=30, kv_tokens=16 * 4)
+    aborted: set[str] = set()
+    pending = list(specs)
+    while pending or h.sched.has_unfinished_requests():
+        for _ in range(rng.randint(0, 2)):
+            if pending:
+                rid, prompt, max_tokens = pending.pop(0)
+                h.add(rid, prompt, priority=rng.randint(-1, 3), arrival_time=float(h.num_steps),
+                      max_tokens=max_tokens, ignore_eos=True)
+        if h.sched.requests and rng.random() < 0.03:
+            rid = rng.choice(sorted(h.sched.requests))
+            h.abort(rid)
+            aborted.add(rid)
+        h.step()
+        assert h.num_steps < 20_000
+    for rid, prompt, max_tokens in specs:
+        expected = reference_outputs(prompt, max_tokens)
+        outputs = h.finished[rid].output_token_ids
+        assert outputs == (expected[: len(outputs)] if rid in aborted else expected), rid
+    assert h.sched.num_preemptions > 0 and h.num_accepted > 0
+    h.assert_idle()

@@ -91,6 +91,10 @@ BAD_REQUESTS = [
     ("logit_bias value out of range", COMPLETIONS, {"prompt": "a", "logit_bias": {"1": 500}}, 400, "logit_bias"),
     ("top_logprobs without logprobs", CHAT, {"messages": HI, "top_logprobs": 2}, 400, "top_logprobs"),
     ("empty stop string", COMPLETIONS, {"prompt": "a", "stop": [""]}, 400, None),
+    # vLLM's rule: a priority other than 0 needs --scheduling-policy priority (this server is fcfs).
+    ("priority under fcfs", COMPLETIONS, {"prompt": "a", "priority": 1}, 400, "priority"),
+    ("chat priority under fcfs", CHAT, {"messages": HI, "priority": -1}, 400, "priority"),
+    ("priority as a string", COMPLETIONS, {"prompt": "a", "priority": "1"}, 400, "priority"),
     ("unknown model", COMPLETIONS, {"prompt": "a", "model": "gpt-4"}, 404, "model"),
     ("unknown chat model", CHAT, {"messages": HI, "model": "gpt-4"}, 404, "model"),
     ("tokenize without prompt or messages", "/tokenize", {}, 400, None),

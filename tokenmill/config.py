@@ -25,6 +25,7 @@ SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8")
 ATTENTION_BACKENDS = ("auto", "cpu_native", "torch_sdpa")
 ALL_REDUCE_BACKENDS = ("auto", "shm", "gloo", "nccl")
+SCHEDULING_POLICIES = ("fcfs", "priority")
 
 
 def parse_memory(value: str | int | float | None) -> int | None:
@@ -148,11 +149,28 @@ class SchedulingConfig:
 
     max_num_seqs: int = setting(64, help="most sequences in one step")
     max_num_batched_tokens: int = setting(2048, help="most tokens computed in one step (prefill chunks + decodes)")
+    scheduling_policy: str = setting("fcfs", choices=SCHEDULING_POLICIES,
+                                     help="fcfs: first come, first served. priority (vLLM's): by each request's "
+                                          "`priority` (lower value first, ties by arrival); a better-ranked request "
+                                          "preempts worse-ranked running ones when sequences or KV memory run out. "
+                                          "Strict priority can starve low priorities: see --priority-aging")
+    priority_aging: float | None = setting(None, metavar="SECONDS",
+                                           help="with --scheduling-policy priority: seconds of waiting worth one "
+                                                "priority level (a request ranks by arrival + priority x SECONDS), "
+                                                "so no request is overtaken by one that arrived more than "
+                                                "(its priority - the best priority) x SECONDS after it. "
+                                                "Default: strict priority, as vLLM")
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        _check_choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
+        if self.priority_aging is not None:
+            if not self.priority_aging > 0 or self.priority_aging == float("inf"):
+                raise ValueError(f"priority_aging must be a positive number of seconds, got {self.priority_aging}")
+            if self.scheduling_policy != "priority":
+                raise ValueError("priority_aging applies to --scheduling-policy priority only")
 
 
 @dataclass(frozen=True)

@@ -43,18 +43,21 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. Every prompt is validated before
-        any is queued, so a bad one leaves nothing behind."""
+        any is queued, so a bad one leaves nothing behind. `priority`: one per prompt
+        (lower runs first), with `scheduling_policy="priority"` (vLLM's argument)."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
-        for prompt, p in zip(prompts, params):  # validate all first
-            self._check_prompt(prompt, p)
+        priorities = _as_priority_list(priority, len(prompts))
+        for prompt, p, rank in zip(prompts, params, priorities):  # validate all first
+            self._check_prompt(prompt, p, rank)
         ids = []
         try:
-            for prompt, p in zip(prompts, params):
+            for prompt, p, rank in zip(prompts, params, priorities):
                 request_id = self.engine.new_request_id()
-                self.engine.add_request(request_id, prompt, p, final_only=True)
+                self.engine.add_request(request_id, prompt, p, final_only=True, priority=rank)
                 ids.append(request_id)
             return self._run(ids, use_tqdm)
         except BaseException:
@@ -81,14 +84,14 @@ class LLM:
 
     # ----- internals -----------------------------------------------------------------
 
-    def _check_prompt(self, prompt: Prompt, params: SamplingParams) -> None:
+    def _check_prompt(self, prompt: Prompt, params: SamplingParams, priority: int = 0) -> None:
         """Run the engine's checks without queueing anything."""
         engine = self.engine
         _, ids = engine._tokenize(prompt)
         params.validate_token_ids(engine.facts.vocab_size)
         from tokenmill.engine.request import Request
 
-        probe = Request("probe", ids, params, max_total_tokens=engine.facts.max_model_len)
+        probe = Request("probe", ids, params, max_total_tokens=engine.facts.max_model_len, priority=priority)
         engine.scheduler.check_can_admit(probe)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
@@ -112,6 +115,17 @@ def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
     if prompts and isinstance(prompts[0], int):  # one prompt given as token ids
         return [prompts]
     return prompts
+
+
+def _as_priority_list(priority: Sequence[int] | None, count: int) -> list[int]:
+    if priority is None:
+        return [0] * count
+    if isinstance(priority, int):
+        raise ValueError("priority takes one integer per prompt (a list), as vLLM's LLM.generate")
+    priority = list(priority)
+    if len(priority) != count:
+        raise ValueError(f"got {len(priority)} priorities for {count} prompts")
+    return priority
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:

@@ -162,8 +162,9 @@ class LLMEngine:
         self.facts = facts
         self.clock = clock
         kv = KVBlockManager(facts.num_blocks, facts.block_size, config.cache.enable_prefix_caching)
-        limits = SchedulerConfig(config.scheduler.max_num_seqs, config.scheduler.max_num_batched_tokens,
-                                 facts.max_model_len)
+        sched = config.scheduler
+        limits = SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, facts.max_model_len,
+                                 sched.scheduling_policy, sched.priority_aging)
         self.scheduler = Scheduler(limits, kv, clock)
         self.output_processor = OutputProcessor(tokenizer, clock)
         self.observers: list[StepObserver] = []
@@ -216,10 +217,13 @@ class LLMEngine:
         arrival_time: float | None = None,
         final_only: bool = False,
         cache_salt: str | None = None,
+        priority: int = 0,
     ) -> None:
         """Validate and queue a request; raises ValueError (naming the problem and
-        the limit) before anything is allocated."""
+        the limit) before anything is allocated. `priority` (lower first) needs
+        --scheduling-policy priority unless it is 0, as in vLLM."""
         params = params or SamplingParams()
+        self.scheduler.check_priority(priority)
         prompt_text, prompt_ids = self._tokenize(prompt)
         params.validate_token_ids(self.vocab_size)
         samples = [
@@ -231,6 +235,7 @@ class LLMEngine:
                 max_total_tokens=self.max_model_len,
                 arrival_time=arrival_time or self.clock(),
                 cache_salt=cache_salt,
+                priority=priority,
             )
             for i in range(params.n)
         ]

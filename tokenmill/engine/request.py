@@ -39,6 +39,7 @@ class Request:
     num_cached_tokens: int = 0  # prompt tokens served by the prefix cache at first admission
     num_preemptions: int = 0
     cache_salt: str | None = None  # isolates this request's prefix cache entries
+    priority: int = 0  # under the priority policy: lower first (vLLM's meaning)
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
     num_new_output_tokens: int = 0  # output tokens appended by the latest step

@@ -13,10 +13,19 @@ count in the token budget and get KV slots like known tokens; afterwards the
 accepted ones and the token sampled after them are appended (up to the first stop),
 and `num_computed_tokens` is rolled back past the rejected ones. The clock is
 injected, so the same scheduler runs on virtual time in a simulator.
+
+Under the priority policy (vLLM's `--scheduling-policy priority`) requests are ranked
+by `(priority, arrival_time)`, lower first, or with `priority_aging` by `arrival_time +
+priority x priority_aging` (waiting earns rank, which bounds starvation). Running and
+waiting requests are both kept in rank order and one step visits them merged in that
+order: a running request gets its next tokens, a waiting one is admitted. Whoever needs
+a sequence slot or KV memory preempts the worst-ranked running request, if that one
+ranks strictly worse (docs/scheduling.md).
 """
 
 from __future__ import annotations
 
+import bisect
 import time
 from collections import deque
 from collections.abc import Callable
@@ -32,6 +41,12 @@ class SchedulerConfig:
     max_num_seqs: int
     max_num_batched_tokens: int
     max_model_len: int
+    policy: str = "fcfs"  # or "priority"
+    priority_aging: float | None = None  # seconds of waiting worth one priority level
+
+    @property
+    def by_priority(self) -> bool:
+        return self.policy == "priority"
 
 
 @dataclass
@@ -61,6 +76,7 @@ class Scheduler:
 
     def check_can_admit(self, request: Request) -> None:
         """Reject, before any work, a request that could never run to completion."""
+        self.check_priority(request.priority)
         limit = self.config.max_model_len
         if request.num_prompt_tokens == 0:
             raise ValueError("the prompt is empty: it must contain at least one token")
@@ -79,16 +95,41 @@ class Scheduler:
                 "lower max_tokens or raise kv_cache_memory"
             )
 
+    def check_priority(self, priority: object) -> None:
+        """vLLM's rule: a priority other than 0 needs the priority policy."""
+        if not isinstance(priority, int) or isinstance(priority, bool):
+            raise ValueError(f"priority must be an integer, got {priority!r}")
+        if priority != 0 and not self.config.by_priority:
+            raise ValueError(f"priority must be 0 unless priority scheduling is enabled (got {priority}; start "
+                             "the engine with --scheduling-policy priority)")
+
     def add_request(self, request: Request) -> None:
         self.check_can_admit(request)
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
+
+    def rank(self, request: Request) -> tuple[float, float]:
+        """The priority policy's order, smaller first: (priority, arrival), or with aging
+        the arrival time pushed back by priority x aging seconds. Both terms are fixed at
+        arrival, so the queues' order never changes while requests wait."""
+        aging = self.config.priority_aging
+        if aging is None:
+            return (request.priority, request.arrival_time)
+        return (request.arrival_time + request.priority * aging, request.arrival_time)
 
     # ----- one step ------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        if self.config.by_priority:
+            scheduled, preempted = self._schedule_by_rank()
+        else:
+            scheduled, preempted = self._schedule_fcfs()
+        finished, self._finished_since_last_step = self._finished_since_last_step, []
+        return SchedulerOutput(scheduled=scheduled, preempted_ids=preempted, finished_ids=finished)
+
+    def _schedule_fcfs(self) -> tuple[list[ScheduledRequest], list[str]]:
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
@@ -115,9 +156,65 @@ class Scheduler:
             self._admit(request, num_hit_tokens)
             scheduled.append(self._schedule(request, num_new))
             budget -= num_new
+        return scheduled, preempted
 
-        finished, self._finished_since_last_step = self._finished_since_last_step, []
-        return SchedulerOutput(scheduled=scheduled, preempted_ids=preempted, finished_ids=finished)
+    def _schedule_by_rank(self) -> tuple[list[ScheduledRequest], list[str]]:
+        """One pass over the running and the waiting queue (each in rank order) merged:
+        the better-ranked of the two heads goes next. Everyone behind the cursor ranks no
+        better than the request in hand, so the victims (the tail of `running`) were not
+        scheduled in this step, and a victim is never re-admitted in the step that
+        preempted it (everything waiting behind it ranks worse still)."""
+        budget = self.config.max_num_batched_tokens
+        scheduled: list[ScheduledRequest] = []
+        preempted: list[str] = []
+        i = 0  # running[:i] are scheduled; running[i:] rank no better than anything admitted now
+        admitting = True
+        while budget > 0:
+            request = self.running[i] if i < len(self.running) else None
+            head = self.waiting[0] if admitting and self.waiting else None
+            if head is not None and head.request_id in preempted:
+                admitting, head = False, None
+            if request is None and head is None:
+                break
+            if request is not None and (head is None or self.rank(request) <= self.rank(head)):
+                num_known = request.num_tokens - request.num_computed_tokens
+                num_new = min(num_known + len(self._proposals(request)), budget)
+                if self._allocate_or_preempt(request, num_new, preempted):
+                    scheduled.append(self._schedule(request, num_new))
+                    budget -= num_new
+                    i += 1
+                continue  # (a request that preempted itself was the tail: running[i:] is empty)
+            num_new = self._admit_by_rank(head, i, budget, preempted)
+            if num_new is None:
+                admitting = False  # strict order: nothing worse-ranked jumps the head
+                continue
+            scheduled.append(self._schedule(head, num_new))
+            budget -= num_new
+            i += 1
+        return scheduled, preempted
+
+    def _admit_by_rank(self, request: Request, index: int, budget: int, preempted: list[str]) -> int | None:
+        """Admit the head of waiting at running[index], preempting worse-ranked running
+        requests (from the tail) for a sequence slot or KV memory, but only when enough
+        of them are worse-ranked to make room. The tokens scheduled, or None (nothing
+        changed but what had to be preempted)."""
+        hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+        num_new = min(request.num_tokens - num_hit_tokens, budget)
+        rank = self.rank(request)
+        worse = [r for r in self.running[index:] if self.rank(r) > rank]
+        room_seqs = self.config.max_num_seqs - (len(self.running) - len(worse))
+        room_blocks = self.kv.num_free_blocks + sum(len(self.kv.get_block_ids(r.request_id)) for r in worse)
+        if room_seqs < 1 or self.kv.blocks_needed(num_hit_tokens + num_new) - len(hits) > room_blocks:
+            return None  # preempting every worse-ranked request would not make room
+        while len(self.running) >= self.config.max_num_seqs or not self.kv.allocate_slots(request, num_new, hits):
+            if len(self.running) <= index or self.rank(self.running[-1]) <= rank:
+                return None
+            victim = self.running.pop()
+            self._preempt(victim)
+            preempted.append(victim.request_id)
+        self.waiting.remove(request)
+        self._admit(request, num_hit_tokens, index)
+        return num_new
 
     def update_from_output(self, output: SchedulerOutput, runner_output: RunnerOutput) -> list[Request]:
         """Append the sampled tokens, each checked against the token-level stop conditions
@@ -173,8 +270,9 @@ class Scheduler:
     # ----- internals -----------------------------------------------------------------
 
     def _allocate_or_preempt(self, request: Request, num_new: int, preempted: list[str]) -> bool:
-        """Allocate for `request`, preempting the newest running requests as needed.
-        False when `request` itself had to be preempted."""
+        """Allocate for `request`, preempting from the tail of running as needed (the
+        newest requests under fcfs, the worst-ranked under priority). False when
+        `request` itself had to be preempted."""
         while not self.kv.allocate_slots(request, num_new):
             victim = self.running.pop()
             self._preempt(victim)
@@ -183,14 +281,24 @@ class Scheduler:
                 return False
         return True
 
-    def _admit(self, request: Request, num_hit_tokens: int) -> None:
+    def _admit(self, request: Request, num_hit_tokens: int, index: int | None = None) -> None:
         request.status = RequestStatus.RUNNING
         request.num_computed_tokens = num_hit_tokens
         if request.num_preemptions == 0:
             request.num_cached_tokens = num_hit_tokens
         if request.first_scheduled_time is None:
             request.first_scheduled_time = self.clock()
-        self.running.append(request)
+        self.running.insert(len(self.running) if index is None else index, request)
+
+    def _enqueue(self, request: Request, front: bool = False) -> None:
+        """Into waiting: at its rank under priority; else at the back, or at the front
+        (a preempted request goes first again)."""
+        if self.config.by_priority:
+            bisect.insort_right(self.waiting, request, key=self.rank)
+        elif front:
+            self.waiting.appendleft(request)
+        else:
+            self.waiting.append(request)
 
     def _preempt(self, request: Request) -> None:
         """Free everything and requeue at the head; the tokens generated so far are
@@ -202,7 +310,7 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request, front=True)
 
     @staticmethod
     def _proposals(request: Request) -> list[int]:

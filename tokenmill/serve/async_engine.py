@@ -79,6 +79,7 @@ class NewRequest:
     prompt_token_ids: list[int]
     params: SamplingParams
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
+    priority: int = 0
 
 
 @dataclass
@@ -366,7 +367,7 @@ class AsyncEngine:
             for request in command.requests:
                 self.engine.add_request(
                     request.request_id, request.prompt_token_ids, request.params,
-                    arrival_time=request.arrival_time,
+                    arrival_time=request.arrival_time, priority=request.priority,
                 )
                 added.append(request.request_id)
         except Exception as exc:  # noqa: BLE001 - goes back to the handler

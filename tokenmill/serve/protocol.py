@@ -95,6 +95,9 @@ class SamplingFields(RequestBody):
     include_stop_str_in_output: bool = False
     stream: bool = False
     stream_options: StreamOptions | None = None
+    # vLLM's field: lower is served first under --scheduling-policy priority; anything but
+    # 0 is refused (400) under fcfs, as vLLM does.
+    priority: Annotated[int, Field(ge=-(2**63), lt=2**63)] = 0
 
 
 class CompletionRequest(SamplingFields):

@@ -163,7 +163,7 @@ class OpenAIServing:
         echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
         params = _sampling_params(body, max_tokens, body.logprobs, prompt_logprobs=echo_logprobs)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = await self._submit(request_id, [p.token_ids for p in prompts], params)
+        stream = await self._submit(request_id, [p.token_ids for p in prompts], params, body.priority)
         renderer = _CompletionRenderer(request_id, model, prompts, body, core)
         return await _respond(stream, renderer, body, raw)
 
@@ -185,7 +185,7 @@ class OpenAIServing:
         params = _sampling_params(body, max_tokens, num_logprobs)
         self._check_fits(len(prompt_ids), max_tokens)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await self._submit(request_id, [prompt_ids], params)
+        stream = await self._submit(request_id, [prompt_ids], params, body.priority)
         renderer = _ChatRenderer(request_id, model, len(prompt_ids), body, core)
         return await _respond(stream, renderer, body, raw)
 
@@ -238,10 +238,11 @@ class OpenAIServing:
                 param="max_tokens",
             )
 
-    async def _submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams) -> OutputStream:
+    async def _submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
+                      priority: int = 0) -> OutputStream:
         arrival = time.monotonic()
         requests = [
-            NewRequest(request_id if len(prompts) == 1 else f"{request_id}-{i}", ids, params, arrival)
+            NewRequest(request_id if len(prompts) == 1 else f"{request_id}-{i}", ids, params, arrival, priority)
             for i, ids in enumerate(prompts)
         ]
         try:

@@ -152,7 +152,7 @@ def simulate(trace: Trace, setup: SimulationSetup, max_concurrency: int | None =
             try:
                 engine.add_request(str(index), request.prompt_token_ids,
                                    SamplingParams(max_tokens=request.output_len, ignore_eos=True),
-                                   arrival_time=clock.now, final_only=True)
+                                   arrival_time=clock.now, final_only=True, priority=request.priority)
             except ValueError as error:  # the server answers 400 before streaming anything
                 client.fail(index, f"HTTP 400: {error}", clock.now + setup.overheads.token_s)
         if engine.has_unfinished_requests():
@@ -286,6 +286,7 @@ def result_dict(trace: Trace, setup: SimulationSetup, run: SimulationResult, *, 
         "engine_settings": {
             "max_num_seqs": config.scheduler.max_num_seqs,
             "max_num_batched_tokens": config.scheduler.max_num_batched_tokens,
+            "scheduling_policy": config.scheduler.scheduling_policy,
             "block_size": config.cache.block_size, "num_blocks": setup.num_blocks,
             "kv_bytes_per_token": setup.kv_bytes_per_token,
             "enable_prefix_caching": config.cache.enable_prefix_caching, "max_model_len": setup.max_model_len,

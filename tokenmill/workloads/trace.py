@@ -38,6 +38,7 @@ class TraceRequest:
     arrival_s: float  # when the client sends it, seconds from the start of the run
     prompt_token_ids: list[int]
     output_len: int
+    priority: int = 0  # under --scheduling-policy priority (lower first)
 
     @property
     def prompt_len(self) -> int:
