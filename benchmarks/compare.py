@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tokenmill.model.loader import default_model_path
+from tokenmill.config import default_model_path
 from tokenmill.planner.machine import format_probe
 from tokenmill.planner.machine import probe as measure_with_bounds
 from tokenmill.planner.shape import ModelShape, read_gguf

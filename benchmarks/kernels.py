@@ -189,7 +189,7 @@ def default_model_weights() -> tuple[list[QuantizedTensor], QuantizedTensor]:
     """The default GGUF's layer weights as stored (q/k/v and gate/up rows fused), and its
     Q8_0 token embedding, the tied LM head."""
     from tokenmill.gguf_file import GGUFFile
-    from tokenmill.model.loader import default_model_path
+    from tokenmill.config import default_model_path
     from tokenmill.quantization.gguf_blocks import GGUF_BLOCK_TYPES, from_gguf_blocks
 
     file = GGUFFile(default_model_path())

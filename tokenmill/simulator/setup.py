@@ -119,6 +119,6 @@ def with_settings(setup: SimulationSetup, **settings: object) -> SimulationSetup
 
 
 def _default_model_path() -> str:
-    from tokenmill.model.loader import default_model_path
+    from tokenmill.config import default_model_path
 
     return default_model_path()

@@ -111,7 +111,7 @@ class LocalTokenSource:
 
         path = spec
         if spec == "default":
-            from tokenmill.model.loader import default_model_path
+            from tokenmill.config import default_model_path
 
             path = default_model_path()
         if Path(path).is_dir():
