@@ -516,3 +516,50 @@ def test_snapshot_reports_free_cached_and_held_blocks() -> None:
     snap = kv.snapshot()
     assert (snap.num_free, snap.num_cached, snap.num_cached_free, snap.blocks_per_request) == (10, 2, 2, {})
     assert (snap.prefix_cache_queries, snap.prefix_cache_hits, snap.usage) == (9, 0, 0.0)
+
+
+# ----- the hybrid manager: a sliding-window pool beside the full one ----------------------------
+
+
+def test_sliding_pool_lets_go_of_blocks_before_the_window_and_hits_on_the_window() -> None:
+    """Window 6, blocks of 4: a query at position p reads blocks from (p - 5) // 4 on."""
+    from tokenmill.engine.block_manager import NULL_BLOCK, HybridKVBlockManager
+
+    kv = HybridKVBlockManager(num_blocks=10, num_sliding_blocks=6, block_size=BS, window=6)
+    first = make_request("a", tokens(0, 17))
+    hits, n = kv.get_computed_blocks(first)
+    assert n == 0
+    assert kv.allocate_slots(first, 8, hits)  # a chunk of 8: 2 blocks in each pool
+    first.num_computed_tokens = 8
+    assert kv.allocate_slots(first, 9)  # queries from 8 read from (8 - 5) // 4 = 0: nothing let go
+    assert NULL_BLOCK not in kv.get_sliding_block_ids("a")
+    first.num_computed_tokens = 17
+    first.append_output_token(100)
+    assert kv.allocate_slots(first, 1)  # the query at 17 reads from block 3: blocks 0-2 let go
+    sliding = kv.get_sliding_block_ids("a")
+    assert sliding[:3] == [NULL_BLOCK] * 3 and NULL_BLOCK not in sliding[3:] and len(sliding) == 5
+    assert len(kv.get_block_ids("a")) == 5
+    kv.check_integrity()
+    first.num_computed_tokens = 18
+    kv.free(first)
+    kv.check_integrity()
+    # The same 16 tokens and more: the full pool hits 4 blocks; the sliding pool needs only
+    # the window of the query at 16, block 2 (let go but still cached) and block 3.
+    second = make_request("b", tokens(0, 18) + [7, 7])
+    (full_hit, sliding_hit), n = kv.get_computed_blocks(second)
+    assert n == 16 and len(full_hit) == 4 and sliding_hit[:2] == [NULL_BLOCK] * 2 and NULL_BLOCK not in sliding_hit[2:]
+    assert kv.allocate_slots(second, 4, (full_hit, sliding_hit))
+    kv.check_integrity()
+    kv.free(second)
+    kv.check_integrity()
+    assert kv.sliding.num_free_blocks == kv.sliding.num_usable_blocks == 5
+
+
+def test_hybrid_allocation_fails_whole_when_one_pool_is_short() -> None:
+    from tokenmill.engine.block_manager import HybridKVBlockManager
+
+    kv = HybridKVBlockManager(num_blocks=10, num_sliding_blocks=3, block_size=BS, window=16)
+    request = make_request("a", tokens(0, 12))
+    assert not kv.allocate_slots(request, 12)  # 3 blocks: the full pool has them, the sliding pool 2
+    assert kv.full.num_free_blocks == 10 and not kv.get_block_ids("a")
+    kv.check_integrity()

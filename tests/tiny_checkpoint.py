@@ -33,6 +33,28 @@ def write_tiny_llama(directory: Path, *, tie: bool = True, num_kv_heads: int = 3
     return directory
 
 
+def write_tiny_gemma3(directory: Path, *, window: int = 16, seed: int = 0) -> Path:
+    """A tiny random Gemma 3 text model: 4 layers (the 3rd global, the others sliding over
+    `window` tokens), 4 query heads over 2 KV heads of 32, with the same word-level tokenizer."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    directory.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    layer_types = ["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"]
+    config = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=32, sliding_window=window,
+                              layer_types=layer_types, max_position_embeddings=1024, initializer_range=0.1,
+                              query_pre_attn_scalar=32, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = Gemma3ForCausalLM(config).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(-0.5, 0.5)  # Gemma's norms scale by 1 + w
+    model.save_pretrained(directory, safe_serialization=True)
+    _write_tokenizer(directory)
+    return directory
+
+
 def _write_tokenizer(directory: Path) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
 

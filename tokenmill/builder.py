@@ -107,10 +107,16 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltExec
     bytes_per_block = spec.bytes_per_block + (draft.kv_spec.bytes_per_block if draft else 0)
     if rank is not None:  # as many blocks as the rank holding most KV per token can have
         bytes_per_block = rank.max_kv_bytes_per_token(spec.element_size) * spec.block_size
-    num_blocks = memory // bytes_per_block
+    sliding_layers = hybrid_sliding_layers(config, loaded, rank is None and draft is None)
+    num_sliding_blocks = window = 0
+    if sliding_layers:
+        window = loaded.arch.sliding_window
+        num_blocks, num_sliding_blocks = hybrid_pool_sizes(config, spec, len(sliding_layers), window, memory)
+    else:
+        num_blocks = memory // bytes_per_block
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory {memory} bytes is less than one KV block ({bytes_per_block} bytes)")
-    kv_cache = PagedKVCache(spec, num_blocks, device)
+    kv_cache = PagedKVCache(spec, num_blocks, device, sliding_layers, num_sliding_blocks)
     runner_class = rank.runner_class if rank is not None else ModelRunner
     runner = runner_class(loaded.model, kv_cache, backend, plan, device, seed=config.model.seed, threads=governor)
     proposer = build_proposer(config, runner, draft, kernels_ok) if speculative else None
@@ -121,7 +127,7 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltExec
         num_blocks=num_blocks, block_size=config.cache.block_size, kv_bytes_per_token=spec.bytes_per_token,
         attention_backend=backend.name, execution_plan=plan.describe(), num_threads=torch.get_num_threads(),
         load_seconds=time.perf_counter() - start, speculative=describe_speculation(speculative, proposer),
-        kv_cache_format=spec.describe(),
+        kv_cache_format=spec.describe(), num_sliding_blocks=num_sliding_blocks, sliding_window=window,
     )
     logger.info(
         "loaded %s (%s) on %s in %.1f s: %d KV blocks of %d tokens = %d tokens (%.2f GiB, %d bytes per token, "
@@ -129,6 +135,10 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltExec
         spec.block_size, facts.kv_capacity_tokens, kv_cache.nbytes / 2**30, spec.bytes_per_token, facts.kv_cache_format,
         max_model_len, backend.name,
     )
+    if sliding_layers:
+        logger.info("hybrid KV cache: %d sliding-window layers (window %d) keep %d blocks of their own, the other %d "
+                    "layers %d", len(sliding_layers), window, num_sliding_blocks, spec.num_layers - len(sliding_layers),
+                    num_blocks)
     logger.info("execution plan (%s): %s", plan.tier, plan.describe())
     if proposer is not None:
         logger.info("speculative decoding: %s", facts.speculative)
@@ -410,6 +420,33 @@ def select_attention_backend(name: str, device: torch.device, kernels_ok: bool) 
         raise ValueError("attention_backend 'cpu_native' needs the native CPU kernels, which are turned off or failed "
                          "to build (see the warning above; `python -m tokenmill.kernels -v` shows the compiler output)")
     return TorchSDPABackend()
+
+
+def hybrid_sliding_layers(config: EngineConfig, loaded: LoadedModel, supported: bool) -> frozenset[int]:
+    """The layers whose KV goes to a sliding-window pool of its own: a model with both kinds
+    of layer, on one process without a draft model (tensor/pipeline ranks and a draft's
+    shared memory split keep every block), unless --disable-hybrid-kv-cache-manager."""
+    arch = loaded.model.cfg
+    sliding = frozenset(i for i in range(arch.num_layers) if arch.layer_window(i) is not None)
+    if not supported or config.cache.disable_hybrid_kv_cache_manager or len(sliding) in (0, arch.num_layers):
+        return frozenset()
+    return sliding
+
+
+def hybrid_pool_sizes(config: EngineConfig, spec: KVCacheSpec, num_sliding: int, window: int,
+                      memory: int) -> tuple[int, int]:
+    """(full-attention blocks, sliding-window blocks) for `memory` bytes. A running request
+    holds at most the blocks of its window plus its step's chunk in the sliding pool; the
+    pool gets twice what max_num_seqs such requests and a step's tokens need (the other half
+    keeps finished windows for prefix hits), at most half the memory; the full-attention
+    layers get the rest."""
+    size, per_layer_block = spec.block_size, spec.bytes_per_block // spec.num_layers
+    running = config.scheduler.max_num_seqs * (-(-(window - 1) // size) + 1)
+    step = -(-config.scheduler.max_num_batched_tokens // size)
+    sliding_bytes = per_layer_block * num_sliding
+    num_sliding_blocks = max(2, min(2 * (running + step) + 1, memory // 2 // sliding_bytes))
+    full_bytes = per_layer_block * (spec.num_layers - num_sliding)
+    return (memory - num_sliding_blocks * sliding_bytes) // full_bytes, num_sliding_blocks
 
 
 def default_kv_cache_memory(device: torch.device) -> int:

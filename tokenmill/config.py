@@ -132,6 +132,10 @@ class CacheConfig:
                                                "capped at a fifth of RAM; half the free memory on a GPU)")
     enable_prefix_caching: bool = setting(True, aliases=("--no-prefix-caching",),
                                           help="reuse the KV of shared prompt prefixes across requests")
+    disable_hybrid_kv_cache_manager: bool = setting(False, help="keep every block of sliding-window layers too "
+                                                                "(by default a model with both sliding-window and "
+                                                                "full-attention layers keeps only the window's blocks "
+                                                                "of its sliding layers, in a pool of their own)")
     kv_cache_dtype: str = setting("auto", choices=KV_CACHE_DTYPES,
                                   help="how K and V are stored: auto follows --dtype; int8 and fp8_e4m3 (alias fp8) "
                                        "store 8-bit codes with a float16 scale per token and KV head, about half the "
@@ -506,6 +510,10 @@ class EngineFacts:
     load_seconds: float = 0.0
     speculative: str = ""  # speculative decoding as configured ("" = off)
     kv_cache_format: str = ""  # the cache's layout in words, e.g. scales and rotation of an int8 cache
+    # A hybrid KV cache: the sliding-window layers' pool (blocks) and their window (tokens);
+    # 0 when every layer keeps every block.
+    num_sliding_blocks: int = 0
+    sliding_window: int = 0
 
     @property
     def kv_capacity_tokens(self) -> int:

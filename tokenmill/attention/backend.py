@@ -109,6 +109,13 @@ class ForwardContext:
     metadata: object
     kv_cache: PagedKVCache | list[LayerKVCache]
     decode: PagedDecode | None = None  # set for pure decode steps the plan runs fused
+    # A hybrid KV cache: the sliding-window layers' metadata, over their own block tables.
+    sliding_metadata: object | None = None
+
+    def metadata_for(self, window: int | None) -> object:
+        """The metadata a layer attends with: its group's (sliding layers of a hybrid cache
+        have their own block tables)."""
+        return self.sliding_metadata if window is not None and self.sliding_metadata is not None else self.metadata
 
 
 _context: contextvars.ContextVar[ForwardContext | None] = contextvars.ContextVar("tokenmill_forward", default=None)

@@ -144,18 +144,23 @@ class LayerKVCache:
 
 
 class PagedKVCache:
-    """Every layer's cache, allocated once."""
+    """Every layer's cache, allocated once. A hybrid cache (sliding-window layers) gives
+    the layers in `sliding_layers` a pool of their own, `num_sliding_blocks` blocks, which
+    their own block tables index (the engine's HybridKVBlockManager)."""
 
-    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device) -> None:
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device,
+                 sliding_layers: frozenset[int] = frozenset(), num_sliding_blocks: int = 0) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.spec = spec
         self.num_blocks = num_blocks
+        self.num_sliding_blocks = num_sliding_blocks if sliding_layers else 0
+        self.sliding_layers = sliding_layers if self.num_sliding_blocks else frozenset()
         self.device = device
         self.layers = [
-            LayerKVCache.allocate(num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim, spec.dtype, device,
-                                  spec.rotation)
-            for _ in range(spec.num_layers)
+            LayerKVCache.allocate(self.num_sliding_blocks if i in self.sliding_layers else num_blocks,
+                                  spec.block_size, spec.num_kv_heads, spec.head_dim, spec.dtype, device, spec.rotation)
+            for i in range(spec.num_layers)
         ]
 
     def __getitem__(self, layer: int) -> LayerKVCache:
@@ -169,4 +174,6 @@ class PagedKVCache:
 
     @property
     def nbytes(self) -> int:
-        return self.num_blocks * self.spec.bytes_per_block
+        per_layer_block = self.spec.bytes_per_block // self.spec.num_layers
+        sliding = len(self.sliding_layers)
+        return per_layer_block * (self.num_blocks * (self.spec.num_layers - sliding) + self.num_sliding_blocks * sliding)

@@ -43,6 +43,9 @@ class ScheduledRequest:
     spec_token_ids: list[int] = field(default_factory=list)
     banned_token_ids: list[int] = field(default_factory=list)  # EOS/stop ids until min_tokens
     prompt_logprobs_targets: list[int] | None = None  # next-token targets when prompt logprobs wanted
+    # A hybrid KV cache (sliding-window layers): the blocks added to the request's table in
+    # the sliding pool, position-aligned with new_block_ids (NULL_BLOCK before the window).
+    new_sliding_block_ids: list[int] = field(default_factory=list)
 
     @property
     def num_tokens(self) -> int:
@@ -102,6 +105,9 @@ class RequestState:
     params: SamplingParams
     token_ids: list[int]  # prompt + generated tokens, as far as the scheduler has sent them
     block_ids: list[int]
+    # Its table in a hybrid cache's sliding pool. Entries the scheduler has since let go of
+    # keep their old ids here: the sliding layers never read them (their window is past).
+    sliding_block_ids: list[int] = field(default_factory=list)
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -140,6 +146,10 @@ class StepRequest:
     @property
     def block_ids(self) -> list[int]:
         return self.state.block_ids
+
+    @property
+    def sliding_block_ids(self) -> list[int]:
+        return self.state.sliding_block_ids
 
     @property
     def sample(self) -> bool:
@@ -195,4 +205,5 @@ class RequestTable:
                 raise RuntimeError(f"request {item.request_id!r} was scheduled before it was sent as new")
         state.token_ids.extend(item.appended_token_ids)
         state.block_ids.extend(item.new_block_ids)
+        state.sliding_block_ids.extend(item.new_sliding_block_ids)
         return state

@@ -68,7 +68,14 @@ class PrefixCacheStats:
     hits: int = 0  # of those, tokens served from the cache
 
 
+NULL_BLOCK = 0  # in a sliding-window pool: a table entry whose block was let go (never read)
+
+
 class KVBlockManager:
+    # A sliding-window pool keeps block 0 as NULL_BLOCK, never handed out, in the place of
+    # blocks no query can see any more (position-aligned tables, as vLLM's null block).
+    reserves_null = False
+
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
@@ -77,7 +84,10 @@ class KVBlockManager:
         self.enable_caching = enable_caching
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # Free blocks in eviction order: the head is evicted first.
-        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        first = 1 if self.reserves_null else 0
+        if num_blocks <= first:
+            raise ValueError(f"a sliding-window KV pool needs at least two blocks, got {num_blocks}")
+        self.free_queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(first, num_blocks))
         self.cached_blocks: dict[BlockHash, int] = {}
         self.req_blocks: dict[str, list[int]] = {}
         self.req_hashes: dict[str, list[BlockHash]] = {}
@@ -91,9 +101,13 @@ class KVBlockManager:
         return len(self.free_queue)
 
     @property
+    def num_usable_blocks(self) -> int:
+        return self.num_blocks - int(self.reserves_null)
+
+    @property
     def usage(self) -> float:
         """Fraction of blocks held by requests (free cached blocks count as free)."""
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_usable_blocks
 
     def snapshot(self) -> KVSnapshot:
         cached_free = sum(1 for b in self.free_queue if self.blocks[b].block_hash is not None)
@@ -136,14 +150,11 @@ class KVBlockManager:
         Returns False, changing nothing, when there are not enough free blocks.
         """
         computed_blocks = computed_blocks or []
-        held = self.req_blocks.get(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
-        num_tokens_after = num_computed + num_new_tokens
-        num_new_blocks = self.blocks_needed(num_tokens_after) - len(held) - len(computed_blocks)
-        # Hits sitting in the free queue are taken out of it, so they are not free for new blocks.
-        num_revived = sum(1 for b in computed_blocks if self.blocks[b].ref_count == 0)
-        if num_new_blocks > self.num_free_blocks - num_revived:
+        if not self.can_allocate(request, num_new_tokens, computed_blocks):
             return False
+        held = self.req_blocks.get(request.request_id, [])
+        num_tokens_after = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        num_new_blocks = self.blocks_needed(num_tokens_after) - len(held) - len(computed_blocks)
 
         for block_id in computed_blocks:
             self._take(block_id)
@@ -158,6 +169,16 @@ class KVBlockManager:
         self._hash_full_blocks(request, min(num_tokens_after, request.num_tokens))
         return True
 
+    def can_allocate(self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
+        """Whether allocate_slots would succeed (it changes nothing)."""
+        computed_blocks = computed_blocks or []
+        held = self.req_blocks.get(request.request_id, [])
+        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_new_blocks = self.blocks_needed(num_computed + num_new_tokens) - len(held) - len(computed_blocks)
+        # Hits sitting in the free queue are taken out of it, so they are not free for new blocks.
+        num_revived = sum(1 for b in computed_blocks if not self._is_null(b) and self.blocks[b].ref_count == 0)
+        return num_new_blocks <= self.num_free_blocks - num_revived
+
     def free(self, request: Request) -> None:
         """Release a request's blocks (finished, aborted or preempted).
 
@@ -169,6 +190,8 @@ class KVBlockManager:
         self.req_hashes.pop(rid, None)
         self.req_num_hashed_blocks.pop(rid, None)
         for block_id in reversed(self.req_blocks.pop(rid, [])):
+            if self._is_null(block_id):
+                continue
             block = self.blocks[block_id]
             block.ref_count -= 1
             if block.ref_count == 0:
@@ -187,7 +210,12 @@ class KVBlockManager:
 
     # ----- internals -----------------------------------------------------------------
 
+    def _is_null(self, block_id: int) -> bool:
+        return self.reserves_null and block_id == NULL_BLOCK
+
     def _take(self, block_id: int) -> None:
+        if self._is_null(block_id):
+            return
         block = self.blocks[block_id]
         if block.ref_count == 0:
             del self.free_queue[block_id]  # a hit on a free cached block revives it
@@ -222,6 +250,8 @@ class KVBlockManager:
             return
         hashes = self._block_hashes(request)
         for i in range(start, end):
+            if self._is_null(self.req_blocks[rid][i]):
+                continue  # a prefix-hit entry before the window: no block of its own
             block = self.blocks[self.req_blocks[rid][i]]
             if block.block_hash is None and hashes[i] not in self.cached_blocks:
                 block.block_hash = hashes[i]
@@ -237,10 +267,12 @@ class KVBlockManager:
         after every operation."""
         refs = [0] * self.num_blocks
         for rid, block_ids in self.req_blocks.items():
+            if self.reserves_null:
+                block_ids = [b for b in block_ids if b != NULL_BLOCK]
             assert len(set(block_ids)) == len(block_ids), f"{rid} holds a block twice: {block_ids}"
             for block_id in block_ids:
                 refs[block_id] += 1
-        for block in self.blocks:
+        for block in self.blocks[int(self.reserves_null):]:
             assert block.ref_count == refs[block.block_id], (
                 f"block {block.block_id}: ref_count {block.ref_count}, referenced {refs[block.block_id]} times"
             )
@@ -252,3 +284,134 @@ class KVBlockManager:
                 )
         for block_hash, block_id in self.cached_blocks.items():
             assert self.blocks[block_id].block_hash == block_hash, f"cache maps to block {block_id} wrongly"
+
+
+class SlidingKVBlockManager(KVBlockManager):
+    """The blocks of sliding-window layers: a query at position p sees (p - window, p], so
+    a block whose tokens all lie before the window of the request's next query is let go
+    (its table entry becomes NULL_BLOCK; it joins the free queue with its hash, so a later
+    prefix hit may still take it), and a prefix hit needs only the blocks inside the
+    window of the first query computed after it."""
+
+    reserves_null = True
+
+    def __init__(self, num_blocks: int, block_size: int, window: int, enable_caching: bool = True) -> None:
+        super().__init__(num_blocks, block_size, enable_caching)
+        self.window = window
+
+    def first_needed_block(self, position: int) -> int:
+        """The first block a query at `position` (or any later one) reads."""
+        return max(0, position - self.window + 1) // self.block_size
+
+    def max_blocks_per_request(self, num_new_tokens: int) -> int:
+        """Most blocks a request holds while it computes `num_new_tokens` at once."""
+        return self.blocks_needed(self.window + num_new_tokens) + 1
+
+    def window_hit(self, request: Request, num_blocks: int) -> list[int] | None:
+        """The table for a prefix hit of `num_blocks` blocks (NULL_BLOCK before the window),
+        or None when a block inside the window is not cached."""
+        first = self.first_needed_block(num_blocks * self.block_size)
+        ids = [self.cached_blocks.get(h) for h in self._block_hashes(request)[first:num_blocks]]
+        if len(ids) != num_blocks - first or None in ids:
+            return None
+        return [NULL_BLOCK] * first + ids
+
+    def release_outside_window(self, request: Request) -> None:
+        """Let go of the blocks no future query of the request reads (queries start at
+        its num_computed_tokens)."""
+        blocks = self.req_blocks.get(request.request_id)
+        if not blocks:
+            return
+        for i in range(min(self.first_needed_block(request.num_computed_tokens), len(blocks))):
+            block_id = blocks[i]
+            if block_id == NULL_BLOCK:
+                continue
+            blocks[i] = NULL_BLOCK
+            block = self.blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                self.free_queue[block_id] = None
+                if block.block_hash is None:
+                    self.free_queue.move_to_end(block_id, last=False)
+
+
+HybridHit = tuple[list[int], list[int]]  # (full-attention blocks, sliding-window blocks) of a prefix hit
+
+
+class HybridKVBlockManager:
+    """Two pools, as vLLM's hybrid KV cache manager keeps a block table per group of layers:
+    full-attention layers keep every block (`full`); sliding-window layers keep only the
+    blocks inside the window (`sliding`). A request holds a table in each, position-aligned.
+
+    Prefix caching hits per group and the hit is the longest prefix both accept: the full
+    group needs every block of the prefix, the sliding group only the blocks inside the
+    window of the first query after it (vLLM's rule for sliding-window groups). Blocks of
+    both pools carry the same chained hash of their tokens. Capacity (`num_blocks`,
+    admission checks) is the full pool's; running out of either pool preempts."""
+
+    def __init__(self, num_blocks: int, num_sliding_blocks: int, block_size: int, window: int,
+                 enable_caching: bool = True) -> None:
+        self.full = KVBlockManager(num_blocks, block_size, enable_caching)
+        self.sliding = SlidingKVBlockManager(num_sliding_blocks, block_size, window, enable_caching)
+        self.num_blocks, self.block_size, self.enable_caching = num_blocks, block_size, enable_caching
+
+    @property
+    def stats(self) -> PrefixCacheStats:
+        return self.full.stats
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.full.num_free_blocks
+
+    @property
+    def blocks(self) -> list[KVBlock]:
+        """The full-attention pool's blocks (what a block map shows)."""
+        return self.full.blocks
+
+    @property
+    def usage(self) -> float:
+        return max(self.full.usage, self.sliding.usage)
+
+    def snapshot(self) -> KVSnapshot:
+        return self.full.snapshot()
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return self.full.blocks_needed(num_tokens)
+
+    def get_block_ids(self, request_id: str) -> list[int]:
+        return self.full.get_block_ids(request_id)
+
+    def get_sliding_block_ids(self, request_id: str) -> list[int]:
+        return self.sliding.get_block_ids(request_id)
+
+    def get_computed_blocks(self, request: Request) -> tuple[HybridHit, int]:
+        full, _ = self.full.get_computed_blocks(request)
+        for n in range(len(full), 0, -1):
+            sliding = self.sliding.window_hit(request, n)
+            if sliding is not None:
+                return (full[:n], sliding), n * self.block_size
+        return ([], []), 0
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: HybridHit | None = None) -> bool:
+        full_hit, sliding_hit = computed_blocks or ([], [])
+        self.sliding.release_outside_window(request)
+        if not (self.full.can_allocate(request, num_new_tokens, full_hit)
+                and self.sliding.can_allocate(request, num_new_tokens, sliding_hit)):
+            return False
+        if not (self.full.allocate_slots(request, num_new_tokens, full_hit)
+                and self.sliding.allocate_slots(request, num_new_tokens, sliding_hit)):
+            raise RuntimeError(f"{request.request_id}: KV allocation failed after can_allocate said it fits")
+        return True
+
+    def free(self, request: Request) -> None:
+        self.full.free(request)
+        self.sliding.free(request)
+
+    def reset_prefix_cache(self) -> bool:
+        return self.full.reset_prefix_cache() and self.sliding.reset_prefix_cache()
+
+    def check_integrity(self) -> None:
+        self.full.check_integrity()
+        self.sliding.check_integrity()
+        for rid, blocks in self.full.req_blocks.items():
+            assert len(self.sliding.req_blocks.get(rid, [])) == len(blocks), f"{rid}: the two tables differ in length"

@@ -22,7 +22,7 @@ from typing import Protocol
 
 from tokenmill.config import EngineConfig, EngineFacts
 from tokenmill.engine.batch import RunnerOutput, SchedulerOutput
-from tokenmill.engine.block_manager import KVBlockManager
+from tokenmill.engine.block_manager import HybridKVBlockManager, KVBlockManager
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
@@ -143,6 +143,14 @@ class StepObserver:
     def on_aborted(self, output: RequestOutput) -> None: ...
 
 
+def make_block_manager(facts: EngineFacts, enable_caching: bool) -> KVBlockManager | HybridKVBlockManager:
+    """One pool, or (sliding-window layers in a hybrid cache) a pool per layer kind."""
+    if facts.num_sliding_blocks:
+        return HybridKVBlockManager(facts.num_blocks, facts.num_sliding_blocks, facts.block_size,
+                                    facts.sliding_window, enable_caching)
+    return KVBlockManager(facts.num_blocks, facts.block_size, enable_caching)
+
+
 class LLMEngine:
     def __init__(
         self,
@@ -161,7 +169,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.facts = facts
         self.clock = clock
-        kv = KVBlockManager(facts.num_blocks, facts.block_size, config.cache.enable_prefix_caching)
+        kv = make_block_manager(facts, config.cache.enable_prefix_caching)
         sched = config.scheduler
         limits = SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, facts.max_model_len,
                                  sched.scheduling_policy, sched.priority_aging)

@@ -32,7 +32,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from tokenmill.engine.batch import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
-from tokenmill.engine.block_manager import KVBlockManager
+from tokenmill.engine.block_manager import HybridKVBlockManager, KVBlockManager
 from tokenmill.engine.request import Request, RequestStatus
 
 
@@ -60,7 +60,7 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVBlockManager, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVBlockManager | HybridKVBlockManager, clock: Callable[[], float] = time.monotonic) -> None:
         self.config = config
         self.kv = kv
         self.clock = clock
@@ -204,7 +204,8 @@ class Scheduler:
         worse = [r for r in self.running[index:] if self.rank(r) > rank]
         room_seqs = self.config.max_num_seqs - (len(self.running) - len(worse))
         room_blocks = self.kv.num_free_blocks + sum(len(self.kv.get_block_ids(r.request_id)) for r in worse)
-        if room_seqs < 1 or self.kv.blocks_needed(num_hit_tokens + num_new) - len(hits) > room_blocks:
+        hit_blocks = num_hit_tokens // self.kv.block_size  # (a hybrid cache's hits are a pair of tables)
+        if room_seqs < 1 or self.kv.blocks_needed(num_hit_tokens + num_new) - hit_blocks > room_blocks:
             return None  # preempting every worse-ranked request would not make room
         while len(self.running) >= self.config.max_num_seqs or not self.kv.allocate_slots(request, num_new, hits):
             if len(self.running) <= index or self.rank(self.running[-1]) <= rank:
@@ -341,6 +342,7 @@ class Scheduler:
             new = NewRequestData(request.prompt_token_ids, request.params)
             sent = (request.num_prompt_tokens, 0)
         self._sent[rid] = (request.num_tokens, len(block_ids))
+        sliding = self.kv.get_sliding_block_ids(rid)[sent[1]:] if isinstance(self.kv, HybridKVBlockManager) else []
         return ScheduledRequest(
             request_id=rid,
             start_pos=start,
@@ -352,6 +354,7 @@ class Scheduler:
             spec_token_ids=spec,
             banned_token_ids=request.banned_token_ids(),
             prompt_logprobs_targets=self._prompt_logprob_targets(request, start, end),
+            new_sliding_block_ids=sliding,
         )
 
     @staticmethod

@@ -62,8 +62,8 @@ class Attention(nn.Module):
         if ctx is None:
             out = self._dense_causal(q, k, v)
         else:
-            out = ctx.backend.forward(q, k, v, ctx.kv_cache[self.layer_idx], ctx.metadata, self.scale,
-                                      window=self.window)
+            out = ctx.backend.forward(q, k, v, ctx.kv_cache[self.layer_idx], ctx.metadata_for(self.window),
+                                      self.scale, window=self.window)
         return self.o_proj(out.reshape(-1, self.q_size))
 
     def _dense_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

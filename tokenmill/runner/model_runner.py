@@ -98,6 +98,9 @@ class ModelRunner:
             ctx = ForwardContext(self.backend, None, self.kv_cache, PagedDecode.from_layout(layout, self.device))
         else:
             ctx = ForwardContext(self.backend, self.backend.build_metadata(layout, self.device), self.kv_cache)
+        if self.kv_cache.num_sliding_blocks:  # a hybrid cache: the sliding layers' own tables and slots
+            sliding = self._layout(items, sliding=True)
+            ctx.sliding_metadata = self.backend.build_metadata(sliding, self.device)
         with forward_context(ctx):
             hidden = self.model(input_ids, positions)
         starts = [0]
@@ -105,21 +108,24 @@ class ModelRunner:
             starts.append(starts[-1] + r.num_tokens)
         return hidden, starts
 
-    def _layout(self, items: list[StepRequest]) -> BatchLayout:
+    def _layout(self, items: list[StepRequest], sliding: bool = False) -> BatchLayout:
+        """The step's layout over the requests' block tables (`sliding`: their tables in a
+        hybrid cache's sliding-window pool)."""
         size = self.block_size
+        tables = [r.sliding_block_ids if sliding else r.block_ids for r in items]
         slots = [
-            r.block_ids[p // size] * size + p % size for r in items for p in range(r.start_pos, r.context_len)
+            table[p // size] * size + p % size for r, table in zip(items, tables) for p in range(r.start_pos, r.context_len)
         ]
         query_lens, context_lens, block_tables = [], [], []
-        for r in items:
+        for r, table in zip(items, tables):
             if self.short_chunks_as_decodes and r.start_pos > 0 and 1 < r.num_tokens <= SHORT_CHUNK_TOKENS:
                 query_lens += [1] * r.num_tokens
                 context_lens += range(r.start_pos + 1, r.context_len + 1)
-                block_tables += [r.block_ids] * r.num_tokens
+                block_tables += [table] * r.num_tokens
             else:
                 query_lens.append(r.num_tokens)
                 context_lens.append(r.context_len)
-                block_tables.append(r.block_ids)
+                block_tables.append(table)
         return BatchLayout(query_lens, context_lens, block_tables, slots, size)
 
     def _sample(self, items: list[StepRequest], hidden: torch.Tensor, starts: list[int], output: RunnerOutput) -> None:
