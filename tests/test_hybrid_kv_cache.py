@@ -77,10 +77,12 @@ def test_sliding_pool_holds_only_the_window(checkpoint: Path) -> None:
     assert seen >= 100 // BLOCK  # the table spans the whole context; most of it NULL
 
 
-def test_hybrid_equals_every_block_kept_across_requests(checkpoint: Path) -> None:
+@pytest.mark.parametrize("policy", ["fcfs", "priority"])
+def test_hybrid_equals_every_block_kept_across_requests(checkpoint: Path, policy: str) -> None:
     """Concurrent requests sharing a prefix, chunked prefill past the window: the same
-    tokens with the hybrid cache as with every block kept."""
-    llm = _llm(checkpoint)
+    tokens with the hybrid cache as with every block kept (both scheduling policies:
+    priority admission counts a hit's blocks too)."""
+    llm = _llm(checkpoint, scheduling_policy=policy)
     shared = _prompt(40, 4)
     prompts = [shared + _prompt(n, 5 + n) for n in (3, 30, 50)]
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY)]
