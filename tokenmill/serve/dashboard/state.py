@@ -67,8 +67,11 @@ STEP_FIELDS = ["index", "started", "duration_ms", "prefill_tokens", "decode_toke
 
 class DashboardObserver(StepObserver):
     def __init__(self, engine: Callable[[], LLMEngine | None], max_rate_hz: float = 4.0,
-                 num_steps: int = 120, num_finished: int = 20) -> None:
+                 num_steps: int = 120, num_finished: int = 20,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._engine = engine
+        self._clock = clock
+        self.num_builds = 0  # snapshots built on the engine thread (tests check the rate limit)
         self._interval = 1.0 / max_rate_hz
         self._steps: deque[StepRow] = deque(maxlen=num_steps)
         self._finished: deque[dict[str, Any]] = deque(maxlen=num_finished)
@@ -133,7 +136,7 @@ class DashboardObserver(StepObserver):
     # ----- internals -----------------------------------------------------------------------
 
     def _maybe_build(self, force: bool) -> None:
-        now = time.monotonic()
+        now = self._clock()
         with self._lock:
             watched = bool(self._subscribers)
         if not force and not (watched and now - self._last_build >= self._interval):
@@ -142,6 +145,7 @@ class DashboardObserver(StepObserver):
         if engine is None:
             return
         self._last_build = now
+        self.num_builds += 1
         snapshot = self._build(engine)
         self.latest = snapshot
         if watched:
@@ -167,7 +171,7 @@ class DashboardObserver(StepObserver):
         running = list(scheduler.running)
         return {
             "seq": next(self._seq),
-            "now": time.monotonic(),
+            "now": self._clock(),
             "model": engine.model_name,
             "kv": block_map(scheduler.kv),
             "requests": {
