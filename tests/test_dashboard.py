@@ -37,7 +37,15 @@ SCREENSHOT = os.environ.get("TOKENMILL_DASHBOARD_SCREENSHOT")
 def server():
     process = ServerProcess(api_key=API_KEY).start()
     yield process
-    assert process.stop() == 0, process.log_tail()
+    # A page still watching does not hold up the SIGTERM drain: its stream ends, the server exits 0.
+    with httpx.stream("GET", process.url + "/dashboard/events", headers=process.headers, timeout=60) as events:
+        assert events.status_code == 200
+        ended = threading.Event()
+        reader = threading.Thread(target=lambda: (list(events.iter_lines()), ended.set()), daemon=True)
+        reader.start()
+        assert process.stop() == 0, process.log_tail()
+        reader.join(30)
+    assert ended.is_set(), "the event stream did not end at shutdown"
 
 
 @pytest.fixture(scope="module")
