@@ -15,6 +15,7 @@ import os
 import shutil
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
@@ -60,11 +61,14 @@ def run_load(client: OpenAI, model: str, num_requests: int = 8, max_tokens: int 
         client.completions.create(model=model, prompt=f"{PREFIX}Question {i}: what does the millstone do?",
                                   max_tokens=max_tokens + 2 * i, temperature=0, extra_body={"ignore_eos": True})
 
-    threads = [threading.Thread(target=one, args=(i,)) for i in range(num_requests)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
+    run_concurrently([lambda i=i: one(i) for i in range(num_requests)])
+
+
+def run_concurrently(calls) -> None:
+    """Run the calls at once, each in a thread; re-raises the first failure."""
+    with ThreadPoolExecutor(len(calls)) as pool:
+        for future in [pool.submit(call) for call in calls]:
+            future.result()
 
 
 # ----- over HTTP ---------------------------------------------------------------------------------
@@ -223,6 +227,48 @@ def test_browser_chat_request_appears_and_completes(server, browser):
 
 
 
+
+@pytest.fixture(scope="module")
+def hybrid_server(tmp_path_factory):
+    """A tiny random Gemma 3 (sliding-window layers: a hybrid KV cache of two pools) with
+    blocks of 4 tokens: over a thousand blocks in the full-attention pool."""
+    from tests.tiny_checkpoint import write_tiny_gemma3
+
+    checkpoint = write_tiny_gemma3(tmp_path_factory.mktemp("gemma3"), window=16)
+    process = ServerProcess(str(checkpoint), base_args=[
+        "--dtype", "float32", "--max-model-len", "512", "--block-size", "4", "--kv-cache-memory", "4MiB",
+        "--num-threads", "1", "--disable-access-log"]).start()
+    yield process
+    assert process.stop() == 0, process.log_tail()
+
+
+def test_browser_hybrid_cache_with_a_thousand_blocks(hybrid_server, browser):
+    from selenium.webdriver.common.by import By
+
+    server = hybrid_server
+    browser.get(server.url + "/dashboard")
+    wait_until(lambda: value(browser, "kv-num-blocks") is not None, "the first snapshot")
+    num_blocks = num_gpu_blocks(server)
+    assert num_blocks >= 1000 and value(browser, "kv-num-blocks") == num_blocks
+    assert browser.execute_script("return window.tokenmillDashboard.layouts['kv-map'].n") == num_blocks
+    assert browser.find_element(By.ID, "sliding-pool").is_displayed()
+
+    client = OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0, timeout=300)
+    prompts = [[3 + (7 * i + j) % 500 for j in range(40 + 10 * i)] for i in range(8)]
+    run_concurrently([lambda p=p: client.completions.create(model=server.model, prompt=p, max_tokens=120,
+                                                             extra_body={"ignore_eos": True}) for p in prompts])
+    metrics = server.wait_idle()
+    wait_until(lambda: value(browser, "ctr-generation-tokens") == metrics["tokenmill:generation_tokens_total"],
+               "the page to show the final snapshot")
+    assert value(browser, "kv-usage") == metrics["tokenmill:kv_cache_usage_perc"] == 0
+    sliding = browser.execute_script("return window.tokenmillDashboard.latest.kv_sliding")
+    assert sliding["num_reserved"] == 1 and sliding["states"][0] == "N" and sliding["num_cached_free"] > 0
+    hover_block(browser, 0, canvas_id="kv-sliding-map")
+    tooltip = browser.find_element(By.ID, "tooltip-sliding")
+    assert tooltip.is_displayed() and "block 0: reserved" in tooltip.text
+    errors = [entry for entry in browser.get_log("browser") if entry["level"] == "SEVERE"]
+    assert not errors, errors
+
 # ----- helpers ---------------------------------------------------------------------------------
 
 PAGE_COUNTERS = {
@@ -298,13 +344,13 @@ def row_attributes(browser, table_id: str, request_id: str, attribute: str) -> l
         table_id, request_id, attribute)
 
 
-def hover_block(browser, index: int) -> None:
+def hover_block(browser, index: int, canvas_id: str = "kv-map") -> None:
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
 
     cell, cols = browser.execute_script(
-        "const l = window.tokenmillDashboard.layout; return [l.cell, l.cols]")
-    canvas = browser.find_element(By.ID, "kv-map")
+        "const l = window.tokenmillDashboard.layouts[arguments[0]]; return [l.cell, l.cols]", canvas_id)
+    canvas = browser.find_element(By.ID, canvas_id)
     x = (index % cols) * cell + cell // 2
     y = (index // cols) * cell + cell // 2
     size = canvas.size

@@ -103,3 +103,25 @@ def test_finished_and_aborted_requests_are_listed_newest_first() -> None:
                                                                                  ("done", "length")]
     assert latest["finished"][1]["output_tokens"] == 2
     assert latest["requests"]["num_running"] == 0 and latest["kv"]["num_used"] == 0
+
+
+def test_a_hybrid_cache_shows_both_pools_and_the_managers_usage() -> None:
+    from fakes import make_request
+
+    from tokenmill.engine.block_manager import NULL_BLOCK, HybridKVBlockManager
+    from tokenmill.serve.dashboard.state import kv_maps
+
+    kv = HybridKVBlockManager(num_blocks=10, num_sliding_blocks=6, block_size=4, window=6)
+    request = make_request("a", list(range(10, 27)))  # 17 tokens
+    assert kv.allocate_slots(request, 17)
+    request.num_computed_tokens = 17
+    request.append_output_token(100)
+    assert kv.allocate_slots(request, 1)  # the query at 17 reads from block 3: blocks 0-2 let go
+    maps = kv_maps(kv)
+    full, sliding = maps["kv"], maps["kv_sliding"]
+    assert full["usage"] == kv.usage and full["num_used"] == 5 and full["owners"] == {"a": kv.get_block_ids("a")}
+    assert sliding["states"][NULL_BLOCK] == "N" and sliding["num_reserved"] == 1
+    held = [b for b in kv.get_sliding_block_ids("a") if b != NULL_BLOCK]
+    assert sliding["owners"] == {"a": held} and sliding["num_used"] == len(held) == 2
+    assert sliding["states"].count("C") == 3  # let go, but still cached for a later prefix hit
+    assert all(sliding["states"][b] in "UH" for b in held)

@@ -23,7 +23,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from tokenmill.engine.block_manager import KVBlockManager
+from tokenmill.engine.block_manager import NULL_BLOCK, HybridKVBlockManager, KVBlockManager
 from tokenmill.engine.engine import LLMEngine, StepObserver, StepRecord
 from tokenmill.engine.request import Request
 from tokenmill.outputs import RequestOutput
@@ -34,6 +34,7 @@ CACHED_FREE = "C"  # free, but still holds a prefix-cache entry (revived on a hi
 USED = "U"  # held by one request, no cache entry (a partly filled or duplicate block)
 USED_CACHED = "H"  # held by one request and in the prefix cache (a full block)
 SHARED = "S"  # held by more than one request: a shared prefix
+RESERVED = "N"  # never handed out (a sliding-window pool's NULL_BLOCK)
 
 MAX_LISTED_REQUESTS = 200  # per list; the counts stay exact beyond it
 HASH_HEX_CHARS = 12
@@ -173,7 +174,7 @@ class DashboardObserver(StepObserver):
             "seq": next(self._seq),
             "now": self._clock(),
             "model": engine.model_name,
-            "kv": block_map(scheduler.kv),
+            **kv_maps(scheduler.kv),
             "requests": {
                 "num_running": len(running),
                 "num_waiting": len(waiting),
@@ -196,37 +197,52 @@ class DashboardObserver(StepObserver):
         }
 
 
-def block_map(kv: KVBlockManager) -> dict[str, Any]:
+def kv_maps(kv: KVBlockManager | HybridKVBlockManager) -> dict[str, Any]:
+    """`kv`: the block map of the (full-attention) pool, with the manager's usage (what
+    /metrics exports: with a hybrid cache, the fuller of its two pools); with a hybrid
+    cache also `kv_sliding`, the sliding-window layers' pool."""
+    if isinstance(kv, HybridKVBlockManager):
+        return {"kv": {**block_map(kv.full), "usage": kv.usage}, "kv_sliding": block_map(kv.sliding)}
+    return {"kv": block_map(kv)}
+
+
+def block_map(pool: KVBlockManager) -> dict[str, Any]:
     """Counts from `KVBlockManager.snapshot()` plus one state character per block, the
     short hash of every cached block and the block table of every request."""
-    counts = kv.snapshot()
+    counts = pool.snapshot()
     states = []
     hashes: dict[int, str] = {}
     num_shared = 0
-    for block in kv.blocks:
+    for block in pool.blocks:
         if block.block_hash is not None:
             hashes[block.block_id] = block.block_hash[: HASH_HEX_CHARS // 2].hex()
         if block.ref_count == 0:
-            states.append(FREE if block.block_hash is None else CACHED_FREE)
+            if block.block_id not in pool.free_queue:
+                states.append(RESERVED)
+            else:
+                states.append(FREE if block.block_hash is None else CACHED_FREE)
         elif block.ref_count > 1:
             states.append(SHARED)
             num_shared += 1
         else:
             states.append(USED if block.block_hash is None else USED_CACHED)
+    # A sliding pool's tables hold NULL_BLOCK where blocks were let go: not a holder.
+    skip = NULL_BLOCK if pool.reserves_null else None
     return {
         "num_blocks": counts.num_blocks,
         "block_size": counts.block_size,
-        "num_used": counts.num_blocks - counts.num_free,
+        "num_used": pool.num_usable_blocks - counts.num_free,
         "num_free": counts.num_free,
+        "num_reserved": counts.num_blocks - pool.num_usable_blocks,
         "num_cached_free": counts.num_cached_free,
         "num_cached": counts.num_cached,
         "num_shared": num_shared,
-        "usage": counts.usage,
+        "usage": pool.usage,
         "prefix_cache_queries": counts.prefix_cache_queries,
         "prefix_cache_hits": counts.prefix_cache_hits,
         "states": "".join(states),
         "hashes": hashes,
-        "owners": {rid: list(blocks) for rid, blocks in kv.req_blocks.items()},
+        "owners": {rid: [b for b in blocks if b != skip] for rid, blocks in pool.req_blocks.items()},
     }
 
 

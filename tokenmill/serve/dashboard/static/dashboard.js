@@ -6,7 +6,10 @@
 "use strict";
 
 const $ = (id) => document.getElementById(id);
-const STATE_NAMES = { F: "free", C: "cached, free", U: "in use", H: "in use, cached", S: "shared" };
+const STATE_NAMES = { F: "free", C: "cached, free", U: "in use", H: "in use, cached", S: "shared",
+                      N: "reserved (null block)" };
+// The block maps: the (full-attention) pool, and a hybrid cache's sliding-window pool.
+const MAPS = { "kv-map": { key: "kv", tooltip: "tooltip" }, "kv-sliding-map": { key: "kv_sliding", tooltip: "tooltip-sliding" } };
 const RATE_WINDOW_S = 5;
 const HISTORY_S = 120;
 
@@ -14,7 +17,8 @@ const app = {
   key: null,
   latest: null,        // newest snapshot
   serverNow: null,     // server's monotonic clock at the newest event
-  owners: [],          // block id -> request ids holding it
+  owners: {},          // canvas id -> (block id -> request ids holding it)
+  layouts: {},         // canvas id -> {cell, cols, n} of its last drawing, for hover
   history: [],         // [serverNow, generation tok/s, prompt tok/s]
   chatId: null,        // the chat box's request id, highlighted everywhere
   modelId: null,
@@ -103,7 +107,10 @@ function handleEvent(block) {
   if (type === "snapshot") {
     app.latest = payload;
     app.serverNow = payload.sent;
-    app.owners = invertOwners(payload.kv);
+    app.owners = {};
+    for (const [canvasId, map] of Object.entries(MAPS)) {
+      if (payload[map.key]) app.owners[canvasId] = invertOwners(payload[map.key]);
+    }
   } else if (type === "tick") {
     app.serverNow = payload.now;
   }
@@ -197,7 +204,14 @@ function render() {
   const [gen, prompt] = rates(s, app.serverNow);
   $("gen-tps").textContent = gen.toFixed(1);
   $("prompt-tps").textContent = prompt.toFixed(0);
-  drawBlockMap(kv);
+  drawBlockMap("kv-map", kv);
+  $("sliding-pool").hidden = !s.kv_sliding;
+  if (s.kv_sliding) {
+    const sk = s.kv_sliding;
+    $("kv-sliding-caption").textContent = `${sk.num_used} of ${sk.num_blocks - sk.num_reserved} blocks in use, ` +
+      `${sk.num_cached_free} cached and free (blocks before a request's window are let go)`;
+    drawBlockMap("kv-sliding-map", sk);
+  }
   drawSteps(stepRows(s));
   drawHistory();
   drawHistogram("ttft-chart", "ttft-caption", s.ttft);
@@ -225,10 +239,8 @@ const css = (name) => getComputedStyle(document.documentElement).getPropertyValu
 
 // ----- the block map ------------------------------------------------------------------------
 
-let layout = null;  // {cell, cols} of the last drawing, for hover
-
-function drawBlockMap(kv) {
-  const canvas = $("kv-map");
+function drawBlockMap(canvasId, kv) {
+  const canvas = $(canvasId);
   const width = canvas.clientWidth || canvas.parentElement.clientWidth;
   const n = kv.num_blocks;
   // Cells as large as fit in ~360 px of height, between 3 and 22 px.
@@ -237,9 +249,10 @@ function drawBlockMap(kv) {
   const cols = Math.max(1, Math.floor(width / cell));
   const rows = Math.ceil(n / cols);
   const [ctx] = prepare(canvas, rows * cell);
-  layout = { cell, cols, n };
-  app.layout = layout;
-  const colours = { F: css("--free"), C: css("--cached"), U: css("--used"), H: css("--used-cached"), S: css("--shared") };
+  app.layouts[canvasId] = { cell, cols, n };
+  if (canvasId === "kv-map") app.layout = app.layouts[canvasId];
+  const colours = { F: css("--free"), C: css("--cached"), U: css("--used"), H: css("--used-cached"),
+                    S: css("--shared"), N: css("--reserved") };
   const gap = cell >= 6 ? 1 : 0;
   const mine = app.chatId ? new Set(mineBlocks(kv)) : null;
   for (let i = 0; i < n; i++) {
@@ -263,18 +276,20 @@ function mineBlocks(kv) {
 }
 
 function blockTooltip(event) {
-  const tip = $("tooltip");
-  const s = app.latest;
-  if (!s || !layout) return;
+  const canvasId = event.target.id, map = MAPS[canvasId];
+  const tip = $(map.tooltip);
+  const s = app.latest, layout = app.layouts[canvasId];
+  if (!s || !layout || !s[map.key]) return;
+  const kv = s[map.key];
   const rect = event.target.getBoundingClientRect();
   const x = event.clientX - rect.left, y = event.clientY - rect.top;
   const i = Math.floor(y / layout.cell) * layout.cols + Math.floor(x / layout.cell);
   if (x < 0 || x >= layout.cols * layout.cell || i < 0 || i >= layout.n) { tip.hidden = true; return; }
-  const state = s.kv.states[i];
-  const owners = app.owners[i] || [];
+  const state = kv.states[i];
+  const owners = app.owners[canvasId][i] || [];
   const lines = [`block ${i}: ${STATE_NAMES[state]}`];
   if (owners.length) lines.push(`held by ${owners.length}: ${owners.slice(0, 6).join(", ")}${owners.length > 6 ? ", …" : ""}`);
-  const hash = s.kv.hashes[i];
+  const hash = kv.hashes[i];
   lines.push(hash ? `hash ${hash}…` : "no prefix-cache hash");
   tip.textContent = lines.join("\n");
   tip.hidden = false;
@@ -516,8 +531,10 @@ async function sendChat(event) {
 // ----- start ----------------------------------------------------------------------------------
 
 initKey();
-$("kv-map").addEventListener("mousemove", blockTooltip);
-$("kv-map").addEventListener("mouseleave", () => { $("tooltip").hidden = true; });
+for (const [canvasId, map] of Object.entries(MAPS)) {
+  $(canvasId).addEventListener("mousemove", blockTooltip);
+  $(canvasId).addEventListener("mouseleave", () => { $(map.tooltip).hidden = true; });
+}
 $("chat-form").addEventListener("submit", sendChat);
 window.addEventListener("resize", schedule);
 window.tokenmillDashboard = app;  // for a console (and the browser test)
