@@ -90,3 +90,33 @@ def test_hybrid_equals_every_block_kept_across_requests(checkpoint: Path, policy
     plain = _llm(checkpoint, enable_prefix_caching=False, disable_hybrid_kv_cache_manager=True)
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, GREEDY)]
     assert got == expected and again == expected
+
+
+def test_served_conversation_hits_across_turns(checkpoint: Path) -> None:
+    """`tokenmill serve` on the tiny Gemma 3, driven by the openai client: the second turn
+    of a chat (history at 4x the window) computes only its new prompt tokens, by the
+    server's own Prometheus counters."""
+    from openai import OpenAI
+    from server_utils import ServerProcess
+
+    server = ServerProcess("--model", str(checkpoint), "--block-size", str(BLOCK)).start()
+    try:
+        client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+        words = " ".join(f"w{t}" for t in _prompt(70, 6))
+        messages = [{"role": "user", "content": words}]
+        first = client.chat.completions.create(model=server.model, messages=messages, max_tokens=8, temperature=0)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "w5 w6 w7 w8 w9"}]
+        before = server.wait_idle()
+        second = client.chat.completions.create(model=server.model, messages=messages, max_tokens=8, temperature=0)
+        after = server.wait_idle()
+        computed = after["tokenmill:prompt_tokens_computed_total"] - before["tokenmill:prompt_tokens_computed_total"]
+        hits = after["tokenmill:prefix_cache_hits_total"] - before["tokenmill:prefix_cache_hits_total"]
+        assert second.usage.prompt_tokens > 4 * WINDOW
+        assert hits >= first.usage.prompt_tokens + first.usage.completion_tokens - 2 * BLOCK
+        assert computed == second.usage.prompt_tokens - hits and computed <= 5 + 2 * BLOCK
+    except Exception:
+        print(server.log_tail())
+        raise
+    finally:
+        server.stop()

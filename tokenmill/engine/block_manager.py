@@ -363,10 +363,14 @@ class HybridKVBlockManager:
     def num_free_blocks(self) -> int:
         return self.full.num_free_blocks
 
+    # A block map (the dashboard) shows the full-attention pool.
     @property
     def blocks(self) -> list[KVBlock]:
-        """The full-attention pool's blocks (what a block map shows)."""
         return self.full.blocks
+
+    @property
+    def req_blocks(self) -> dict[str, list[int]]:
+        return self.full.req_blocks
 
     @property
     def usage(self) -> float:
