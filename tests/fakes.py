@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -23,6 +24,7 @@ from tokenmill.engine.batch import RequestTable, RunnerOutput, ScheduledRequest,
 from tokenmill.engine.block_manager import KVBlockManager
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
+from tokenmill.engine.step_cost import StepCostEstimator
 from tokenmill.sampling.params import SamplingParams
 
 VOCAB_SIZE = 1000
@@ -178,11 +180,15 @@ class Harness:
         proposer: Callable[[Request], list[int]] | None = None,
         scheduling_policy: str = "fcfs",
         priority_aging: float | None = None,
+        slo_ttft: float | None = None,
+        slo_tpot: float | None = None,
+        step_cost: StepCostEstimator | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy,
-                                      priority_aging)
+                                      priority_aging, slo_ttft, slo_tpot)
         self.kv = KVBlockManager(num_blocks, block_size, enable_caching)
-        self.sched = Scheduler(self.config, self.kv)
+        self.sched = Scheduler(self.config, self.kv, clock, step_cost)
         self.runner = FakeRunner(num_blocks, block_size, policy)
         self.proposer = proposer  # sets each running request's proposals after every step
         self.finished: dict[str, Request] = {}
@@ -229,7 +235,9 @@ class Harness:
         old = [rid for rid in ids if rid in running_before]
         new = [rid for rid in ids if rid not in running_before]
         assert old == [rid for rid in running_before if rid in old], "running requests keep their order"
-        assert new == waiting_before[: len(new)], f"admissions must come from the head of waiting: {new}"
+        if cfg.slo_ttft is None:  # (SLO mode moves requests that missed the TTFT target back first)
+            assert new == waiting_before[: len(new)], f"admissions must come from the head of waiting: {new}"
+        assert set(new) <= set(waiting_before)
         assert set(out.preempted_ids) <= set(running_before)
         assert not set(out.preempted_ids) & set(ids), "a preempted request was scheduled"
         # Victims are the tail of running (the newest under fcfs, the worst-ranked under priority).
@@ -238,7 +246,7 @@ class Harness:
         if cfg.by_priority:
             self._check_rank_order(out, ids)
         else:
-            assert running_after == [rid for rid in running_before + waiting_before if rid in running_after], (
+            assert running_after == [rid for rid in running_before if rid in running_after] + new, (
                 "running must keep admission order, newly admitted at the end")
             # Running requests first (in order), then admissions from the head of waiting (in order).
             assert ids == old + new, f"decodes/continuations must come before admissions: {ids}"

@@ -20,6 +20,7 @@ TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 TORCH_FREE_MODULES = [
     "tokenmill.engine.scheduler",
+    "tokenmill.engine.step_cost",
     "tokenmill.engine.block_manager",
     "tokenmill.engine.engine",
     "tokenmill.engine.output_processor",

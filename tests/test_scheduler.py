@@ -15,6 +15,7 @@ import pytest
 from fakes import EOS, Harness, reference_outputs
 
 from tokenmill.engine.request import RequestStatus
+from tokenmill.engine.step_cost import StepCostEstimator
 
 
 def tokens(start: int, n: int) -> list[int]:
@@ -988,4 +989,92 @@ def test_random_workload_under_priority_runs_to_completion_without_leaks(
         outputs = h.finished[rid].output_token_ids
         assert outputs == (expected[: len(outputs)] if rid in aborted else expected), rid
     assert h.sched.num_preemptions > 0 and h.num_accepted > 0
+    h.assert_idle()
+
+
+# ----- SLO mode (fcfs with TTFT / TPOT targets) ----------------------------------------------
+
+
+def linear_cost(b0: float = 0.1, b1: float = 0.01, b2: float = 0.02) -> StepCostEstimator:
+    """An estimator that has seen steps of exactly b0 + b1 x prefill + b2 x decode seconds."""
+    cost = StepCostEstimator(min_samples=4)
+    for p, d in [(0, 1), (0, 4), (32, 2), (64, 0), (16, 8)]:
+        cost.observe(p, d, b0 + b1 * p + b2 * d)
+    return cost
+
+
+def test_step_cost_estimator_learns_forgets_and_stays_non_negative() -> None:
+    cost = StepCostEstimator(window=8, min_samples=4)
+    assert cost.predict(10, 2) is None and cost.max_prefill_tokens(2, 1.0) is None
+    for d in (1, 2, 3, 4):
+        cost.observe(0, d, 0.1 + 0.02 * d)
+    assert cost.coefficients is None  # no step with prefill tokens yet: their cost is unknown
+    cost = linear_cost()
+    assert cost.coefficients == pytest.approx((0.1, 0.01, 0.02))
+    assert cost.predict(10, 2) == pytest.approx(0.24)
+    assert cost.max_prefill_tokens(2, 0.3) == 16  # (0.3 - 0.1 - 2 x 0.02) / 0.01
+    assert cost.max_prefill_tokens(20, 0.3) == 0
+    window = StepCostEstimator(window=6, min_samples=4)
+    for p, d in [(0, 1), (0, 4), (32, 2), (64, 0), (16, 8), (8, 3)] * 2:
+        window.observe(p, d, 2 * (0.1 + 0.01 * p + 0.02 * d))  # the machine got twice as slow: only that is left
+    assert window.coefficients == pytest.approx((0.2, 0.02, 0.04))
+    cheaper = StepCostEstimator(min_samples=4)
+    for p, d in [(0, 1), (0, 8), (32, 1), (32, 8), (64, 4)]:
+        cheaper.observe(p, d, 0.1 + 0.01 * p - 0.001 * d)  # more rows, less time: clamped to no cost
+    b0, b1, b2 = cheaper.coefficients
+    assert b2 == 0 and b0 > 0 and b1 > 0
+    same_rows = StepCostEstimator(min_samples=4)  # one prefill step, then decodes of 8 rows only
+    same_rows.observe(100, 0, 0.5)
+    for _ in range(10):
+        same_rows.observe(0, 8, 0.1)
+    assert same_rows.coefficients == pytest.approx((0.1, 0.004, 0.0))  # rows cannot be told from b0
+
+
+def test_slo_tpot_caps_prefill_by_what_the_decoding_stream_can_spend() -> None:
+    """Step = 0.1 + 0.01 x prefill + 0.02 x decode s; TPOT target 0.3 s. A (3 tokens) got
+    its first token at t = 0: its 2 intervals may take 0.6 s, its last decode step
+    (2 rows) 0.14 s, so this step may take 0.46 s: 34 prefill tokens beside A's decode."""
+    now = [0.0]
+    h = Harness(num_blocks=32, max_num_batched_tokens=64, slo_tpot=0.3, step_cost=linear_cost(),
+                clock=lambda: now[0])
+    h.add("A", tokens(0, 4), max_tokens=3)
+    assert trace(h.step()) == [("A", 0, 4, True)]  # nothing decodes yet: no cap
+    h.add("B", tokens(100, 50), max_tokens=1)
+    assert trace(h.step()) == [("A", 4, 1, True), ("B", 0, 34, False)]
+    now[0] = 0.5  # A spent 0.5 s of its 0.6: its last step may take 0.1 s, less than its decode alone
+    assert trace(h.step()) == [("A", 5, 1, True)]
+    assert trace(h.step()) == [("B", 34, 16, True)]  # A is done: nothing to protect
+    h.assert_idle()
+
+
+def test_slo_tpot_admits_only_streams_a_decode_step_can_carry() -> None:
+    """0.1 + 0.02 x rows <= 0.15: two decoding streams, not three, though max_num_seqs is 8."""
+    h = Harness(num_blocks=32, slo_tpot=0.15, step_cost=linear_cost(), clock=lambda: 0.0)
+    for rid in "abcd":
+        h.add(rid, tokens(10 * ord(rid), 2), max_tokens=3)
+    assert [i[0] for i in trace(h.step())] == ["a", "b"]
+    assert [i[0] for i in trace(h.step())] == ["a", "b"]
+    assert [r.request_id for r in h.sched.waiting] == ["c", "d"]
+    h.run()
+    assert list(h.finished) == ["a", "b", "c", "d"]
+    h.assert_idle()
+
+
+def test_slo_ttft_serves_requests_still_on_time_before_those_that_missed() -> None:
+    now = [0.0]
+    h = Harness(num_blocks=32, max_num_seqs=2, slo_ttft=1.0, clock=lambda: now[0])
+    h.add("late", tokens(0, 3), arrival_time=0.0, max_tokens=2)
+    h.add("on-time", tokens(100, 3), arrival_time=0.8, max_tokens=2)
+    h.add("later", tokens(200, 3), arrival_time=0.9, max_tokens=4)
+    now[0] = 1.5  # "late" has waited 1.5 s: its target is lost, the others' not yet
+    assert [i[0] for i in trace(h.step())] == ["on-time", "later"]
+    assert [r.request_id for r in h.sched.waiting] == ["late"]
+    h.step()  # on-time finishes
+    assert trace(h.step()) == [("later", 4, 1, True)]  # a slot is free, but what missed waits while others run
+    h.add("fresh", tokens(300, 3), arrival_time=1.5, max_tokens=2)
+    assert trace(h.step()) == [("later", 5, 1, True), ("fresh", 0, 3, True)]  # on time: admitted
+    h.step()
+    assert trace(h.step()) == [("late", 0, 3, True)]  # nothing else runs: now it may
+    h.run()
+    assert list(h.finished) == ["on-time", "later", "fresh", "late"]
     h.assert_idle()

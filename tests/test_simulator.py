@@ -579,3 +579,36 @@ def test_priority_policy_keeps_high_priority_ttft_low_under_overload():
     assert prio_high < 1.0 < 4 * max(alone)  # the step in flight + its own (a full 64-token step: 0.82 s)
     assert prio_run.duration == pytest.approx(fcfs_run.duration, rel=0.05)
     assert max(prio[i] for i in range(len(arrivals)) if i not in high) >= max(fcfs)  # low ones pay for it
+
+
+# A step cost like the default model's on this machine (docs/planning.md: 53 ms + 1.55 ms per
+# prefill token; pure decode 46 / 63 / 130 / 222 ms at 1 / 8 / 32 / 64 rows).
+CPU_LIKE = StepCostModel(0.053, 0.00155, 0.0028, 0.0, decode_rows=(1, 8, 32, 64),
+                         decode_seconds=(0.046, 0.063, 0.130, 0.222))
+
+
+@pytest.mark.parametrize("rate", [1.0, 2.0])
+def test_slo_mode_keeps_more_goodput_than_fcfs(rate):
+    """200 requests (128-token prompts, 64 outputs), goodput = TTFT <= 1 s and TPOT <= 100 ms.
+    fcfs lets TPOT run over (64 sequences, whole prompts in one step); SLO mode keeps every
+    stream's TPOT, and what misses its TTFT waits until nothing else runs."""
+    from tokenmill.workloads.metrics import tpot_of
+
+    dataset = DatasetConfig(name="random", num_prompts=200, input_len=128, output_len=64, seed=0)
+
+    def shares(**settings):
+        sim = SimulationSetup(EngineConfig.from_kwargs(**settings), 4096, 4096, CPU_LIKE, model_name="m")
+        records = simulate(synthetic_trace(dataset, rate), sim).records
+        assert all(r.success for r in records)
+        ttft_ok = [r.ttft <= 1.0 for r in records]
+        tpot_ok = [tpot_of(r) <= 0.1 for r in records]
+        good = sum(a and b for a, b in zip(ttft_ok, tpot_ok)) / len(records)
+        return good, sum(ttft_ok) / len(records), sum(tpot_ok) / len(records)
+
+    fcfs, slo = shares(), shares(slo_ttft_ms=1000, slo_tpot_ms=100)
+    print(f"rate {rate}: goodput fcfs {fcfs[0]:.0%} (TTFT ok {fcfs[1]:.0%}, TPOT ok {fcfs[2]:.0%}), "
+          f"SLO mode {slo[0]:.0%} (TTFT ok {slo[1]:.0%}, TPOT ok {slo[2]:.0%})")
+    assert slo[2] == 1.0  # every stream keeps its TPOT
+    assert slo[0] > fcfs[0]
+    if rate == 2.0:
+        assert fcfs[0] < 0.2 and slo[0] > 0.4  # fcfs has collapsed; SLO mode keeps what it can

@@ -170,6 +170,16 @@ class SchedulingConfig:
                                                 "so no request is overtaken by one that arrived more than "
                                                 "(its priority - the best priority) x SECONDS after it. "
                                                 "Default: strict priority, as vLLM")
+    slo_ttft_ms: float | None = setting(None, metavar="MS",
+                                        help="SLO mode (fcfs): a time-to-first-token target. Requests that can still "
+                                             "meet it are admitted before those that already missed it (which run "
+                                             "when nothing on time waits), so an overload costs some requests their "
+                                             "target instead of all")
+    slo_tpot_ms: float | None = setting(None, metavar="MS",
+                                        help="SLO mode (fcfs): a time-per-output-token target. Each step's prefill "
+                                             "tokens and new admissions are limited so the step's predicted time "
+                                             "stays within it while streams are decoding (the step cost is learned "
+                                             "from the engine's own steps); more requests queue instead")
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -181,6 +191,13 @@ class SchedulingConfig:
                 raise ValueError(f"priority_aging must be a positive number of seconds, got {self.priority_aging}")
             if self.scheduling_policy != "priority":
                 raise ValueError("priority_aging applies to --scheduling-policy priority only")
+        for name in ("slo_ttft_ms", "slo_tpot_ms"):
+            value = getattr(self, name)
+            if value is not None:
+                if not 0 < value < float("inf"):
+                    raise ValueError(f"{name} must be a positive number of milliseconds, got {value}")
+                if self.scheduling_policy != "fcfs":
+                    raise ValueError(f"{name}: SLO mode works with --scheduling-policy fcfs only (for now)")
 
 
 @dataclass(frozen=True)

@@ -26,9 +26,13 @@ from tokenmill.engine.block_manager import HybridKVBlockManager, KVBlockManager
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
+from tokenmill.engine.step_cost import StepCostEstimator
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling.params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
+
+
+SLO_HEADROOM = 0.95
 
 
 class Executor(Protocol):
@@ -171,9 +175,14 @@ class LLMEngine:
         self.clock = clock
         kv = make_block_manager(facts, config.cache.enable_prefix_caching)
         sched = config.scheduler
+        # SLO mode aims a little under the targets: its step costs are predictions.
+        slo_ttft, slo_tpot = (None if ms is None else SLO_HEADROOM * ms / 1e3
+                              for ms in (sched.slo_ttft_ms, sched.slo_tpot_ms))
         limits = SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, facts.max_model_len,
-                                 sched.scheduling_policy, sched.priority_aging)
-        self.scheduler = Scheduler(limits, kv, clock)
+                                 sched.scheduling_policy, sched.priority_aging, slo_ttft, slo_tpot)
+        # SLO mode predicts steps from the engine's own: every step's time is fed back.
+        self.step_cost = StepCostEstimator() if slo_ttft is not None or slo_tpot is not None else None
+        self.scheduler = Scheduler(limits, kv, clock, self.step_cost)
         self.output_processor = OutputProcessor(tokenizer, clock)
         self.observers: list[StepObserver] = []
         self.num_prompt_tokens = 0
@@ -304,6 +313,8 @@ class LLMEngine:
         if spec is not None:
             self.spec_decode_stats.add(spec)
         processed = self.clock()
+        if self.step_cost is not None:
+            self.step_cost.observe(num_prefill, batch.num_batched_tokens - num_prefill, processed - started)
         self._propose(batch)
         self._report(batch, started, scheduled, executed, processed, num_prefill, num_generated, updated, outputs,
                      spec)

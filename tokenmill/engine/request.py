@@ -42,6 +42,7 @@ class Request:
     priority: int = 0  # under the priority policy: lower first (vLLM's meaning)
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
+    first_token_time: float | None = None  # the scheduler's clock when its first output token was appended
     num_new_output_tokens: int = 0  # output tokens appended by the latest step
     # Tokens a proposer guessed to follow (speculative decoding); the next step verifies
     # them. Never part of the request's tokens until accepted.

@@ -21,6 +21,12 @@ waiting requests are both kept in rank order and one step visits them merged in 
 order: a running request gets its next tokens, a waiting one is admitted. Whoever needs
 a sequence slot or KV memory preempts the worst-ranked running request, if that one
 ranks strictly worse (docs/scheduling.md).
+
+SLO mode (fcfs, `slo_ttft` / `slo_tpot`, docs/scheduling.md): with a TPOT target, while
+streams are decoding each step's prefill tokens are capped so the step's predicted time
+(a `StepCostEstimator` the engine feeds with its own step times) stays within the target,
+and a request is admitted only if one more decoding stream keeps a decode step within it.
+With a TTFT target, waiting requests that can no longer meet it go behind those that can.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from dataclasses import dataclass
 from tokenmill.engine.batch import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.engine.block_manager import HybridKVBlockManager, KVBlockManager
 from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.step_cost import StepCostEstimator
 
 
 @dataclass(frozen=True)
@@ -43,6 +50,8 @@ class SchedulerConfig:
     max_model_len: int
     policy: str = "fcfs"  # or "priority"
     priority_aging: float | None = None  # seconds of waiting worth one priority level
+    slo_ttft: float | None = None  # seconds: SLO mode's time-to-first-token target
+    slo_tpot: float | None = None  # seconds: SLO mode's time-per-output-token target
 
     @property
     def by_priority(self) -> bool:
@@ -60,10 +69,12 @@ class SchedulerStats:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv: KVBlockManager | HybridKVBlockManager, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: SchedulerConfig, kv: KVBlockManager | HybridKVBlockManager,
+                 clock: Callable[[], float] = time.monotonic, step_cost: StepCostEstimator | None = None) -> None:
         self.config = config
         self.kv = kv
         self.clock = clock
+        self.step_cost = step_cost  # SLO mode's predictions (None: no limits from it)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -134,29 +145,110 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
 
+        prefill_left = self._prefill_cap()  # SLO mode's limit on this step's prefill tokens (None: none)
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             num_known = request.num_tokens - request.num_computed_tokens
             num_new = min(num_known + len(self._proposals(request)), budget)
+            if prefill_left is not None and num_known > 1:  # a prefill chunk (or a recomputation)
+                if prefill_left == 0:
+                    i += 1
+                    continue
+                num_new = min(num_new, prefill_left)
+                prefill_left -= num_new
             if not self._allocate_or_preempt(request, num_new, preempted):
                 break  # the request preempted itself: it was the last running one
             scheduled.append(self._schedule(request, num_new))
             budget -= num_new
             i += 1
 
+        late = self._late_to_the_back() if self.config.slo_ttft is not None else set()
         # A step that had to preempt is short of memory: admitting would only thrash.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            if prefill_left == 0 or not self._slo_may_admit():
+                break
             request = self.waiting[0]
+            if request.request_id in late and self.running:
+                break  # SLO mode: what missed its TTFT target runs only when nothing else does
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
             num_new = min(request.num_tokens - num_hit_tokens, budget)
+            if prefill_left is not None:
+                num_new = min(num_new, prefill_left)
             if not self.kv.allocate_slots(request, num_new, hits):
                 break
+            if prefill_left is not None:
+                prefill_left -= num_new
             self.waiting.popleft()
             self._admit(request, num_hit_tokens)
             scheduled.append(self._schedule(request, num_new))
             budget -= num_new
         return scheduled, preempted
+
+    # ----- SLO mode ------------------------------------------------------------------
+
+    def _decode_rows(self) -> int:
+        return sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
+
+    def _prefill_cap(self) -> int | None:
+        """The prefill tokens this step may take so that every decoding stream keeps its
+        mean time per output token (what TPOT measures) within the target, counting the
+        time it has saved so far and will save on its remaining decode steps (each
+        predicted at the decode step of the running streams plus one) when those are
+        shorter than the target. 0 when there is nothing to spend: prompts in progress
+        wait for decode steps to save some. None: no limit (no target, nothing decoding,
+        or no cost known yet)."""
+        tpot, cost = self.config.slo_tpot, self.step_cost
+        if tpot is None or cost is None:
+            return None
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        if not decoding:
+            return None
+        now = self.clock()
+        decode_step = cost.predict(0, len(decoding) + 1) or tpot
+        step = min((self._step_allowance(r, now, tpot, decode_step) for r in decoding), default=tpot)
+        return cost.max_prefill_tokens(len(decoding), step)
+
+    @staticmethod
+    def _step_allowance(request: Request, now: float, tpot: float, decode_step: float) -> float:
+        """The longest step that keeps `request`'s mean time per output token within
+        `tpot`: its N - 1 intervals (N: the tokens it will have at max_tokens) take the
+        time since its first token, this step, and `decode_step` for each of the rest."""
+        if request.first_token_time is None:
+            return tpot
+        total = request.max_tokens
+        remaining = total - request.num_output_tokens
+        return tpot * (total - 1) - (now - request.first_token_time) - max(remaining - 1, 0) * decode_step
+
+    def _slo_may_admit(self) -> bool:
+        """One more stream keeps a decode step of every running request (and it) within
+        the TPOT target; always true when nothing runs."""
+        tpot, cost = self.config.slo_tpot, self.step_cost
+        if tpot is None or cost is None or not self.running:
+            return True
+        predicted = cost.predict(0, len(self.running) + 1)
+        return predicted is None or predicted <= tpot
+
+    def _late_to_the_back(self) -> set[str]:
+        """Requests still waiting for their first token that have missed the TTFT target,
+        or would miss it even if their prompt were computed in the next step, go behind
+        the others (in arrival order): they are lost to goodput, the others not yet.
+        Returns their ids."""
+        ttft, now = self.config.slo_ttft, self.clock()
+        rows = self._decode_rows()
+        budget = self.config.max_num_batched_tokens
+
+        def late(request: Request) -> bool:
+            if request.num_output_tokens > 0:
+                return False
+            step = self.step_cost.predict(min(request.num_tokens, budget), rows) if self.step_cost else None
+            return now - request.arrival_time + (step or 0.0) > ttft
+
+        missed = [r for r in self.waiting if late(r)]
+        if missed:
+            ids = {r.request_id for r in missed}
+            self.waiting = deque([r for r in self.waiting if r.request_id not in ids] + missed)
+        return {r.request_id for r in missed}
 
     def _schedule_by_rank(self) -> tuple[list[ScheduledRequest], list[str]]:
         """One pass over the running and the waiting queue (each in rank order) merged:
@@ -235,6 +327,8 @@ class Scheduler:
             # Their slots stay allocated (the request grows into them) and are overwritten.
             request.num_computed_tokens -= rejected
             request.num_new_output_tokens = 0
+            if request.first_token_time is None:
+                request.first_token_time = self.clock()
             for token_id in tokens:
                 request.append_output_token(token_id)
                 request.num_new_output_tokens += 1
