@@ -428,3 +428,23 @@ def test_lm_head_weights_for_many_rows() -> None:
     assert f32_head.packed is None
     torch.testing.assert_close(f32_head.apply(x), x @ weight.T, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(bf16_head.apply(x), x @ weight.bfloat16().float().T, atol=0.15, rtol=0.02)
+
+
+def test_the_build_name_includes_the_venv(monkeypatch) -> None:
+    """Two venvs (or checkouts) with the same torch used one cache name, and torch rebuilt
+    the kernels whenever the other had built them last (issue 31)."""
+    import sys
+
+    from tokenmill import kernels
+
+    kernels.build_name.cache_clear()
+    here = kernels.build_name()
+    monkeypatch.setattr(sys, "prefix", "/some/other/venv")
+    kernels.build_name.cache_clear()
+    try:
+        assert kernels.build_name() != here
+        assert kernels.build_name().startswith("tokenmill_cpu_kernels_")
+    finally:
+        monkeypatch.undo()
+        kernels.build_name.cache_clear()
+    assert kernels.build_name() == here

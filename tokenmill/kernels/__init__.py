@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import logging
+import sys
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -38,10 +39,15 @@ _NAME = "tokenmill_cpu_kernels"
 
 @functools.cache
 def build_name() -> str:
-    """`tokenmill_cpu_kernels_<digest>` of what the binary depends on: sources, CPU flags, torch."""
+    """`tokenmill_cpu_kernels_<digest>` of what the binary depends on: sources, CPU flags,
+    torch, and where it is used: the venv (sys.prefix) and the source directory. torch
+    rebuilds a cached extension whose build arguments changed (our include path is the
+    checkout's), so two venvs or checkouts sharing one name rebuilt it in turn, 25-90 s at
+    each start-up (issue 31); with their own names each builds once."""
     from tokenmill.hardware import cpu_info
 
     digest = hashlib.sha256()
+    digest.update(f"{sys.prefix}\0{_CSRC.resolve()}\0".encode())
     for path in sorted(_CSRC.iterdir()):
         if path.suffix in (".cpp", ".h"):
             digest.update(path.name.encode() + path.read_bytes())
