@@ -131,7 +131,7 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltExec
     )
     logger.info(
         "loaded %s (%s) on %s in %.1f s: %d KV blocks of %d tokens = %d tokens (%.2f GiB, %d bytes per token, "
-        "KV cache %s), max_model_len %d, attention %s", loaded.name, dtype, device, facts.load_seconds, num_blocks,
+        "KV cache %s), max_model_len %d, attention %s", loaded.name, dtype.describe(facts.weight_format), device, facts.load_seconds, num_blocks,
         spec.block_size, facts.kv_capacity_tokens, kv_cache.nbytes / 2**30, spec.bytes_per_token, facts.kv_cache_format,
         max_model_len, backend.name,
     )
@@ -267,10 +267,16 @@ class DtypePlan:
         return self.kv or self.compute
 
     def __str__(self) -> str:
-        if self.compute == self.weights == self.kv_cache:
+        return self.describe()
+
+    def describe(self, weights: str | None = None) -> str:
+        """`weights`: what the loaded linear weights really are, when not `self.weights`
+        (a GGUF's Q4_1 blocks served as stored are not bfloat16 weights)."""
+        weights = weights or self.weights
+        if self.compute == weights == self.kv_cache:
             return self.compute
-        stored = "weights and KV cache" if self.weights == self.kv_cache else f"weights, {self.kv_cache} KV cache"
-        return f"{self.weights} {stored}, {self.compute} compute"
+        stored = "weights and KV cache" if weights == self.kv_cache else f"weights, {self.kv_cache} KV cache"
+        return f"{weights} {stored}, {self.compute} compute"
 
 
 def resolve_dtype(dtype: str, device: torch.device, native_kernels: bool = False) -> DtypePlan:

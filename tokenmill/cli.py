@@ -93,8 +93,23 @@ def _stream_reply(llm, prompt_ids: list[int], params) -> str:
     return shown
 
 
-def main(argv: list[str] | None = None) -> int:
+# Libraries that log every HTTP request at INFO (the DP router's health polls, twice a
+# second; `bench serve`'s requests among its progress bar): WARNING unless debugging.
+QUIET_LIBRARIES = ("httpx", "httpcore", "urllib3", "filelock")
+
+
+def configure_logging(level: str = "info") -> None:
+    """The root logger at `level` (tokenmill's own lines); chatty libraries at WARNING
+    unless `level` is debug."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger().setLevel(level.upper())
+    quiet = logging.DEBUG if level.lower() == "debug" else logging.WARNING
+    for name in QUIET_LIBRARIES:
+        logging.getLogger(name).setLevel(quiet)
+
+
+def main(argv: list[str] | None = None) -> int:
+    configure_logging()
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 

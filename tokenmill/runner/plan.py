@@ -64,7 +64,7 @@ def apply_plan(model: LlamaForCausalLM, plan: ExecutionPlan) -> ExecutionPlan:
     set_weight_format(model, plan.weight_format, plan.embedding_dtype)
     model.use_native_ops(plan.native_ops)
     if plan.fused_decode and not model.can_fuse_decode():
-        logger.info("weights in %s have no fused decode path: running decode steps op by op",
+        logger.info("the fused decode layer does not take these weights (%s): decode steps run op by op",
                     plan.weight_format.describe())
         plan = dataclasses.replace(plan, fused_decode=False)
     return plan
