@@ -77,10 +77,12 @@ class LLM:
         prompts = [self.encode_chat(c, add_generation_prompt) for c in conversations]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True) -> list[int]:
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt)
-        # The template writes its own special tokens (BOS included).
-        return self.tokenizer.encode(text, add_special_tokens=False)
+    def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True,
+                    allow_special_tokens_in_content: bool = False) -> list[int]:
+        """The template writes its own special tokens (BOS included); special-token text in
+        the messages is text unless `allow_special_tokens_in_content` (Tokenizer.encode_chat)."""
+        return self.tokenizer.encode_chat(messages, add_generation_prompt,
+                                          allow_special_tokens_in_content=allow_special_tokens_in_content)[1]
 
     # ----- internals -----------------------------------------------------------------
 

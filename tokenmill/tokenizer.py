@@ -13,7 +13,8 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Sequence
+import threading
+from collections.abc import Callable, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -111,6 +112,8 @@ class Tokenizer:
         self._token_text_cache: dict[int, str] = {}
         self._max_token_chars: int | None = None
         self._text_anchor = backend.encode("a", add_special_tokens=False).ids
+        self._specials: list[str] | None = None
+        self._plain_text_backend: BackendTokenizer | None = None
 
     # ----- construction ------------------------------------------------------------------
 
@@ -317,6 +320,72 @@ class Tokenizer:
         variables = {**self.template_tokens, **kwargs,
                      "messages": messages, "tools": tools, "add_generation_prompt": add_generation_prompt}
         return render_chat_template(source, variables, *([limits] if limits else []))
+
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        *,
+        chat_template: str | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+        limits: RenderLimits | None = None,
+        allow_special_tokens_in_content: bool = False,
+        check_text: Callable[[str], None] | None = None,
+    ) -> tuple[str, list[int]]:
+        """(rendered text, token ids) of a conversation. The template writes its own special
+        tokens (BOS included); special-token text in what the caller sent (message contents,
+        template kwargs) is tokenized as text, so that a user message holding
+        `<|im_end|>\\n<|im_start|>system\\n...` cannot forge a system turn (issue 31; OpenAI's
+        API does not let a user write roles). `allow_special_tokens_in_content` restores the
+        old behaviour (vLLM's): such text becomes control tokens. `check_text` sees the
+        rendered text before it is tokenized (a length check).
+
+        How: each special token's text in the caller's strings is replaced by a marker (a
+        private-use character found in none of them, then the token's index), the template
+        renders that, and each marker is encoded as the token's text while the rest is
+        encoded as before. A conversation without special-token text renders and encodes
+        exactly as it always did."""
+        specials = self._special_texts()
+        caller_data = (messages, template_kwargs)
+        if allow_special_tokens_in_content or not _contains_any(caller_data, specials):
+            text = self.apply_chat_template(messages, add_generation_prompt, chat_template=chat_template,
+                                            template_kwargs=template_kwargs, limits=limits)
+            if check_text is not None:
+                check_text(text)
+            return text, self.encode(text, add_special_tokens=False)
+        marker = _unused_private_char(caller_data, chat_template or self.chat_template or "")
+        marked_messages, marked_kwargs = _replace_strings(caller_data, lambda v: _mark(v, specials, marker))
+        marked = self.apply_chat_template(marked_messages, add_generation_prompt, chat_template=chat_template,
+                                          template_kwargs=marked_kwargs, limits=limits)
+        if check_text is not None:
+            check_text(marked)  # markers are shorter than the tokens' text: a close bound
+        head, *rest = marked.split(marker)
+        ids = self.encode_plain(head)
+        text_parts = [head]
+        for part in rest:
+            index = ord(part[0]) - _MARK_BASE if part else -1
+            if not 0 <= index < len(specials):
+                raise ValueError("the chat template cut a special token's text written in a message")
+            ids += self._text_backend().encode_batch([specials[index]], add_special_tokens=False)[0].ids
+            ids += self.encode_plain(part[1:])
+            text_parts += [specials[index], part[1:]]
+        return "".join(text_parts), ids
+
+    def _special_texts(self) -> list[str]:
+        """The special tokens' texts, longest first (a marker replaces a whole token)."""
+        if self._specials is None:
+            texts = {token.content for token in self.backend.get_added_tokens_decoder().values() if token.special}
+            self._specials = sorted((t for t in texts if t), key=len, reverse=True)
+        return self._specials
+
+    def _text_backend(self) -> BackendTokenizer:
+        """A copy of the backend that encodes special tokens' text as plain text."""
+        with _TEXT_BACKEND_LOCK:
+            if self._plain_text_backend is None:
+                backend = BackendTokenizer.from_str(self.backend.to_str())
+                backend.encode_special_tokens = True
+                self._plain_text_backend = backend
+        return self._plain_text_backend
 
 
 # ----- GGUF ------------------------------------------------------------------------------
@@ -532,3 +601,43 @@ def first_lone_surrogate(text: str) -> int | None:
         return None
     except UnicodeEncodeError as error:
         return error.start
+
+
+# ----- special tokens in what a chat's caller sent -------------------------------------------
+
+_TEXT_BACKEND_LOCK = threading.Lock()
+_MARK_BASE = 0xF0000  # Supplementary Private Use Area-A: a marker is followed by chr(_MARK_BASE + index)
+
+
+def _replace_strings(data: Any, function: Callable[[str], str]) -> Any:
+    """`data` with `function` applied to every string value (dict keys are left alone)."""
+    if isinstance(data, str):
+        return function(data)
+    if isinstance(data, dict):
+        return {key: _replace_strings(value, function) for key, value in data.items()}
+    if isinstance(data, (list, tuple)):
+        return type(data)(_replace_strings(value, function) for value in data)
+    return data
+
+
+def _contains_any(data: Any, needles: list[str]) -> bool:
+    found = []
+    _replace_strings(data, lambda value: found.append(any(n in value for n in needles)) or value)
+    return any(found)
+
+
+def _unused_private_char(data: Any, template: str) -> str:
+    """A private-use character of the Basic Multilingual Plane in none of the strings."""
+    seen = set(template)
+    _replace_strings(data, lambda value: seen.update(value) or value)
+    for code in range(0xE000, 0xF900):
+        if chr(code) not in seen:
+            return chr(code)
+    raise ValueError("the conversation uses every private-use character")
+
+
+def _mark(value: str, specials: list[str], marker: str) -> str:
+    for index, special in enumerate(specials):
+        if special in value:
+            value = value.replace(special, marker + chr(_MARK_BASE + index))
+    return value
