@@ -139,6 +139,27 @@ def test_outputs_reach_the_stream_from_the_engine_thread():
     asyncio.run(scenario())
 
 
+def test_a_consumer_that_stops_taking_outputs_holds_one_pending_output_per_request():
+    """Issue 31: a stalled stream reader used to queue every step's cumulative output
+    (O(n x max_tokens^2) memory); the channel keeps only the newest per request."""
+    async def scenario():
+        fake = FakeEngine()
+        engine = await started(fake)
+        stream = await engine.add_requests([NewRequest("a", [1], params(200)), NewRequest("b", [1], params(200))])
+        await wait_for(lambda: fake.steps >= 50)  # 50 steps' outputs made, none taken
+        await asyncio.sleep(0.05)  # let the loop run the dispatches of those steps
+        assert engine.num_pending_outputs <= 2
+        assert len(stream.channel.pending) <= 2
+        finals = {}
+        async for batch in stream:  # the reader comes back: it gets the newest, then the rest
+            finals.update(batch)
+        assert [finals[i].outputs[0].token_ids[-1] for i in (0, 1)] == [200, 200]
+        assert engine.num_pending_outputs == 0
+        await engine.shutdown(5)
+
+    asyncio.run(scenario())
+
+
 def test_a_bad_request_is_refused_and_nothing_of_its_group_stays_queued():
     async def scenario():
         fake = FakeEngine()

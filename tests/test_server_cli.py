@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import logging
+import subprocess
+import sys
 
 import pytest
 
+from tests.server_utils import REPO, free_port
+from tests.test_planner import write_gguf
 from tokenmill.serve import cli as serve_cli
 
 
@@ -67,3 +71,47 @@ def test_non_default_settings_are_logged_with_secrets_masked(caplog):
     with caplog.at_level(logging.INFO, logger="tokenmill.serve"):
         serve_cli.log_settings(serve_cli.resolve_settings(args), args._serve_defaults)
     assert "port=9300" in caplog.text and "s3cret" not in caplog.text and "api_key='***'" in caplog.text
+
+
+# ----- start-up refusals and logs (issue 31) ---------------------------------------------------
+
+
+def run_serve(*args: str) -> subprocess.CompletedProcess:
+    port = free_port()
+    return subprocess.run([sys.executable, "-m", "tokenmill.cli", "serve", "--port", str(port), *args],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("model", ["missing", "unsupported"])
+def test_serve_refuses_a_bad_model_in_one_line_before_binding(tmp_path, model):
+    if model == "missing":
+        path, message = "/no/such/path", "does not exist"
+    else:
+        path, message = str(tmp_path / "odd.gguf"), "unsupported architecture 'mamba'"
+        write_gguf(path, "mamba", {"block_count": 1}, {"token_embd.weight": (8, 4)})
+    result = run_serve(path)
+    assert result.returncode == 2, result.stderr
+    errors = [line for line in result.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1 and errors[0].startswith("error: ") and message in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+    assert "Uvicorn running" not in result.stderr and "Started server" not in result.stderr
+
+
+def test_library_http_logs_stay_at_warning():
+    from tokenmill.cli import configure_logging
+
+    configure_logging()
+    assert logging.getLogger("httpx").getEffectiveLevel() == logging.WARNING
+    assert logging.getLogger("tokenmill.serve").getEffectiveLevel() == logging.INFO
+    configure_logging("debug")
+    assert logging.getLogger("httpx").getEffectiveLevel() == logging.DEBUG
+    configure_logging()
+
+
+def test_the_start_up_line_names_the_weights_as_loaded():
+    from tokenmill.builder import DtypePlan
+
+    plan = DtypePlan(compute="float32", weights="bfloat16", kv="bfloat16")
+    assert str(plan) == "bfloat16 weights and KV cache, float32 compute"
+    # A Q4_1 GGUF served as stored: its blocks, not bfloat16, are the weights.
+    assert plan.describe("q4-g32 (q8-g32 head)") == "q4-g32 (q8-g32 head) weights, bfloat16 KV cache, float32 compute"

@@ -11,8 +11,11 @@ and the request-body size limit. docs/reliability.md is the contract they keep.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
 import logging
+import socket
+import struct
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
@@ -20,11 +23,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import FastAPI, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from tokenmill import __version__
 from tokenmill.engine.engine import LLMEngine, StepObserver
 from tokenmill.serve.async_engine import AsyncEngine
 from tokenmill.serve.dashboard import PUBLIC_PATHS as DASHBOARD_PUBLIC_PATHS
@@ -45,14 +50,30 @@ from tokenmill.serve.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    VersionResponse,
 )
-from tokenmill.serve.serving import ClientDisconnected, OpenAIServing
+from tokenmill.serve.serving import (
+    DEFAULT_STREAM_SEND_TIMEOUT,
+    ClientDisconnected,
+    OpenAIServing,
+    abort_connection,
+)
 
 logger = logging.getLogger(__name__)
 
 # Routes that stay open without the API key unless --protect-health-and-metrics:
 # probes and scrapers carry no secrets.
-OPEN_PATHS = frozenset({"/health", "/metrics"})
+OPEN_PATHS = frozenset({"/health", "/ping", "/metrics", "/version"})
+
+
+@dataclass
+class CORSSettings:
+    """vLLM's --allowed-origins, --allowed-methods, --allowed-headers, --allow-credentials."""
+
+    allowed_origins: list[str]
+    allowed_methods: list[str] = field(default_factory=lambda: ["*"])
+    allowed_headers: list[str] = field(default_factory=lambda: ["*"])
+    allow_credentials: bool = False
 
 
 @dataclass
@@ -67,6 +88,11 @@ class ServerSettings:
     limits: RequestLimits = field(default_factory=RequestLimits)
     trust_request_chat_template: bool = False
     enable_dashboard: bool = True  # /dashboard, a live view of the engine (serve/dashboard/)
+    allow_special_tokens_in_content: bool = False  # special-token text in messages becomes control tokens
+    stream_send_timeout: float = DEFAULT_STREAM_SEND_TIMEOUT  # a stream's client that reads nothing this long
+    chat_template: str | None = None  # --chat-template: the operator's, instead of the model's
+    enable_log_requests: bool = False  # a log line per request (vLLM's --enable-log-requests)
+    cors: CORSSettings | None = None  # --allowed-origins and friends; None: no CORS headers
     on_fatal: Callable[[BaseException], None] | None = None  # e.g. stop uvicorn when the engine dies
 
 
@@ -89,7 +115,8 @@ def create_server(build_engine: Callable[[], LLMEngine], settings: ServerSetting
     # The metrics read the engine's stats and the model's name through closures: both
     # exist only after the metrics (the engine's observer) are built.
     metrics = ServerMetrics(lambda: engine.stats, lambda: (serving.model_names or [""])[0],
-                            lambda: engine.engine.facts if engine.engine is not None else None)
+                            lambda: engine.engine.facts if engine.engine is not None else None,
+                            lambda: engine.num_pending_outputs)
     faults = FaultInjector.from_env()
     dashboard = Dashboard(lambda: engine, metrics) if settings.enable_dashboard else None
     observers: list[StepObserver] = [metrics] + ([dashboard.observer] if dashboard else [])
@@ -103,7 +130,9 @@ def create_server(build_engine: Callable[[], LLMEngine], settings: ServerSetting
         before_step=faults.before_step if faults else None,
     )
     serving = OpenAIServing(engine, settings.served_model_names, settings.limits,
-                            settings.trust_request_chat_template)
+                            settings.trust_request_chat_template, settings.stream_send_timeout,
+                            settings.chat_template, settings.enable_log_requests,
+                            settings.allow_special_tokens_in_content)
     app = _build_app(engine, serving, metrics, settings, dashboard)
     return Server(app, engine, serving, metrics, settings)
 
@@ -130,6 +159,10 @@ def _build_app(engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetri
         app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
     app.add_middleware(ErrorGuardMiddleware)
     app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)
+    if settings.cors is not None:  # outermost: a browser's preflight carries no API key
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors.allowed_origins,
+                           allow_methods=settings.cors.allowed_methods, allow_headers=settings.cors.allowed_headers,
+                           allow_credentials=settings.cors.allow_credentials)
     _add_routes(app, engine, serving, metrics)
     if dashboard is not None:
         dashboard.add_routes(app)
@@ -152,6 +185,16 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
         if ok:
             return JSONResponse({"status": "ok"})
         return error_response(503, reason, code="unhealthy")
+
+    # vLLM's (SageMaker's) liveness route: the same answer as /health, by GET or POST.
+    @app.api_route("/ping", methods=["GET", "POST"],
+                   responses={200: {"model": HealthResponse}, 503: {"model": ErrorResponse}})
+    async def ping() -> Response:
+        return await health()
+
+    @app.get("/version", responses={200: {"model": VersionResponse}})
+    async def version() -> Response:
+        return JSONResponse({"version": __version__})
 
     @app.get("/metrics", responses={200: {"content": {"text/plain": {"schema": {"type": "string"}}}}})
     async def prometheus_metrics() -> Response:
@@ -318,6 +361,34 @@ class ErrorGuardMiddleware:
                 logger.error("error after the response started", exc_info=exc)
                 return
             await internal_error_response(exc)(scope, receive, send)
+
+
+class ConnectionAbortMiddleware:
+    """Lets a stream whose client stopped reading (serving._SSEResponse) reset its
+    connection: a polite close would keep the socket and the megabytes queued for it
+    (loopback's buffers held 2.8 MB) until the client reads them. It wraps the whole app
+    (cli.serve), so that `send` is still uvicorn's own and its transport reachable; under
+    another server there is none and the stream only ends its response."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        transport = getattr(getattr(send, "__self__", None), "transport", None)
+        if scope["type"] == "http" and transport is not None and hasattr(transport, "abort"):
+            abort_connection.set(functools.partial(_reset, transport))  # this request's task
+        await self.app(scope, receive, send)
+
+
+def _reset(transport: Any) -> None:
+    """Close with RST (SO_LINGER 0): the kernel drops the unsent bytes at once."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None:
+        try:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        except OSError:
+            pass
+    transport.abort()
 
 
 class HTTPMetricsMiddleware:

@@ -28,9 +28,13 @@ would spend as well, plus pickling every step's outputs.
 (vLLM moved its engine core to a process to overlap CPU-heavy scheduling with
 GPU work at hundreds of requests; that is the point to revisit this.)
 
-Outputs are cumulative, so a consumer that falls behind only needs the newest
-output of each request: `OutputStream.get()` drains its queue and keeps the
-last output per request, which bounds memory for slow clients.
+Outputs are cumulative (all token ids, text and logprobs so far), so a consumer
+that falls behind only needs the newest output of each request: a group's channel
+holds one pending output per request, and a new one replaces the one not yet
+taken. What a client that stops reading costs is therefore one output per request,
+whatever the step count (an unbounded queue of cumulative copies grew as
+n x max_tokens^2: +339 MB for one n=16, 1,500-token, logprobs=5 stream, issue 31);
+the HTTP side's send timeout then aborts the request (serving.py).
 """
 
 from __future__ import annotations
@@ -95,17 +99,33 @@ class _Abort:
 
 
 class _Channel:
-    """Where the event loop puts a group's outputs. The engine's table holds this, not
-    the OutputStream, so a stream its handler dropped can be garbage-collected."""
+    """Where the event loop puts a group's outputs: at most one pending output per
+    request of the group (the newest; outputs are cumulative). The engine's table
+    holds this, not the OutputStream, so a stream its handler dropped can be
+    garbage-collected. Event loop thread only."""
 
     def __init__(self) -> None:
-        self.queue: asyncio.Queue[tuple[int, RequestOutput] | BaseException] = asyncio.Queue()
+        self.pending: dict[int, RequestOutput] = {}  # index in the group -> newest output
+        self.error: BaseException | None = None
+        self._news = asyncio.Event()
 
-    def put(self, index: int, output: RequestOutput) -> None:  # event loop thread
-        self.queue.put_nowait((index, output))
+    def put(self, index: int, output: RequestOutput) -> None:
+        self.pending[index] = output  # replaces an older output nobody took
+        self._news.set()
 
-    def fail(self, error: BaseException) -> None:  # event loop thread
-        self.queue.put_nowait(error)
+    def fail(self, error: BaseException) -> None:
+        self.error = error
+        self._news.set()
+
+    async def take(self) -> dict[int, RequestOutput]:
+        """Wait for news; the newest output of each request that progressed (or raise
+        the group's error)."""
+        await self._news.wait()
+        self._news.clear()
+        if self.error is not None:
+            raise self.error
+        taken, self.pending = self.pending, {}
+        return taken
 
 
 class OutputStream:
@@ -119,7 +139,6 @@ class OutputStream:
     def __init__(self, engine: AsyncEngine, request_ids: list[str]) -> None:
         self.request_ids = request_ids
         self.channel = _Channel()
-        self._queue = self.channel.queue
         self._unfinished = set(range(len(request_ids)))
         # Not a method of self: the finalizer must not keep the stream alive.
         self._finalizer = weakref.finalize(self, engine.abort, list(request_ids))
@@ -131,19 +150,14 @@ class OutputStream:
 
     async def get(self) -> list[tuple[int, RequestOutput]]:
         """Wait for news; return the newest output of each request that progressed."""
-        newest: dict[int, RequestOutput] = {}
-        item = await self._queue.get()
-        while True:
-            if isinstance(item, BaseException):
-                self.abort()
-                raise item
-            index, output = item
-            newest[index] = output
+        try:
+            newest = await self.channel.take()
+        except BaseException:
+            self.abort()
+            raise
+        for index, output in newest.items():
             if output.finished:
                 self._unfinished.discard(index)
-            if self._queue.empty():
-                break
-            item = self._queue.get_nowait()
         if self.finished:
             self._finalizer.detach()
         return list(newest.items())
@@ -259,6 +273,13 @@ class AsyncEngine:
     def num_active_streams(self) -> int:
         """Engine requests whose handlers still wait for outputs."""
         return len(self._streams)
+
+    @property
+    def num_pending_outputs(self) -> int:
+        """Outputs of running requests made by the engine and not yet taken by their
+        handlers: at most one per request, however far behind a client is."""
+        channels = {id(channel): channel for channel, _ in self._streams.values()}
+        return sum(len(channel.pending) for channel in channels.values())
 
     # ----- requests --------------------------------------------------------------------
 

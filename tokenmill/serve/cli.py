@@ -76,14 +76,39 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--shutdown-timeout", type=float, default=30.0,
                        help="on SIGTERM/SIGINT, seconds to let admitted requests finish before aborting them; "
                             "a second signal exits at once (default 30)")
+    group.add_argument("--stream-send-timeout", type=float, default=60.0,
+                       help="abort a streamed request (freeing its KV cache) and drop the connection when one write "
+                            "waits this many seconds for the client to read (default 60)")
     group.add_argument("--health-stall-timeout", type=float, default=60.0,
                        help="/health fails when the engine has work but no step ended for this long (default 60)")
     group.add_argument("--keep-alive-on-engine-death", action="store_true",
                        help="keep serving 503s when the engine loop dies, instead of exiting with status 1")
     group.add_argument("--disable-dashboard", action="store_true",
                        help="do not serve the live dashboard at /dashboard (default: served; behind --api-key)")
+    group.add_argument("--allow-special-tokens-in-content", action="store_true",
+                       help="tokenize special-token text in messages (e.g. <|im_start|>) as control tokens, as vLLM "
+                            "does; by default it is text, so a user cannot forge a system turn")
+    group.add_argument("--chat-template", default=None,
+                       help="the chat template to use instead of the model's: a file, or the template itself (as vLLM)")
     group.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    group.add_argument("--uvicorn-log-level", default=None,
+                       choices=["critical", "error", "warning", "info", "debug", "trace"],
+                       help="uvicorn's own log level (default: --log-level)")
     group.add_argument("--disable-access-log", action="store_true", help="do not log every HTTP request")
+    group.add_argument("--enable-log-requests", action="store_true",
+                       help="log each generation request's id, prompt length and sampling parameters (no text)")
+    group.add_argument("--disable-log-requests", action="store_true",
+                       help="do not log requests (the default; accepted for vLLM's command lines)")
+    group.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this private key (PEM)")
+    group.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this certificate chain (PEM)")
+    group.add_argument("--ssl-ca-certs", default=None, help="CA certificates to verify clients' certificates with")
+    cors = parser.add_argument_group("CORS (off unless --allowed-origins is given)")
+    cors.add_argument("--allowed-origins", type=_string_list, default=None,
+                      help='origins browsers may call from: a JSON list (\'["https://a.example"]\', as vLLM) or '
+                           'comma-separated; "*" for any')
+    cors.add_argument("--allowed-methods", type=_string_list, default=["*"], help="default: any")
+    cors.add_argument("--allowed-headers", type=_string_list, default=["*"], help="default: any")
+    cors.add_argument("--allow-credentials", action="store_true", help="allow cookies and auth headers")
     scale = parser.add_argument_group("scale-out")
     scale.add_argument("--headless", action="store_true",
                        help="serve no HTTP: run this host's ranks of a multi-host split (--nnodes, --node-rank >= 1, "
@@ -95,6 +120,41 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             "the longest prefix recently unless the loads are out of balance (default)")
 
 
+def _string_list(value: str) -> list[str]:
+    """A JSON list of strings (vLLM's spelling) or comma-separated strings."""
+    import json
+
+    if value.lstrip().startswith("["):
+        parsed = json.loads(value)
+        if not isinstance(parsed, list) or not all(isinstance(v, str) for v in parsed):
+            raise argparse.ArgumentTypeError(f"expected a JSON list of strings, got {value!r}")
+        return parsed
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """--chat-template: a file's text, or the template itself (vLLM's rule: a value that
+    cannot be opened and has none of `{`, `}`, newline is a missing file); compiled in the
+    sandbox now, so that a broken one is refused before the port is bound."""
+    from tokenmill.chat_template import compile_chat_template
+
+    if value is None:
+        return None
+    try:
+        with open(value, encoding="utf-8") as file:
+            source = file.read()
+    except OSError as error:
+        if not any(c in value for c in "{}\n"):
+            raise ValueError(f"--chat-template {value!r} looks like a file path, but it cannot be opened: "
+                             f"{error.strerror}") from None
+        source = value
+    try:
+        compile_chat_template(source)
+    except ValueError as error:
+        raise ValueError(f"--chat-template: {error}") from None
+    return source
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     settings = resolve_settings(args)
     log_settings(settings, getattr(args, _DEFAULTS_KEY))
@@ -104,11 +164,28 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
         logging.getLogger().setLevel(settings.log_level.upper())
         return run_node(config_from_args(settings))
+    check_model(settings)
+    load_chat_template(settings.chat_template)
+    for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        path = getattr(settings, flag)
+        if path is not None and not os.path.isfile(path):
+            raise FileNotFoundError(f"--{flag.replace('_', '-')} {path!r} does not exist")
     if settings.data_parallel_size > 1:
         from tokenmill.distributed.data_parallel import serve_data_parallel
 
         return serve_data_parallel(settings)
     return serve(settings)
+
+
+def check_model(settings: argparse.Namespace) -> None:
+    """Refuse a bad config, a missing model or an unsupported architecture in one line,
+    before any port is bound (as `generate` does): the engine thread loads the model only
+    once uvicorn is listening, where a failure took a traceback and a bound port. Opening
+    the checkpoint reads its header and tokenizer only (~0.5 s for the default model)."""
+    from tokenmill.config import config_from_args
+    from tokenmill.model.loader import open_checkpoint
+
+    open_checkpoint(config_from_args(settings).model.model)  # FileNotFoundError, ValueError
 
 
 # ----- settings ----------------------------------------------------------------------------
@@ -181,7 +258,7 @@ def serve(settings: argparse.Namespace) -> int:
 
     from tokenmill.builder import build_engine
     from tokenmill.config import config_from_args
-    from tokenmill.serve.api_server import ServerSettings, create_server
+    from tokenmill.serve.api_server import ConnectionAbortMiddleware, CORSSettings, ServerSettings, create_server
     from tokenmill.serve.draining import DrainingServer
     from tokenmill.serve.limits import RequestLimits
 
@@ -212,12 +289,20 @@ def serve(settings: argparse.Namespace) -> int:
             protect_health_and_metrics=settings.protect_health_and_metrics,
             max_queued_requests=settings.max_queued_requests, max_queue_wait_s=settings.max_queue_wait_s,
             shutdown_timeout=settings.shutdown_timeout, health_stall_timeout=settings.health_stall_timeout,
-            limits=limits, trust_request_chat_template=settings.trust_request_chat_template, on_fatal=on_fatal,
+            limits=limits, trust_request_chat_template=settings.trust_request_chat_template,
+            stream_send_timeout=settings.stream_send_timeout, chat_template=load_chat_template(settings.chat_template),
+            enable_log_requests=settings.enable_log_requests and not settings.disable_log_requests,
+            allow_special_tokens_in_content=settings.allow_special_tokens_in_content,
+            cors=CORSSettings(settings.allowed_origins, settings.allowed_methods, settings.allowed_headers,
+                              settings.allow_credentials) if settings.allowed_origins else None,
+            on_fatal=on_fatal,
             enable_dashboard=not settings.disable_dashboard,
         ),
     )
     config = uvicorn.Config(
-        server.app, host=settings.host, port=settings.port, log_level=settings.log_level,
+        ConnectionAbortMiddleware(server.app), host=settings.host, port=settings.port,
+        log_level=settings.uvicorn_log_level or settings.log_level,
+        ssl_keyfile=settings.ssl_keyfile, ssl_certfile=settings.ssl_certfile, ssl_ca_certs=settings.ssl_ca_certs,
         access_log=not settings.disable_access_log, lifespan="on",
         # The drain has already waited for the requests; this only covers closing.
         timeout_graceful_shutdown=5,

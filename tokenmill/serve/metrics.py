@@ -36,12 +36,13 @@ _REQUEST_BUCKETS = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30
 
 class ServerMetrics(StepObserver):
     def __init__(self, stats: Callable[[], EngineStats | None], model_name: Callable[[], str],
-                 facts: Callable[[], EngineFacts | None] | None = None) -> None:
+                 facts: Callable[[], EngineFacts | None] | None = None,
+                 pending_outputs: Callable[[], int] | None = None) -> None:
         # A callable: with no --served-model-name the name is known only once loaded.
         self.model_name = model_name
         self.registry = CollectorRegistry()
         self.registry.register(_EngineStatsCollector(stats, model_name, facts or (lambda: None)))
-        self.registry.register(_ServerCollector())
+        self.registry.register(_ServerCollector(pending_outputs or (lambda: 0)))
         # process_resident_memory_bytes, process_open_fds, ...: what the default registry
         # of vLLM's server exposes; the reliability suite watches them for leaks.
         ProcessCollector(registry=self.registry)
@@ -209,6 +210,9 @@ class _EngineStatsCollector(Collector):
 class _ServerCollector(Collector):
     """The HTTP side's own gauges, read at scrape time (on the event loop's thread)."""
 
+    def __init__(self, pending_outputs: Callable[[], int]) -> None:
+        self._pending_outputs = pending_outputs
+
     def collect(self) -> Iterator[Metric]:
         try:
             tasks = len(asyncio.all_tasks())
@@ -219,6 +223,11 @@ class _ServerCollector(Collector):
         yield family
         family = GaugeMetricFamily(PREFIX + "server_threads", "Python threads alive in the server process.")
         family.add_metric([], float(threading.active_count()))
+        yield family
+        family = GaugeMetricFamily(PREFIX + "server_pending_outputs",
+                                   "Engine outputs of running requests not yet taken by their handlers "
+                                   "(at most one per request: a slow client's outputs are merged).")
+        family.add_metric([], float(self._pending_outputs()))
         yield family
 
     def describe(self) -> Iterator[Metric]:

@@ -284,3 +284,7 @@ class DetokenizeResponse(BaseModel):
 
 class HealthResponse(BaseModel):
     status: Literal["ok"]
+
+
+class VersionResponse(BaseModel):
+    version: str

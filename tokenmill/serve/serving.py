@@ -18,8 +18,10 @@ HTTP error, and the first chunk a client sees carries the first token.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import functools
 import json
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -29,6 +31,7 @@ from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.types import Receive, Scope, Send
 
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.outputs import CompletionOutput, RequestOutput
@@ -62,6 +65,16 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 PROMPT_THREADS = 2
 
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
+# Seconds one write of a stream may wait for its client to read before the request is
+# aborted (its KV freed) and the connection dropped (--stream-send-timeout).
+DEFAULT_STREAM_SEND_TIMEOUT = 60.0
+# How to drop the current connection at once, set by api_server.ConnectionAbortMiddleware
+# for the request's task: closing politely would wait for a client that does not read to
+# take the buffered bytes. (A context variable: the scope dict does not reach the
+# response unchanged through FastAPI's routing.)
+abort_connection: contextvars.ContextVar[Callable[[], None] | None] = contextvars.ContextVar(
+    "tokenmill_abort_connection", default=None)
 
 
 @dataclass
@@ -78,11 +91,19 @@ class OpenAIServing:
     """Request handling shared by the endpoints; one per server."""
 
     def __init__(self, engine: AsyncEngine, served_model_names: list[str] | None = None,
-                 limits: RequestLimits | None = None, trust_request_chat_template: bool = False) -> None:
+                 limits: RequestLimits | None = None, trust_request_chat_template: bool = False,
+                 stream_send_timeout: float = DEFAULT_STREAM_SEND_TIMEOUT, chat_template: str | None = None,
+                 log_requests: bool = False, allow_special_tokens_in_content: bool = False) -> None:
+        """`chat_template`: the operator's (--chat-template), used instead of the model's."""
         self.engine = engine
         self._served_names = served_model_names
         self.limits = limits or RequestLimits()
         self.trust_request_chat_template = trust_request_chat_template
+        self.stream_send_timeout = stream_send_timeout
+        self.chat_template = chat_template
+        self.log_requests = log_requests
+        # Special-token text in messages is text unless the operator allows it (Tokenizer.encode_chat).
+        self.allow_special_tokens_in_content = allow_special_tokens_in_content
         self._prompt_pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="tokenmill-prompts")
 
     async def off_loop(self, function: Callable[..., T], *args: Any) -> T:
@@ -165,7 +186,7 @@ class OpenAIServing:
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = await self._submit(request_id, [p.token_ids for p in prompts], params, body.priority)
         renderer = _CompletionRenderer(request_id, model, prompts, body, core)
-        return await _respond(stream, renderer, body, raw)
+        return await _respond(stream, renderer, body, raw, self.stream_send_timeout)
 
     # ----- /v1/chat/completions ----------------------------------------------------------
 
@@ -187,7 +208,7 @@ class OpenAIServing:
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self._submit(request_id, [prompt_ids], params, body.priority)
         renderer = _ChatRenderer(request_id, model, len(prompt_ids), body, core)
-        return await _respond(stream, renderer, body, raw)
+        return await _respond(stream, renderer, body, raw, self.stream_send_timeout)
 
     async def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                           chat_template: str | None = None,
@@ -206,12 +227,12 @@ class OpenAIServing:
 
     def _render_and_encode(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
                            chat_template: str | None, template_kwargs: dict[str, Any] | None) -> list[int]:
-        tokenizer = self.core.tokenizer
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt,
-                                             chat_template=chat_template, template_kwargs=template_kwargs)
-        check_prompt_chars(len(text), self.max_prompt_chars, param="messages")
         # The template writes its own special tokens (BOS included), as LLM.encode_chat does.
-        return tokenizer.encode(text, add_special_tokens=False)
+        _, ids = self.core.tokenizer.encode_chat(
+            messages, add_generation_prompt, chat_template=chat_template or self.chat_template,
+            template_kwargs=template_kwargs, allow_special_tokens_in_content=self.allow_special_tokens_in_content,
+            check_text=lambda text: check_prompt_chars(len(text), self.max_prompt_chars, param="messages"))
+        return ids
 
     # ----- admission -----------------------------------------------------------------------
 
@@ -241,6 +262,9 @@ class OpenAIServing:
     async def _submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
                       priority: int = 0) -> OutputStream:
         arrival = time.monotonic()
+        if self.log_requests:  # --enable-log-requests; no prompt text (it may be private)
+            logger.info("received request %s: %s prompt tokens, %s", request_id,
+                        "+".join(str(len(p)) for p in prompts), params)
         requests = [
             NewRequest(request_id if len(prompts) == 1 else f"{request_id}-{i}", ids, params, arrival, priority)
             for i, ids in enumerate(prompts)
@@ -336,11 +360,12 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 # ----- engine -> responses -------------------------------------------------------------------
 
 
-async def _respond(stream: OutputStream, renderer: _Renderer, body: SamplingFields, raw: Request) -> Response:
+async def _respond(stream: OutputStream, renderer: _Renderer, body: SamplingFields, raw: Request,
+                   send_timeout: float) -> Response:
     if body.stream:
         # The response starts with the first output: errors before it are plain HTTP errors.
         first = await _unless_disconnected(stream.get(), stream, raw)
-        return _sse(_stream_events(stream, renderer, _include_usage(body), first))
+        return _SSEResponse(_stream_events(stream, renderer, _include_usage(body), first), send_timeout)
     return JSONResponse(renderer.response(await _unless_disconnected(_collect(stream), stream, raw)))
 
 
@@ -379,9 +404,41 @@ async def _wait_for_disconnect(raw: Request) -> None:
             return
 
 
-def _sse(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+class _SendTimeout(Exception):
+    pass
+
+
+class _SSEResponse(StreamingResponse):
+    """An SSE stream whose client must keep reading. While a write waits for the client
+    (its socket buffers are full), the engine's outputs merge into one pending output
+    per request (async_engine), so waiting costs nothing; a write that waits longer than
+    `send_timeout` seconds aborts the request (its KV blocks are freed) and drops the
+    connection."""
+
+    def __init__(self, events: AsyncIterator[str], send_timeout: float) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._events = events
+        self.send_timeout = send_timeout
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        async def timed_send(message: dict[str, Any]) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.send_timeout)
+            except TimeoutError:
+                raise _SendTimeout() from None
+
+        try:
+            await super().__call__(scope, receive, timed_send)
+        except _SendTimeout:
+            logger.warning("a stream's client read nothing for %g s: its request is aborted and the "
+                           "connection dropped", self.send_timeout)
+            drop = abort_connection.get()
+            if drop is not None:
+                drop()
+                await asyncio.sleep(0.01)  # uvicorn sees the connection lost, not an unfinished response
+        finally:
+            await self._events.aclose()  # its finally aborts what has not finished
 
 
 def _event(payload: dict[str, Any]) -> str:
