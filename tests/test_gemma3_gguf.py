@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from tokenmill.eval import perplexity  # the held-out text ships beside it
-from tokenmill.model.config import FULL, SLIDING
+from tokenmill.model_arch import FULL, SLIDING
 from tokenmill.model.loader import gemma3_270m_path, load_model, open_checkpoint
 
 pytestmark = pytest.mark.slow
