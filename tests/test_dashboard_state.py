@@ -125,3 +125,17 @@ def test_a_hybrid_cache_shows_both_pools_and_the_managers_usage() -> None:
     assert sliding["owners"] == {"a": held} and sliding["num_used"] == len(held) == 2
     assert sliding["states"].count("C") == 3  # let go, but still cached for a later prefix hit
     assert all(sliding["states"][b] in "UH" for b in held)
+
+
+def test_request_rows_show_state_progress_and_priority() -> None:
+    engine = make_engine(num_blocks=32, block_size=4, max_num_seqs=1, scheduling_policy="priority")
+    observer = DashboardObserver(lambda: engine)
+    engine.add_request("first", [5, 6, 7, 8, 9], SamplingParams(max_tokens=8, ignore_eos=True), priority=1)
+    engine.add_request("urgent", [5, 6, 7], SamplingParams(max_tokens=8, ignore_eos=True), priority=0)
+    engine.step()  # one seat: the urgent request takes it
+    engine.step()
+    rows = observer._build(engine)["requests"]
+    (running,), (waiting,) = rows["running"], rows["waiting"]
+    assert (running["id"], running["state"], running["priority"]) == ("urgent", "running", 0)
+    assert running["computed_tokens"] == 4 and running["output_tokens"] == 2 and running["blocks"] == 1
+    assert (waiting["id"], waiting["state"], waiting["priority"], waiting["blocks"]) == ("first", "waiting", 1, 0)

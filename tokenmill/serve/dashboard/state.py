@@ -256,6 +256,7 @@ def _request_row(request: Request, kv: KVBlockManager, state: str) -> dict[str, 
         "max_tokens": request.max_tokens,
         "cached_tokens": request.num_cached_tokens,
         "preemptions": request.num_preemptions,
+        "priority": request.priority,  # under --scheduling-policy priority: lower first
         "blocks": len(kv.get_block_ids(request.request_id)),
     }
 

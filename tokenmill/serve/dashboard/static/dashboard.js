@@ -431,6 +431,7 @@ function renderRequests(req) {
     const state = cell("");
     state.innerHTML = `<span class="state ${r.state}"></span>`;
     state.firstChild.textContent = r.state;
+    if (r.priority) state.append(` p${r.priority}`);  // a priority other than the default 0
     tr.append(state);
     const progress = document.createElement("td");
     const prefilling = r.computed_tokens < r.prompt_tokens && r.output_tokens === 0;
