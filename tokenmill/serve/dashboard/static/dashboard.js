@@ -235,7 +235,10 @@ function prepare(canvas, cssHeight) {
   return [ctx, width];
 }
 
-const css = (name) => getComputedStyle(document.documentElement).getPropertyValue(name).trim();
+// The palette lives in dashboard.css; read once (getComputedStyle per bar would cost a style pass each).
+const palette = {};
+const css = (name) => palette[name] ||
+  (palette[name] = getComputedStyle(document.documentElement).getPropertyValue(name).trim());
 
 // ----- the block map ------------------------------------------------------------------------
 
