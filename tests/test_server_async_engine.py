@@ -160,6 +160,20 @@ def test_a_consumer_that_stops_taking_outputs_holds_one_pending_output_per_reque
     asyncio.run(scenario())
 
 
+def test_a_request_larger_than_the_whole_queue_is_a_value_error_not_queue_full():
+    """Issue 31: n alone over --max-queued-requests got 429 "retry later" forever."""
+    async def scenario():
+        engine = await started(FakeEngine(), max_queued_requests=4)
+        with pytest.raises(ValueError, match="can never be admitted"):
+            await engine.add_requests([NewRequest("a", [1], SamplingParams(n=5, max_tokens=2))])
+        stream = await engine.add_requests([NewRequest("b", [1], SamplingParams(n=4, max_tokens=2))])
+        async for _ in stream:
+            pass
+        await engine.shutdown(5)
+
+    asyncio.run(scenario())
+
+
 def test_a_bad_request_is_refused_and_nothing_of_its_group_stays_queued():
     async def scenario():
         fake = FakeEngine()

@@ -28,7 +28,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
 def test_defaults_without_flags():
     settings = parse([])
     assert (settings.host, settings.port, settings.model, settings.api_key) == ("127.0.0.1", 8000, None, None)
-    assert settings.shutdown_timeout == 30.0 and settings.max_queued_requests == 1024
+    # 25 s: the drain and closing fit Kubernetes' default 30 s grace period (issue 31).
+    assert settings.shutdown_timeout == 25.0 and settings.max_queued_requests == 1024
+    assert settings.header_timeout == 20.0 and settings.stream_send_timeout == 60.0
     assert settings.max_num_seqs == 64 and settings.enable_prefix_caching is True
 
 

@@ -53,3 +53,14 @@ def test_bursts_get_200_or_429_and_accepted_requests_complete(rserver, request):
     assert (idle["tokenmill:num_requests_running"], idle["tokenmill:num_requests_waiting"]) == (0, 0)
     RESULTS["overload"] = {"requests": sum(statuses.values()), "ok": statuses[200], "429": statuses[429],
                            "other": sum(v for k, v in statuses.items() if k not in (200, 429))}
+
+
+def test_a_request_that_can_never_fit_the_queue_is_400_not_429(rserver):
+    """n alone over --max-queued-requests (32 here): a 429 told the client to retry a
+    request that can never be admitted, forever (issue 31)."""
+    response = rserver.post("/v1/completions", json={"prompt": "hi", "n": 33, "max_tokens": 2})
+    assert response.status_code == 400, response.text
+    assert "can never be admitted" in response.json()["error"]["message"]
+    assert "retry-after" not in response.headers
+    ok = rserver.post("/v1/completions", json={"prompt": "hi", "n": 4, "max_tokens": 2})
+    assert ok.status_code == 200

@@ -83,7 +83,7 @@ class ServerSettings:
     protect_health_and_metrics: bool = False  # the API key also guards /health and /metrics
     max_queued_requests: int | None = None
     max_queue_wait_s: float | None = None  # a request not scheduled in this long gets 503
-    shutdown_timeout: float = 30.0  # graceful drain of running requests
+    shutdown_timeout: float = 25.0  # graceful drain of running requests (fits Kubernetes' 30 s grace)
     health_stall_timeout: float = 60.0  # /health fails when work sits this long without a step
     limits: RequestLimits = field(default_factory=RequestLimits)
     trust_request_chat_template: bool = False

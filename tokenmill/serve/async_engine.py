@@ -405,6 +405,10 @@ class AsyncEngine:
         assert self.engine is not None
         waiting = self.engine.stats().num_waiting
         incoming = sum(r.params.n for r in requests)
+        if incoming > self._max_queued:  # a 429 would say "retry later" to one that never fits
+            raise ValueError(
+                f"the request asks for {incoming} sequences, more than the server's waiting queue can hold "
+                f"(--max-queued-requests {self._max_queued}); it can never be admitted: lower n or send fewer prompts")
         if waiting + incoming > self._max_queued:
             raise QueueFullError(
                 f"the server is busy: {waiting} requests are waiting (limit {self._max_queued}); retry later"

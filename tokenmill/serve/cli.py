@@ -73,9 +73,13 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                        help="largest logprobs / top_logprobs a request may ask for (default 20, as vLLM)")
     group.add_argument("--trust-request-chat-template", action="store_true",
                        help="accept a chat_template in requests (rendered in the sandbox, within its limits)")
-    group.add_argument("--shutdown-timeout", type=float, default=30.0,
+    group.add_argument("--shutdown-timeout", type=float, default=25.0,
                        help="on SIGTERM/SIGINT, seconds to let admitted requests finish before aborting them; "
-                            "a second signal exits at once (default 30)")
+                            "a second signal exits at once (default 25: drain and close fit Kubernetes' default "
+                            "30 s grace period; raise terminationGracePeriodSeconds with it)")
+    group.add_argument("--header-timeout", type=float, default=20.0,
+                       help="close a connection whose request headers are not complete this many seconds after it "
+                            "opened or its previous response ended (drip-fed headers; default 20)")
     group.add_argument("--stream-send-timeout", type=float, default=60.0,
                        help="abort a streamed request (freeing its KV cache) and drop the connection when one write "
                             "waits this many seconds for the client to read (default 60)")
@@ -260,6 +264,7 @@ def serve(settings: argparse.Namespace) -> int:
     from tokenmill.config import config_from_args
     from tokenmill.serve.api_server import ConnectionAbortMiddleware, CORSSettings, ServerSettings, create_server
     from tokenmill.serve.draining import DrainingServer
+    from tokenmill.serve.http_protocol import header_timeout_protocol
     from tokenmill.serve.limits import RequestLimits
 
     logging.getLogger().setLevel(settings.log_level.upper())
@@ -267,6 +272,9 @@ def serve(settings: argparse.Namespace) -> int:
     for name in ("max_queued_requests",):
         if getattr(settings, name) is not None and getattr(settings, name) < 1:
             raise ValueError(f"{name} must be at least 1, got {getattr(settings, name)}")
+    for name in ("stream_send_timeout", "header_timeout"):
+        if getattr(settings, name) <= 0:
+            raise ValueError(f"{name} must be positive, got {getattr(settings, name)}")
     if settings.max_queue_wait_s is not None and settings.max_queue_wait_s <= 0:
         raise ValueError(f"max_queue_wait_s must be positive, got {settings.max_queue_wait_s}")
     limits = RequestLimits(
@@ -304,6 +312,7 @@ def serve(settings: argparse.Namespace) -> int:
         log_level=settings.uvicorn_log_level or settings.log_level,
         ssl_keyfile=settings.ssl_keyfile, ssl_certfile=settings.ssl_certfile, ssl_ca_certs=settings.ssl_ca_certs,
         access_log=not settings.disable_access_log, lifespan="on",
+        http=header_timeout_protocol(settings.header_timeout),
         # The drain has already waited for the requests; this only covers closing.
         timeout_graceful_shutdown=5,
     )
