@@ -65,3 +65,48 @@ def test_a_long_but_honest_conversation_fits():
     template = "{% for m in messages %}<{{ m.role }}>{{ m.content }}</s>{% endfor %}"
     messages = [{"role": "user", "content": "word " * 20}] * 5000
     assert len(render_chat_template(template, {"messages": messages}, LIMITS)) == 5000 * (len("word ") * 20 + 10)
+
+
+# Issue 31: with --trust-request-chat-template these built 1-2.4 GB strings (a 2 GB string
+# answered 200, the server's RSS peaked at 6.7 GB) or froze a render for 12.7 s. Each is
+# now refused before the big value exists; tracemalloc sees the render's own allocations.
+ESCAPES = {
+    "format filter of a list of references": (
+        "{% set a = 'x' * 4000000 %}{% set l = [a] * 500 %}{% set b = '%s'|format(l) %}{{ b|length }}"),
+    "format filter of many arguments": "{% set a = 'x' * 800000 %}{{ '%s%s%s%s%s%s%s%s%s%s'|format(a,a,a,a,a,a,a,a,a,a) }}",
+    "~ concatenation kept with set": (
+        "{% set a = 'x' * 800000 %}{% set b = a ~ a %}{% set c = b ~ b %}{% set d = c ~ c %}{% set e = d ~ d %}"
+        "{% set f = e ~ e %}{% set g = f ~ f %}{% set h = g ~ g %}{{ h|length }}"),
+    "integer squaring": "{% set ns = namespace(n=3) %}{% for i in range(40) %}{% set ns.n = ns.n * ns.n %}{% endfor %}"
+                        "{{ ns.n > 5 }}",
+    "integer squaring with set": "{% set a = 7 ** 20000 %}{% set b = a * a %}{% set c = b * b %}{{ c > 0 }}",
+    "a captured block": "{% set a = 'x' * 800000 %}{% set b %}{% for i in range(3000) %}{{ a }}{% endfor %}{% endset %}"
+                        "{{ b|length }}",
+    "the output of a list of references": "{% set a = 'x' * 800000 %}{{ [a] * 3000 }}",
+    "join of a list of references": "{% set a = 'x' * 800000 %}{{ ([a] * 3000)|join|length }}",
+}
+
+
+@pytest.mark.parametrize("name", ESCAPES)
+def test_every_string_and_integer_a_template_builds_is_in_the_budget(name):
+    source = ESCAPES[name]
+    import tracemalloc
+
+    tracemalloc.start()
+    started = time.monotonic()
+    try:
+        with pytest.raises(ValueError, match="chat template") as refused:
+            render_chat_template(source, {"messages": HI}, LIMITS)
+        peak = tracemalloc.get_traced_memory()[1]
+        if name.startswith("integer"):  # refused by its size, not once the deadline passed
+            assert "integer" in str(refused.value), refused.value
+    finally:
+        tracemalloc.stop()
+    assert time.monotonic() - started < LIMITS.seconds + 2.0
+    assert peak < 8 * LIMITS.max_chars, f"{peak / 2**20:.0f} MiB allocated"
+
+
+def test_the_budget_leaves_ordinary_concatenation_blocks_and_formats_alone():
+    template = ("{% set greeting %}Hello {{ messages[0].content }}{% endset %}{% set n = 12 * 12 %}"
+                "{{ greeting ~ '!' ~ n }} {{ '%s=%d'|format('n', n) }} {{ ['a', 'b']|join('+') }}")
+    assert render_chat_template(template, {"messages": HI}, LIMITS) == "Hello hi!144 n=144 a+b"

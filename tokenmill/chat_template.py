@@ -37,6 +37,7 @@ from typing import Any
 import jinja2
 import jinja2.ext
 import jinja2.nodes
+from jinja2.compiler import CodeGenerator, Frame
 from jinja2.lexer import Token, TokenStream
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace
@@ -52,6 +53,9 @@ class RenderLimits:
 
 
 DEFAULT_LIMITS = RenderLimits()
+# Integers a template computes: squaring in a loop made 12.7 s renders (issue 31); 65,536
+# bits is ~20,000 digits, past what str() converts anyway.
+MAX_INT_BITS = 65_536
 
 
 class TemplateLimitError(jinja2.TemplateError):
@@ -76,7 +80,14 @@ class _Budget:
     def check_value(self, value: Any, what: str = "a value") -> Any:
         if isinstance(value, (str, list, tuple, dict)):
             self.check_size(len(value), what)
+        elif isinstance(value, int) and value.bit_length() > MAX_INT_BITS:
+            raise TemplateLimitError(f"the chat template built an integer of more than {MAX_INT_BITS} bits")
         return value
+
+    def check_text(self, values: Iterable[Any], what: str) -> None:
+        """Refuse before it is built: the text `values` would make as strings (a list of
+        10,000 references to one 1 MB string is small, its text 10 GB)."""
+        self.check_size(_text_size(values, self.limits.max_chars), what)
 
 
 _budget: ContextVar[_Budget] = ContextVar("chat_template_budget")
@@ -88,6 +99,54 @@ def _current() -> _Budget:
         budget = _Budget(DEFAULT_LIMITS)
         _budget.set(budget)
     return budget
+
+
+def _text_size(value: Any, limit: int) -> int:
+    """About how many characters `value` makes as text (str() of it; containers: their
+    items' texts), counting no further than just past `limit`."""
+    pending = [value]
+    size = 0
+    while pending and size <= limit:
+        item = pending.pop()
+        if isinstance(item, str):
+            size += len(item)
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            size += 2 + 2 * len(item)
+            pending.extend(item)
+        elif isinstance(item, dict):
+            size += 2 + 4 * len(item)
+            pending.extend(item.keys())
+            pending.extend(item.values())
+        elif isinstance(item, int):
+            size += item.bit_length() // 3 + 1
+        else:
+            size += 32
+    return size
+
+
+def _checked_concat(pieces: Iterable[str]) -> str:
+    """`environment.concat`: joins what `{% set x %}...{% endset %}`, macros, `caller()`
+    and `{% filter %}` blocks captured; sized before the join."""
+    pieces = list(pieces)
+    budget = _current()
+    budget.tick()
+    budget.check_size(sum(len(p) for p in pieces), "a captured block")
+    return "".join(pieces)
+
+
+def _checked_str_join(values: Iterable[Any]) -> str:
+    """The `~` operator: sized before the strings are made and joined."""
+    values = list(values)
+    budget = _current()
+    budget.tick()
+    budget.check_text(values, "a ~ concatenation")
+    return "".join(str(v) for v in values)
+
+
+def _checked_output(value: Any) -> Any:
+    """`finalize`: a `{{ value }}` is sized before it is turned into text."""
+    _current().check_text([value], "an output")
+    return value
 
 
 # ----- rendering ---------------------------------------------------------------------------
@@ -134,8 +193,27 @@ _BIG_NUMBER = re.compile(r"\d{7,}")  # a format width or precision of a million 
 _MAX_WIDTH = 100_000
 
 
+class _LimitedCodeGenerator(CodeGenerator):
+    """Compiles `a ~ b ~ c` to a sized join (Jinja's own is a plain join that no binop,
+    call or filter hook sees: `set` chains of it built gigabyte strings)."""
+
+    def visit_Concat(self, node: jinja2.nodes.Concat, frame: Frame) -> None:
+        self.write("environment.checked_str_join((")
+        for argument in node.nodes:
+            self.visit(argument, frame)
+            self.write(", ")
+        self.write("))")
+
+
 class _LimitedSandbox(ImmutableSandboxedEnvironment):
+    """Every node that makes a string or a number is sized: binary operators, calls,
+    filters, `~` (the code generator), captured blocks (`concat`), outputs (`finalize`),
+    namespace assignments; integers are capped at MAX_INT_BITS."""
+
     intercepted_binops = frozenset({"*", "+", "%", "**", "//", "/"})
+    code_generator_class = _LimitedCodeGenerator
+    concat = staticmethod(_checked_concat)
+    checked_str_join = staticmethod(_checked_str_join)
 
     def call_binop(self, context: jinja2.runtime.Context, op: str, left: Any, right: Any) -> Any:
         budget = _current()
@@ -147,8 +225,11 @@ class _LimitedSandbox(ImmutableSandboxedEnvironment):
         elif op == "+" and isinstance(left, (str, list, tuple)) and isinstance(right, (str, list, tuple)):
             budget.check_size(len(left) + len(right), "a concatenation")
         elif op == "**" and isinstance(left, int) and isinstance(right, int):
-            if right > 0 and max(abs(left), 2).bit_length() * right > 65_536:
+            if right > 0 and max(abs(left), 2).bit_length() * right > MAX_INT_BITS:
                 raise TemplateLimitError("the chat template computed a power too large")
+        elif op == "*" and isinstance(left, int) and isinstance(right, int):
+            if left.bit_length() + right.bit_length() > MAX_INT_BITS:  # squaring in a loop
+                raise TemplateLimitError(f"the chat template built an integer of more than {MAX_INT_BITS} bits")
         elif op == "%" and isinstance(left, str):
             _check_format(left, right if isinstance(right, tuple) else (right,))
         return budget.check_value(_BINOPS[op](left, right), "a result")
@@ -281,6 +362,12 @@ def _width_checked(name: str, filter_function: Callable[..., Any]) -> Callable[.
     return checked
 
 
+# Filters whose result is text made of their arguments' text.
+_TEXT_FILTERS = frozenset({"format", "join", "string", "tojson", "pprint", "center", "indent", "wordwrap",
+                           "truncate", "upper", "lower", "capitalize", "title", "trim", "striptags",
+                           "urlencode", "urlize", "xmlattr", "escape", "e", "forceescape", "safe", "list"})
+
+
 def _size_checked(name: str, filter_function: Callable[..., Any]) -> Callable[..., Any]:
     """Every filter's result is size-checked; `replace` is also estimated before it runs."""
 
@@ -290,6 +377,8 @@ def _size_checked(name: str, filter_function: Callable[..., Any]) -> Callable[..
         texts = [a for a in args if isinstance(a, str)]
         if name == "replace" and len(texts) >= 3:  # (eval context,) text, old, new
             budget.check_size(len(texts[0]) * (len(texts[2]) + 1), "a replacement")
+        if name in _TEXT_FILTERS:  # e.g. "%s%s"|format(a, a), [a]*500|join: sized before they run
+            budget.check_text([*args, *kwargs.values()], f"the text of filter {name!r}")
         return budget.check_value(filter_function(*args, **kwargs), f"the result of filter {name!r}")
 
     checked.__dict__.update(getattr(filter_function, "__dict__", {}))  # keeps @pass_eval_context & co
@@ -298,7 +387,7 @@ def _size_checked(name: str, filter_function: Callable[..., Any]) -> Callable[..
 
 def _build_environment() -> jinja2.Environment:
     env = _LimitedSandbox(
-        trim_blocks=True, lstrip_blocks=True,
+        trim_blocks=True, lstrip_blocks=True, finalize=_checked_output,
         extensions=[_GenerationTag, _LoopBudget, jinja2.ext.loopcontrols],
     )
     env.filters["tojson"] = _tojson
