@@ -30,7 +30,6 @@ import torch
 import torch.nn.functional as F
 
 from tokenmill.kernels import (
-    QUANT_INTEGER_ROWS,
     cpu_kernels_available,
     paged_decode_attention,
     quant_isa,
@@ -38,6 +37,7 @@ from tokenmill.kernels import (
     skinny_linear,
     tile_for_skinny,
 )
+from tokenmill.runner.plan import ROWS
 from tokenmill.planner.machine import median_seconds
 from tokenmill.quantization.qtensor import QuantizedTensor
 
@@ -133,7 +133,7 @@ def bench_quant(set_mib: int, rounds: int) -> None:
     names = ("Q4_1 int", "Q4_1 gemm", "Q8_0 int", "Q8_0 gemm", "bf16 skinny", "int4pack bf16", "F.linear bf16")
     print("  Q4_1/Q8_0 int: quant_linear's integer path (float32 x); gemm: its dequantize + bf16 GEMM path (bf16 x "
           "and y, as F.linear bf16; default: int up to "
-          f"{QUANT_INTEGER_ROWS[4]} rows for Q4_1, {QUANT_INTEGER_ROWS[8]} for Q8_0); bf16 skinny: skinny_linear on "
+          f"{ROWS.quant_integer_rows[4]} rows for Q4_1, {ROWS.quant_integer_rows[8]} for Q8_0); bf16 skinny: skinny_linear on "
           "bf16 tiles; int4pack bf16: "
           "aten._weight_int4pack_mm_for_cpu, group 32, bf16 x; F.linear bf16: bf16 x and W")
     print(f"{'shape':>8} {'N x K':>11} {'M':>4} " + " ".join(f"{n:>19}" for n in names))

@@ -144,12 +144,14 @@ def test_prepared_linear_matches_f_linear_for_every_row_count(onednn, weight_dty
     weight is gone."""
     from tokenmill.model.layers import Linear
     from tokenmill.quantization import DenseFormat
-    from tokenmill.quantization.dense import SKINNY_MAX_ROWS
+    from tokenmill.runner.plan import cpu_native_plan
 
     layer = Linear(48, 70, bias=True)
     reference = layer.weight.detach().to(weight_dtype).float()
     bias = layer.bias.detach().clone()
-    layer.set_format(DenseFormat(weight_dtype, cpu_layout=True, onednn=onednn))
+    plan = cpu_native_plan(weight_dtype, onednn=onednn)
+    SKINNY_MAX_ROWS = plan.weight_format.choice.skinny_max_rows
+    layer.set_format(plan.weight_format)
     weights = layer.weights
     assert layer.weight is None and weights.tiled is not None and (weights.packed is not None) == onednn
     with torch.no_grad():
@@ -176,16 +178,17 @@ def _tiny_llama(tie: bool = True):
 
 @pytest.mark.parametrize("tie", [True, False], ids=["tied", "untied"])
 def test_preparing_a_model_keeps_its_logits(tie) -> None:
+    from tokenmill.kernels.ops import NATIVE_OPS
     from tokenmill.model.layers import set_weight_format
-    from tokenmill.quantization import DenseFormat
+    from tokenmill.runner.plan import cpu_native_plan
 
     model = _tiny_llama(tie)
     ids = torch.randint(0, 300, (40,))
     with torch.inference_mode():
         before = model.compute_logits(model(ids, torch.arange(40)))
-        prepared = set_weight_format(model, DenseFormat(torch.float32, cpu_layout=True, onednn=True))
+        prepared = set_weight_format(model, cpu_native_plan(torch.float32).weight_format)
         assert prepared == 2 * 4 + 1  # qkv, o, gate_up, down per layer, and the head
-        model.use_native_ops(True)
+        model.use_ops(NATIVE_OPS)
         after = model.compute_logits(model(ids, torch.arange(40)))
         one = model.compute_logits(model(ids[:1], torch.arange(1)))  # 1 row: the skinny path
     torch.testing.assert_close(after, before, atol=1e-4, rtol=1e-4)
@@ -302,17 +305,18 @@ def test_fused_decode_layer_rejects_bad_slots_and_caches() -> None:
     and nothing is written."""
     h, residual = torch.zeros(1, 32), torch.randn(1, 32)
     norm = torch.ones(32)
-    from tokenmill.quantization.base import DecodeOperand
+    from tokenmill.kernels.fused_layer import DecodeOperand, FusedLayerOperands
 
     shapes = ((96, 32), (32, 32), (64, 32), (32, 32))  # qkv, o, gate_up, down
     weights = [DecodeOperand(tile_for_skinny(torch.randn(n, k)), n) for n, k in shapes]
+    layer = FusedLayerOperands(norm, norm, 1e-6, weights, 2, 2, 16, 0.25)
     rope = (torch.ones(1, 8), torch.zeros(1, 8))
     cache = (torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16))
     tables, lens = torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
 
     def run(kv_cache, slot):
-        return kernels.llama_decode_layer(h, residual.clone(), norm, norm, 1e-6, weights, rope, kv_cache,
-                                          torch.tensor([slot]), tables, lens, 2, 2, 16, 0.25)
+        return kernels.llama_decode_layer(h, residual.clone(), layer, rope, kv_cache, torch.tensor([slot]), tables,
+                                          lens)
 
     assert run(cache, 3).shape == (1, 32) and cache[0][0, 3].abs().sum() > 0  # slot 3 written
     fresh = (torch.zeros(2, 4, 2, 16), torch.zeros(2, 4, 2, 16))

@@ -7,7 +7,7 @@ import torch
 from transformers import LlamaConfig, LlamaForCausalLM as HFLlama, Qwen2Config, Qwen2ForCausalLM as HFQwen2
 
 from tokenmill import kernels
-from tokenmill.attention.backend import BatchLayout, ForwardContext, PagedDecode, forward_context
+from tokenmill.attention.backend import BatchLayout, ForwardContext, StepKind, forward_context
 from tokenmill.attention.kv_cache import LayerKVCache
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
 from tokenmill.model.llama import LlamaForCausalLM
@@ -137,10 +137,8 @@ def _paged_logits(
             block_size=block_size,
         )
         cpu = torch.device("cpu")
-        if plan is not None and plan.use_fused_decode(len(active), layout.all_decode):
-            ctx = ForwardContext(backend, None, caches, PagedDecode.from_layout(layout, cpu))
-        else:
-            ctx = ForwardContext(backend, backend.build_metadata(layout, cpu), caches)
+        kind = StepKind.PER_OP if plan is None else plan.step_kind(len(active), layout.all_decode)
+        ctx = ForwardContext.for_step(kind, backend, layout, caches, cpu)
         with forward_context(ctx):
             out = model.compute_logits(model(torch.tensor(ids), torch.tensor(pos)))
         row = 0
@@ -182,7 +180,7 @@ def test_paged_chunked_batched_attention_equals_dense(
         from tokenmill.runner.plan import apply_plan, cpu_native_plan
 
         plan = apply_plan(model, cpu_native_plan(torch.float32))
-        assert plan.fused_decode and all(layer.can_fuse_decode() for layer in model.layers)
+        assert plan.fused_decode and model.fused_layers is not None
     fused_calls = []
     original = kernels.llama_decode_layer
     monkeypatch.setattr(kernels, "llama_decode_layer", lambda *a, **k: fused_calls.append(1) or original(*a, **k))

@@ -369,10 +369,12 @@ def test_odd_shapes_partial_tiles_and_padded_columns(native) -> None:
 
 
 def test_gemm_path_for_many_rows_and_the_row_threshold(native) -> None:
-    """Above QUANT_INTEGER_ROWS[bits] rows W is dequantized to bf16 for a GEMM: bf16 rounding
+    """Above the plan's quant_integer_rows[bits] rows W is dequantized to bf16 for a GEMM: bf16 rounding
     of x, W and y (<1% here); max_integer_rows moves the switch either way."""
     qt = from_gguf_blocks(_gguf_blocks("Q4_1", 70, 576), GGUF_TYPES["Q4_1"])
-    for m in (kernels.QUANT_INTEGER_ROWS[4] + 1, 40, 130):
+    from tokenmill.runner.plan import ROWS
+
+    for m in (ROWS.quant_integer_rows[4] + 1, 40, 130):
         x = torch.randn(m, 576)
         exact = quant_linear_reference(x, qt, integer_path=False)
         y = kernels.quant_linear(x, qt.packed, qt.format)

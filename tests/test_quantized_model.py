@@ -133,7 +133,7 @@ def test_the_fused_decode_layer_runs_quantized_weights_as_the_per_op_path_does()
     ckpt = checkpoint(CFG, "Q4_1", seed=3)
     fused, plan = build(ckpt, quantized_plan(cpu_native_plan(torch.float32), "stored"))
     per_op, _ = build(ckpt, quantized_plan(cpu_native_plan(torch.float32, fused_decode=False), "stored"))
-    assert plan.fused_decode and fused.can_fuse_decode()
+    assert plan.fused_decode and fused.fused_layers is not None
     calls = []
     original = kernels.llama_decode_layer
     try:

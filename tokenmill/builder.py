@@ -96,7 +96,7 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltExec
     loaded = load_model(checkpoint, dtype.compute, device, config.model.max_model_len, chosen.weight_format, parallel,
                         keep_quantized=keep_quantized)
     max_model_len = resolve_max_model_len(config, loaded)
-    plan = apply_plan(loaded.model, chosen)
+    plan = apply_plan(loaded.model, chosen, dtype.kv_cache)
     backend = backend.for_plan(plan.prefill_attention_dtype)
     speculative = config.speculative.speculative_config
     draft = load_draft(config, device, loaded, max_model_len, kernels_ok, backend) if _has_draft(speculative) else None
@@ -177,7 +177,7 @@ def load_draft(config: EngineConfig, device: torch.device, target: LoadedModel, 
                        keep_quantized=keep_quantized)
     check_draft(draft.arch.vocab_size, target.arch.vocab_size, _token_table(draft.tokenizer),
                 _token_table(target.tokenizer), draft.context_len, draft.arch.sliding_window, max_model_len)
-    plan = apply_plan(draft.model, chosen)
+    plan = apply_plan(draft.model, chosen, dtype.kv_cache)
     kv_spec = kv_cache_spec(config, draft.arch.num_layers, draft.arch.num_kv_heads, draft.arch.head_dim, dtype)
     return LoadedDraft(draft, dtype, kv_spec, plan)
 

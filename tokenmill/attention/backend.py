@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import copy
+import enum
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -103,14 +104,37 @@ class PagedDecode:
         )
 
 
+class StepKind(enum.Enum):
+    """What runs a step's decoder layers, as the execution plan names it (runner/plan.py,
+    `ExecutionPlan.step_kind`); the model runs what it is told."""
+
+    FUSED = "fused native decoder layer"  # one native op per layer (pure decode steps that fit)
+    PER_OP = "per-op native"  # op by op: native element-wise ops, the weight format's kernels
+    REFERENCE = "reference"  # op by op in plain PyTorch
+
+    @property
+    def fused(self) -> bool:
+        return self is StepKind.FUSED
+
+
 @dataclass
 class ForwardContext:
     backend: AttentionBackend
-    metadata: object
+    metadata: object  # the backend's, for op-by-op steps (None for fused ones)
     kv_cache: PagedKVCache | list[LayerKVCache]
-    decode: PagedDecode | None = None  # set for pure decode steps the plan runs fused
+    decode: PagedDecode | None = None  # a FUSED step's decode tensors
+    kind: StepKind = StepKind.PER_OP
     # A hybrid KV cache: the sliding-window layers' metadata, over their own block tables.
     sliding_metadata: object | None = None
+
+    @classmethod
+    def for_step(cls, kind: StepKind, backend: AttentionBackend, layout: BatchLayout,
+                 kv_cache: PagedKVCache | list[LayerKVCache], device: torch.device) -> ForwardContext:
+        """The context of a step of `kind`: a fused step reads the decode tensors, an
+        op-by-op one the backend's metadata."""
+        if kind.fused:
+            return cls(backend, None, kv_cache, PagedDecode.from_layout(layout, device), kind)
+        return cls(backend, backend.build_metadata(layout, device), kv_cache, None, kind)
 
     def metadata_for(self, window: int | None) -> object:
         """The metadata a layer attends with: its group's (sliding layers of a hybrid cache

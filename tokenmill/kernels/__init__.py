@@ -25,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from tokenmill.kernels.fused_layer import FusedLayerOperands
+
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
@@ -161,10 +163,6 @@ def skinny_linear(x: torch.Tensor, tiled: torch.Tensor, n: int) -> torch.Tensor:
     return torch.ops.tokenmill.skinny_linear(x, tiled, n)
 
 
-# quant_linear's default by code width: integer dot products up to here, a bf16 GEMM beyond
-QUANT_INTEGER_ROWS = {4: 8, 8: 12}
-
-
 def quant_linear(
     x: torch.Tensor,
     packed: torch.Tensor,
@@ -175,8 +173,10 @@ def quant_linear(
     """x [M, K] float32 or bfloat16 (contiguous) @ W^T for a quantized W given as a
     QuantizedTensor's `packed`, `format` and `col_perm` (tokenmill/quantization/qtensor.py):
     [M, N] in x's dtype.
-    Up to `max_integer_rows` rows (-1: QUANT_INTEGER_ROWS[bits]) x is quantized to int8 per 32
-    (llama.cpp's Q8_1) and multiplied on integers; beyond, W is dequantized to bf16 for a GEMM."""
+    Up to `max_integer_rows` rows x is quantized to int8 per 32 (llama.cpp's Q8_1) and
+    multiplied on integers; beyond, W is dequantized to bf16 for a GEMM. The engine passes the
+    execution plan's row count (runner/plan.py, `RowThresholds.quant_integer_rows`); -1 is the
+    op's built-in default, equal to the plan's (the fused decode layer uses that one)."""
     return torch.ops.tokenmill.quant_linear(x, packed, format, col_perm, max_integer_rows)
 
 
@@ -223,33 +223,24 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 def llama_decode_layer(
     h: torch.Tensor,
     residual: torch.Tensor,
-    input_norm: torch.Tensor,
-    post_norm: torch.Tensor,
-    eps: float,
-    weights: Sequence[object],  # qkv, o, gate_up, down: quantization.base.DecodeOperand each
+    layer: FusedLayerOperands,
     rope: tuple[torch.Tensor, torch.Tensor],
     kv_cache: tuple[torch.Tensor, torch.Tensor],
     slots: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
-    num_heads: int,
-    num_kv_heads: int,
-    head_dim: int,
-    scale: float,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     kv_rotation: int = 0,
 ) -> torch.Tensor:
     """One Llama decoder layer over decode tokens (cpu_decoder.cpp): adds h into residual
     (in place), runs attention (writing K/V at `slots`) and the MLP, returns the MLP output.
-    A weight is tiles for skinny_linear (operand.format None) or a quantized stream. An
-    int8/fp8 cache comes with its scales; `kv_rotation` is the Hadamard block it stores K
-    and V rotated by (0: none)."""
-    tensors, formats, perms = [], [], []
-    for operand in weights:
-        tensors.append(operand.tensor)
-        formats.extend(operand.format if operand.format is not None else (operand.out_features, 0, 0, 0, 0, 0))
-        perms.append(operand.col_perm)
+    `layer` holds the layer's norms, weights and head shape, gathered once at load (what the
+    op covers: fused_layer.py). A weight is tiles for skinny_linear (operand.format None) or a
+    quantized stream. An int8/fp8 cache comes with its scales; `kv_rotation` is the Hadamard
+    block it stores K and V rotated by (0: none)."""
+    tensors, formats, perms = layer.flat_weights
     return torch.ops.tokenmill.llama_decode_layer(
-        h, residual, input_norm, post_norm, eps, tensors, formats, perms, *rope, *kv_cache, slots, block_tables,
-        context_lens, num_heads, num_kv_heads, head_dim, scale, *(kv_scales or (None, None)), kv_rotation,
+        h, residual, layer.input_norm, layer.post_norm, layer.eps, tensors, formats, perms, *rope, *kv_cache, slots,
+        block_tables, context_lens, layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scale,
+        *(kv_scales or (None, None)), kv_rotation,
     )

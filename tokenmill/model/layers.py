@@ -8,8 +8,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from tokenmill import kernels
+from tokenmill.kernels.ops import REFERENCE_OPS, TorchOps, apply_rotary
 from tokenmill.quantization import LinearWeights, WeightFormat
+
+__all__ = ["GatedMLP", "Linear", "RMSNorm", "RotaryEmbedding", "SwiGLU", "apply_rotary", "rope_inv_freq",
+           "set_weight_format"]
 
 
 class Linear(nn.Module):
@@ -79,7 +82,7 @@ class RMSNorm(nn.Module):
     """RMSNorm; given the residual stream too, it first adds x into it (vLLM's fused
     add + norm): `norm(x, residual)` returns (normed, residual + x)."""
 
-    native = False  # the execution plan's choice: tokenmill's fused native op (float32 CPU)
+    ops: TorchOps = REFERENCE_OPS  # the execution plan's element-wise ops, handed over at load
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -89,24 +92,9 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        if self.native and x.dim() == 2 and x.is_contiguous():
-            if residual is None:
-                return kernels.rms_norm(x, self.weight, self.eps)
-            if residual.is_contiguous() and not residual.requires_grad:
-                return kernels.add_rms_norm(x, residual, self.weight, self.eps), residual  # residual updated in place
         if residual is None:
-            return self._norm(x)
-        residual = residual + x
-        return self._norm(residual), residual
-
-    def _norm(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
-        # Normalise in float32 (as the reference does), scale in the model dtype.
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+            return self.ops.rms_norm(x, self.weight, self.eps)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:
@@ -139,7 +127,7 @@ def _llama3_scaled(inv_freq: torch.Tensor, s: dict) -> torch.Tensor:
 class RotaryEmbedding(nn.Module):
     """Neox-style (rotate-half) rotary embedding with a precomputed cos/sin table."""
 
-    native = False  # the execution plan's choice: rotate in place by the native op
+    ops: TorchOps = REFERENCE_OPS  # the execution plan's element-wise ops, handed over at load
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
@@ -154,26 +142,15 @@ class RotaryEmbedding(nn.Module):
         return self.cos[positions], self.sin[positions]
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """x [tokens, heads, head_dim] rotated by the step's table (in place when native)."""
-        if self.native and x.stride(-1) == 1:
-            kernels.rotary_(x, cos, sin)
-            return x
-        return apply_rotary(x, cos, sin)
-
-
-def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate [tokens, heads, head_dim] (rotate-half pairing) in float32, cos/sin
-    [tokens, head_dim / 2]: the PyTorch reference of the native op."""
-    cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        """x [tokens, heads, head_dim] rotated by the step's table (in place by the native op)."""
+        return self.ops.rotary(x, cos, sin)
 
 
 class GatedMLP(nn.Module):
     """Gate and up projections fused into one matmul, then act(gate) * up, down: SwiGLU
     (silu, Llama/Qwen) or GeGLU (tanh-approximated gelu, Gemma)."""
 
-    native = False  # the execution plan's choice: silu(gate) * up by the native op
+    ops: TorchOps = REFERENCE_OPS  # the execution plan's element-wise ops, handed over at load
 
     def __init__(self, hidden: int, intermediate: int, act: str = "silu") -> None:
         super().__init__()
@@ -182,12 +159,7 @@ class GatedMLP(nn.Module):
         self.down_proj = Linear(intermediate, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.native and self.act == "silu" and gate_up.dim() == 2 and gate_up.is_contiguous():
-            return self.down_proj(kernels.silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        gate = F.silu(gate) if self.act == "silu" else F.gelu(gate, approximate="tanh")
-        return self.down_proj(gate * up)
+        return self.down_proj(self.ops.act_and_mul(self.gate_up_proj(x), self.act))
 
 
 SwiGLU = GatedMLP  # the name it had while SiLU was the only activation

@@ -23,6 +23,8 @@ from tokenmill.attention.backend import PagedDecode, get_forward_context
 from tokenmill.attention.kv_cache import LayerKVCache
 from tokenmill.distributed.layout import ShardLayout
 from tokenmill.distributed.model_parallel import ModelParallel
+from tokenmill.kernels.fused_layer import FusedLayerOperands, LayerFeatures
+from tokenmill.kernels.ops import TorchOps
 from tokenmill.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from tokenmill.model_arch import ModelArchConfig
 from tokenmill.quantization import QuantizedTensor, WeightFormat
@@ -112,34 +114,41 @@ class DecoderLayer(nn.Module):
     def _linears(self) -> tuple[Linear, Linear, Linear, Linear]:
         return self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj
 
-    def fused_decode_covers(self) -> bool:
-        """Whether kernels.llama_decode_layer computes this layer's kind: Llama's two norms
-        and SiLU MLP, whole-context attention; no q/k norms, no sliding window, no sandwich."""
+    def features(self) -> LayerFeatures:
+        """What this layer computes, for the native fused layer's coverage check
+        (kernels/fused_layer.py): declared here, once, by the layer itself."""
         attn = self.self_attn
-        return (attn.q_norm is None and attn.window is None and self.pre_feedforward_layernorm is None
-                and self.mlp.act == "silu")
+        operands = [lin.weights.fused_decode_operand() if lin.weights is not None else None
+                    for lin in self._linears()]
+        return LayerFeatures(
+            qkv_bias=attn.qkv_proj.bias is not None,
+            qk_norm=attn.q_norm is not None,
+            sliding_window=attn.window,
+            sandwich_norms=self.pre_feedforward_layernorm is not None,
+            geglu_mlp=self.mlp.act != "silu",
+            tensor_parallel=self.parallel.tp_size > 1,
+            weights=tuple(None if op is None else op.kind for op in operands),
+        )
 
-    def can_fuse_decode(self) -> bool:
-        """Whether kernels.llama_decode_layer can run this layer: a kind it covers, every
-        weight in a format with a fused-decode operand, no biases, and no tensor
-        parallelism (its all-reduces fall inside the fused layer)."""
-        return self.fused_decode_covers() and self.parallel.tp_size == 1 and all(
-            lin.weights is not None and lin.weights.fused_decode_operand() is not None and lin.bias is None
-            for lin in self._linears()
+    def fused_operands(self) -> FusedLayerOperands:
+        """What the native fused layer reads of this layer, gathered once at load (after
+        the weight format is set; the plan checked `features()` first)."""
+        attn = self.self_attn
+        return FusedLayerOperands(
+            self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
+            tuple(lin.weights.fused_decode_operand() for lin in self._linears()),
+            attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale,
         )
 
     def fused_decode(
-        self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, residual: torch.Tensor,
-        kv_cache: LayerKVCache, decode: PagedDecode,
+        self, operands: FusedLayerOperands, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor,
+        residual: torch.Tensor, kv_cache: LayerKVCache, decode: PagedDecode,
     ) -> torch.Tensor:
         """forward() for an all-decode step as one native op (same kernels, no Python
         between them); adds h into residual in place and returns the MLP output."""
-        attn = self.self_attn
-        weights = [lin.weights.fused_decode_operand() for lin in self._linears()]
         return kernels.llama_decode_layer(
-            h, residual, self.input_layernorm.weight, self.post_attention_layernorm.weight, self.input_layernorm.eps,
-            weights, rope, (kv_cache.k, kv_cache.v), decode.slots, decode.block_tables, decode.context_lens,
-            attn.num_heads, attn.num_kv_heads, attn.head_dim, attn.scale, kv_cache.scales, kv_cache.rotation,
+            h, residual, operands, rope, (kv_cache.k, kv_cache.v), decode.slots, decode.block_tables,
+            decode.context_lens, kv_cache.scales, kv_cache.rotation,
         )
 
 
@@ -171,6 +180,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, layout.vocab.size, bias=False, many_rows=False) if layout.last_stage \
             else None
+        # Each layer's operands for the native fused layer, set at load when the plan runs it.
+        self.fused_layers: list[FusedLayerOperands] | None = None
         self.tie_weights()
 
     def _rotaries(self) -> list[RotaryEmbedding]:
@@ -210,14 +221,19 @@ class LlamaForCausalLM(nn.Module):
         weights may be stored narrower (their weight formats)."""
         return self.norm.weight.dtype
 
-    def can_fuse_decode(self) -> bool:
-        return all(layer.can_fuse_decode() for layer in self.layers)
+    def layer_features(self) -> list[LayerFeatures]:
+        """What each decoder layer computes, as the layers declare it."""
+        return [layer.features() for layer in self.layers]
 
-    def use_native_ops(self, enabled: bool) -> None:
-        """The execution plan's choice of the fused native element-wise ops (float32 CPU)."""
+    def use_ops(self, ops: TorchOps) -> None:
+        """Hand every module the element-wise ops the execution plan chose (once, at load)."""
         for module in self.modules():
             if isinstance(module, (RMSNorm, RotaryEmbedding, GatedMLP)):
-                module.native = enabled
+                module.ops = ops
+
+    def use_fused_layers(self, enabled: bool) -> None:
+        """Gather (or drop) every layer's operands for the native fused layer (at load)."""
+        self.fused_layers = [layer.fused_operands() for layer in self.layers] if enabled else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """Final hidden states of the step's tokens; None on a pipeline stage before the
@@ -229,11 +245,12 @@ class LlamaForCausalLM(nn.Module):
             h, residual = parallel.recv_hidden(input_ids.shape[0], self.cfg.hidden_size, self.dtype)
         tables = {id(r): r.table(positions) for r in self.rotaries}  # looked up once per step
         ctx = get_forward_context()
-        if ctx is not None and ctx.decode is not None:  # the plan runs this step fused
+        if ctx is not None and ctx.kind.fused:  # as the plan named this step (runner/plan.py)
             if residual is None:
                 residual, h = h, torch.zeros_like(h)  # the first layer adds nothing to the embeddings
-            for layer, kv_cache in zip(self.layers, ctx.kv_cache):
-                h = layer.fused_decode(tables[id(layer.self_attn.rotary)], h, residual, kv_cache, ctx.decode)
+            for layer, operands, kv_cache in zip(self.layers, self.fused_layers, ctx.kv_cache, strict=True):
+                rope = tables[id(layer.self_attn.rotary)]
+                h = layer.fused_decode(operands, rope, h, residual, kv_cache, ctx.decode)
         else:
             for layer in self.layers:
                 h, residual = layer(tables[id(layer.self_attn.rotary)], h, residual)

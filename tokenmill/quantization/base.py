@@ -4,20 +4,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from dataclasses import dataclass
-
 import torch
 
-
-@dataclass(frozen=True)
-class DecodeOperand:
-    """A weight as the native fused decode layer reads it: tiles for the skinny kernel
-    (`format` None) or a QuantizedTensor's packed stream, format row and permutation."""
-
-    tensor: torch.Tensor
-    out_features: int
-    format: tuple[int, ...] | None = None
-    col_perm: torch.Tensor | None = None
+from tokenmill.kernels.fused_layer import DecodeOperand
 
 
 class LinearWeights(ABC):
@@ -61,7 +50,7 @@ class LinearWeights(ABC):
 
     def fused_decode_operand(self) -> DecodeOperand | None:
         """What the native fused decode layer reads for this weight, or None when the
-        format has no such path (the execution plan then runs the layer op by op)."""
+        format has no such path (the execution plan then refuses the fused layer at load)."""
         return None
 
 

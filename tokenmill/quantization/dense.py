@@ -10,8 +10,6 @@ from dataclasses import dataclass
 from tokenmill import kernels
 from tokenmill.quantization.base import DecodeOperand, LinearWeights, WeightFormat
 
-SKINNY_MAX_ROWS = 16  # up to here the tiled kernel beats oneDNN (measured: docs/benchmarks.md)
-
 _NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
@@ -42,11 +40,12 @@ class PlainWeights(LinearWeights):
 
 @dataclass(frozen=True)
 class CPUMatmulChoice:
-    """Which kernel multiplies float32 activations by a CPU-tiled weight, by row count.
-    Measured per machine (runner/tune.py): on an AVX2 EPYC the skinny kernel won up to 16
-    rows and float32 oneDNN beyond; with AMX, oneDNN's bf16 GEMM wins from a few rows on."""
+    """Which kernel multiplies float32 activations by a CPU-tiled weight, by row count: the
+    execution plan's data (runner/plan.py, measured per machine by runner/tune.py; on an
+    AVX2 EPYC the skinny kernel won up to 16 rows and float32 oneDNN beyond; with AMX,
+    oneDNN's bf16 GEMM wins from a few rows on). No default here: the plan holds it."""
 
-    skinny_max_rows: int = SKINNY_MAX_ROWS  # the skinny kernel up to here (0: never)
+    skinny_max_rows: int  # the skinny kernel up to here (0: never)
     gemm: str = "onednn_f32"  # beyond: "onednn_f32" (float32 copy), "onednn_bf16" (bf16 copy, bf16 inputs)
 
     def describe(self) -> str:
@@ -71,10 +70,10 @@ class CPUDenseWeights(LinearWeights):
       weight for F.linear would rewrite all of it every call).
     """
 
-    def __init__(self, weight: torch.Tensor, tile_dtype: torch.dtype, choice: CPUMatmulChoice | None,
+    def __init__(self, weight: torch.Tensor, tile_dtype: torch.dtype, choice: CPUMatmulChoice,
                  onednn: bool = True) -> None:
         self.out_features, self.in_features = weight.shape
-        self.choice = choice or CPUMatmulChoice()
+        self.choice = choice
         self.tiled = kernels.tile_for_skinny(weight, tile_dtype)
         self.packed = None
         if onednn:
@@ -127,15 +126,17 @@ def onednn_available() -> bool:
 
 class DenseFormat(WeightFormat):
     """Float weights stored in `weight_dtype`. `cpu_layout`: the CPU kernels' layouts for
-    float32 activations (needs the native kernels), multiplied as `choice` says, with a
-    oneDNN copy for many rows when `onednn`; else a plain tensor."""
+    float32 activations (needs the native kernels), multiplied as the plan's `choice` says,
+    with a oneDNN copy for many rows when `onednn`; else a plain tensor."""
 
     def __init__(self, weight_dtype: torch.dtype, cpu_layout: bool = False, onednn: bool = False,
                  choice: CPUMatmulChoice | None = None) -> None:
+        if cpu_layout and choice is None:
+            raise ValueError("CPU-laid-out weights need the execution plan's matmul choice (runner/plan.py)")
         self.weight_dtype = weight_dtype
         self.cpu_layout = cpu_layout
         self.onednn = onednn and onednn_available()
-        self.choice = choice or CPUMatmulChoice()
+        self.choice = choice
         self.name = _NAMES.get(weight_dtype, str(weight_dtype))
 
     def make(self, weight: torch.Tensor, many_rows: bool = True) -> LinearWeights:

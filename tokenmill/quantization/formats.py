@@ -24,12 +24,13 @@ GROUP_SIZES = (32, 64, 128)
 
 class QuantizedWeights(LinearWeights):
     """A linear weight as a QuantizedTensor, multiplied by the native quantized kernels
-    (int8 activations and integer dot products for few rows, a bf16 GEMM on dequantized
-    tiles for many; kernels.quant_linear)."""
+    (int8 activations and integer dot products up to `integer_rows` rows, the plan's; a bf16
+    GEMM on dequantized tiles for more; kernels.quant_linear)."""
 
-    def __init__(self, qt: QuantizedTensor, name: str) -> None:
+    def __init__(self, qt: QuantizedTensor, name: str, integer_rows: int) -> None:
         self.qt = qt
         self.name = name
+        self.integer_rows = integer_rows
         self.out_features, self.in_features = qt.shape
 
     @property
@@ -38,14 +39,14 @@ class QuantizedWeights(LinearWeights):
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype != torch.float32:
-            return self.qt.linear(x.float()).to(x.dtype)
-        return self.qt.linear(x)
+            return self.qt.native_linear(x.float(), self.integer_rows).to(x.dtype)
+        return self.qt.native_linear(x, self.integer_rows)
 
     def dequantize(self) -> torch.Tensor:
         return self.qt.dequantize()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.qt.lookup_rows(ids)
+        return self.qt.native_rows(ids)
 
     @property
     def nbytes(self) -> int:
@@ -57,9 +58,10 @@ class QuantizedWeights(LinearWeights):
 
 class QuantizedFormat(WeightFormat):
     """Quantized linear weights; `method`: "stored" (the checkpoint's own quantized tensors,
-    GGUF blocks or GPTQ/AWQ, float tensors go dense), "int8" or "int4" (from float weights)."""
+    GGUF blocks or GPTQ/AWQ, float tensors go dense), "int8" or "int4" (from float weights).
+    `integer_rows`: code width -> rows up to which the integer kernel runs (the plan's)."""
 
-    def __init__(self, method: str, dense: DenseFormat, group_size: int = 32) -> None:
+    def __init__(self, method: str, dense: DenseFormat, group_size: int, integer_rows: dict[int, int]) -> None:
         if method not in ("stored", *QUANTIZATION_METHODS):
             raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} (or the checkpoint's own), "
                              f"got {method!r}")
@@ -68,6 +70,7 @@ class QuantizedFormat(WeightFormat):
         self.method = method
         self.dense = dense
         self.group_size = group_size
+        self.integer_rows = integer_rows
         # Tensor-parallel cuts along K fall on whole scale groups (GGUF blocks: 32 columns,
         # K-quant super-blocks 256, which the loader's column unit adds).
         self.shard_alignment = {"stored": 32, "int8": 1, "int4": group_size}[method]
@@ -75,7 +78,7 @@ class QuantizedFormat(WeightFormat):
 
     def make(self, weight: torch.Tensor | QuantizedTensor, many_rows: bool = True) -> LinearWeights:
         if isinstance(weight, QuantizedTensor):
-            return QuantizedWeights(weight, describe_quantized(weight))
+            return self._weights(weight, describe_quantized(weight))
         if self.method == "stored":
             return self.dense.make(weight, many_rows)
         from tokenmill.quantization import rtn
@@ -83,8 +86,11 @@ class QuantizedFormat(WeightFormat):
         # The LM head is kept at 8 bits under int4, as llama.cpp's *_K_M files keep their
         # output matrix at 6 bits: its error goes straight into every logit.
         if self.method == "int8" or not many_rows:
-            return QuantizedWeights(rtn.quantize_int8(weight.float()), "int8")
-        return QuantizedWeights(rtn.quantize_int4(weight.float(), self.group_size), self.name)
+            return self._weights(rtn.quantize_int8(weight.float()), "int8")
+        return self._weights(rtn.quantize_int4(weight.float(), self.group_size), self.name)
+
+    def _weights(self, qt: QuantizedTensor, name: str) -> QuantizedWeights:
+        return QuantizedWeights(qt, name, self.integer_rows[qt.bits])
 
     def describe(self) -> str:
         if self.method == "stored":

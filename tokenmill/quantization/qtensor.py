@@ -148,26 +148,40 @@ class QuantizedTensor:
         return 8 * self.packed.numel() / (self.shape[0] * self.shape[1])
 
     def linear(self, x: torch.Tensor) -> torch.Tensor:
-        """y = x W^T for x [M, K] float32 or bfloat16: the native kernel (activations quantized
-        to int8 per 32 for a few rows, a bf16 GEMM on the dequantized weight for more; see
-        kernels.quant_linear), or, without the kernels, dequantize + F.linear."""
-        from tokenmill.kernels import cpu_kernels_available, quant_linear
+        """y = x W^T for x [M, K] float32 or bfloat16: the native kernel at its default row
+        split, or, without the kernels, dequantize + F.linear. A standalone convenience: a
+        model's weights (formats.QuantizedWeights) call `native_linear` with the plan's rows."""
+        from tokenmill.kernels import cpu_kernels_available
 
         if x.is_cpu and x.dtype in (torch.float32, torch.bfloat16) and x.dim() == 2 and cpu_kernels_available():
-            return quant_linear(x.contiguous(), self.packed, self.format, self.col_perm)
+            return self.native_linear(x, -1)
         return torch.nn.functional.linear(x, self.dequantize().to(x.dtype))
+
+    def native_linear(self, x: torch.Tensor, max_integer_rows: int) -> torch.Tensor:
+        """y = x W^T by the native kernel (x [M, K] float32 or bfloat16 on the CPU): up to
+        `max_integer_rows` rows x is quantized to int8 per 32 and multiplied on integers, a
+        bf16 GEMM on the dequantized weight beyond (see kernels.quant_linear)."""
+        from tokenmill.kernels import quant_linear
+
+        return quant_linear(x.contiguous(), self.packed, self.format, self.col_perm, max_integer_rows)
 
     def lookup_rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` of the weight as float32 [len(index), K] (an embedding lookup in a
-        quantized table, e.g. a tied Q8_0 token embedding), original column order."""
-        from tokenmill.kernels import cpu_kernels_available, quant_dequantize
+        quantized table, e.g. a tied Q8_0 token embedding), original column order: by the
+        native kernel when there is one (`native_rows`), else by dequantizing."""
+        from tokenmill.kernels import cpu_kernels_available
+
+        if cpu_kernels_available():
+            return self.native_rows(index)
+        index = torch.as_tensor(index, dtype=torch.long).reshape(-1)
+        return self.take_rows(index).dequantize() if index.numel() else torch.empty(0, self.shape[1])
+
+    def native_rows(self, index: torch.Tensor) -> torch.Tensor:
+        """lookup_rows by the native dequantize kernel."""
+        from tokenmill.kernels import quant_dequantize
 
         index = torch.as_tensor(index, dtype=torch.long).reshape(-1)
-        if cpu_kernels_available():
-            rows = quant_dequantize(self.packed, self.format, torch.float32, index)
-        else:
-            rows = self.take_rows(index).dequantize() if index.numel() else torch.empty(0, self.shape[1])
-            return rows  # dequantize() already undid the column order
+        rows = quant_dequantize(self.packed, self.format, torch.float32, index)
         if self.col_perm is not None:
             out = torch.empty_like(rows)
             out[:, self.col_perm] = rows

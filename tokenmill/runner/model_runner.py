@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from tokenmill.attention.backend import AttentionBackend, BatchLayout, ForwardContext, PagedDecode, forward_context
+from tokenmill.attention.backend import AttentionBackend, BatchLayout, ForwardContext, forward_context
 from tokenmill.attention.kv_cache import PagedKVCache
 from tokenmill.engine.batch import PromptLogprobsChunk, RequestTable, RunnerOutput, SchedulerOutput, StepRequest
 from tokenmill.model.llama import LlamaForCausalLM
@@ -21,14 +21,6 @@ from tokenmill.runner.plan import ExecutionPlan
 from tokenmill.runner.threads import ThreadGovernor
 from tokenmill.sampling.rejection import RejectionSampler, Verification
 from tokenmill.sampling.sampler import Sampler, SamplingRow, compute_token_logprobs
-
-# A chunk of at most this many tokens after earlier context (a verification: the last
-# known token and its proposals; a draft catching up) attends as that many one-token
-# rows, each over its own context length. Every backend writes the step's KV before any
-# attention reads it, so row j sees exactly the positions up to its own (the chunk's
-# bottom-right causal mask) with no per-chunk gather and SDPA call, and a step made only
-# of such rows can run the fused decode layer.
-SHORT_CHUNK_TOKENS = 8
 
 # (request id, proposals) -> the [len(proposals), V] distributions a draft sampled them
 # from, or None for point masses; set by the builder when a draft model proposes.
@@ -94,10 +86,8 @@ class ModelRunner:
         positions = torch.tensor(
             [p for r in items for p in range(r.start_pos, r.context_len)], dtype=torch.long, device=self.device
         )
-        if self.plan.use_fused_decode(len(layout.query_lens), layout.all_decode):
-            ctx = ForwardContext(self.backend, None, self.kv_cache, PagedDecode.from_layout(layout, self.device))
-        else:
-            ctx = ForwardContext(self.backend, self.backend.build_metadata(layout, self.device), self.kv_cache)
+        kind = self.plan.step_kind(len(layout.query_lens), layout.all_decode)  # the step's one decision
+        ctx = ForwardContext.for_step(kind, self.backend, layout, self.kv_cache, self.device)
         if self.kv_cache.num_sliding_blocks:  # a hybrid cache: the sliding layers' own tables and slots
             sliding = self._layout(items, sliding=True)
             ctx.sliding_metadata = self.backend.build_metadata(sliding, self.device)
@@ -118,7 +108,7 @@ class ModelRunner:
         ]
         query_lens, context_lens, block_tables = [], [], []
         for r, table in zip(items, tables):
-            if self.short_chunks_as_decodes and r.start_pos > 0 and 1 < r.num_tokens <= SHORT_CHUNK_TOKENS:
+            if self.short_chunks_as_decodes and self.plan.chunk_as_rows(r.start_pos, r.num_tokens):
                 query_lens += [1] * r.num_tokens
                 context_lens += range(r.start_pos + 1, r.context_len + 1)
                 block_tables += [table] * r.num_tokens

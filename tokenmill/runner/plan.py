@@ -1,30 +1,68 @@
-"""The execution plan: what runs a model's steps on this machine, chosen once at load.
+"""The execution plan: the one place that decides what runs a model's steps on this machine.
 
-Three tiers, from fastest to plainest:
-- fused decode layer: pure decode steps of up to `fused_decode_max_rows` tokens run each
-  decoder layer as one native op (no Python between its kernels);
-- per-op native: every other step runs op by op, with the native element-wise ops
-  (RMSNorm, rotary, SiLU-and-mul) and the weight format's kernels;
-- reference: plain PyTorch ops (any device; CPU without the native kernels).
-
-Nothing decides per step what the plan decided at load: the model's modules are set up
-once (`apply_plan`) and the runner only asks "is this step a pure decode that fits?".
+This module (with what it imports) answers "which kernel runs for this step":
+- `ExecutionPlan.step_kind(num_rows, all_decode)`: the step's tier, asked once per step by
+  the runner:
+  - fused: a pure decode step of up to `fused_decode_max_rows` tokens runs each decoder
+    layer as one native op (`kernels.llama_decode_layer`; what it covers: kernels/fused_layer.py);
+  - per-op: every other step runs op by op, with the native element-wise ops
+    (`kernels.ops.NativeOps`) and the weight format's kernels;
+  - reference: plain PyTorch ops (any device; CPU without the native kernels).
+- Every row threshold is data of the plan (`RowThresholds`, defaults measured on an AVX2
+  EPYC, the dense split re-measured per machine by runner/tune.py): the dense weight format
+  multiplies with the skinny kernel up to `skinny_max_rows` rows and oneDNN beyond (its
+  `CPUMatmulChoice`, built here); quantized weights use integer dot products up to
+  `quant_integer_rows[bits]` rows and a bf16 GEMM beyond; a chunk of up to
+  `short_chunk_tokens` tokens after earlier context attends as one-token rows
+  (`chunk_as_rows`), so a step of such rows can run fused.
+- `apply_plan` hands the model, once at load, its weight format, its element-wise ops object
+  and (for the fused tier) every layer's fused operands; a model whose layers declare a
+  feature the fused op does not cover is refused the fused tier there, with a log line
+  naming the feature. Nothing is decided again per call.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from tokenmill.attention.backend import StepKind
+from tokenmill.kernels import fused_layer
+from tokenmill.kernels.ops import NATIVE_OPS, REFERENCE_OPS, TorchOps
 from tokenmill.model.layers import set_weight_format
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.quantization import DenseFormat, WeightFormat
-from tokenmill.quantization.dense import SKINNY_MAX_ROWS, CPUMatmulChoice
+from tokenmill.quantization.dense import CPUMatmulChoice
+
+__all__ = ["ExecutionPlan", "RowThresholds", "StepKind", "apply_plan", "cpu_native_plan", "quantized_plan",
+           "reference_plan"]
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class RowThresholds:
+    """Every row count at which a kernel choice changes (measured: docs/benchmarks.md)."""
+
+    # Dense CPU-tiled weights: the skinny kernel up to here, oneDNN beyond (runner/tune.py
+    # measures this per machine; 16 on an AVX2 EPYC). Also the fused layer's limit for them.
+    skinny_max_rows: int = 16
+    # Quantized weights, by code width: int8 activations and integer dot products up to
+    # here, a bf16 GEMM on dequantized tiles beyond (the op's built-in default is the same).
+    quant_integer_rows: dict[int, int] = field(default_factory=lambda: {4: 8, 8: 12})
+    # A chunk of at most this many tokens after earlier context (a verification: the last
+    # known token and its proposals; a draft catching up) attends as that many one-token
+    # rows, each over its own context length. Every backend writes the step's KV before any
+    # attention reads it, so row j sees exactly the positions up to its own (the chunk's
+    # bottom-right causal mask) with no per-chunk gather and SDPA call, and a step made only
+    # of such rows can run the fused decode layer.
+    short_chunk_tokens: int = 8
+
+
+ROWS = RowThresholds()
 
 
 @dataclass(frozen=True)
@@ -33,11 +71,12 @@ class ExecutionPlan:
     embedding_dtype: torch.dtype | None  # None: as loaded
     native_ops: bool  # the fused native element-wise ops
     fused_decode: bool  # one native op per decoder layer for pure decode steps
-    fused_decode_max_rows: int = SKINNY_MAX_ROWS  # past this the per-op path is faster (oneDNN)
+    fused_decode_max_rows: int = ROWS.skinny_max_rows  # past this the per-op path is faster (oneDNN)
     # Prefill attention (SDPA) in this dtype, None: the activations'. bf16 where the GEMMs
     # measured fastest in bf16 (native bf16 arithmetic): 2.8x float32 SDPA at 1024 tokens on
     # AMX, and the K/V it reads are bf16 in the cache anyway.
     prefill_attention_dtype: torch.dtype | None = None
+    short_chunk_tokens: int = ROWS.short_chunk_tokens
 
     @property
     def tier(self) -> str:
@@ -45,59 +84,80 @@ class ExecutionPlan:
             return "fused decode layer"
         return "per-op native" if self.native_ops else "reference"
 
+    @property
+    def ops(self) -> TorchOps:
+        """The element-wise ops this plan hands the model at load."""
+        return NATIVE_OPS if self.native_ops else REFERENCE_OPS
+
     def describe(self) -> str:
         parts = [f"weights {self.weight_format.describe()}"]
         if self.fused_decode:
             parts.append(f"fused native decode layer for pure decode steps of <= {self.fused_decode_max_rows} tokens")
-        parts.append("native element-wise ops" if self.native_ops else "PyTorch element-wise ops")
+        parts.append(self.ops.name)
         if self.prefill_attention_dtype is not None:
             parts.append(f"prefill attention in {str(self.prefill_attention_dtype).removeprefix('torch.')}")
         return "; ".join(parts)
 
-    def use_fused_decode(self, num_tokens: int, all_decode: bool) -> bool:
-        return self.fused_decode and all_decode and num_tokens <= self.fused_decode_max_rows
+    def step_kind(self, num_rows: int, all_decode: bool) -> StepKind:
+        """What runs a step of `num_rows` attention rows (`all_decode`: each row is one
+        sequence's next token, short chunks laid out as rows included)."""
+        if self.fused_decode and all_decode and num_rows <= self.fused_decode_max_rows:
+            return StepKind.FUSED
+        return StepKind.PER_OP if self.native_ops else StepKind.REFERENCE
+
+    def chunk_as_rows(self, start_pos: int, num_tokens: int) -> bool:
+        """Whether a request's chunk of `num_tokens` after `start_pos` cached tokens attends
+        as that many one-token rows (see RowThresholds.short_chunk_tokens)."""
+        return start_pos > 0 and 1 < num_tokens <= self.short_chunk_tokens
 
 
-def apply_plan(model: LlamaForCausalLM, plan: ExecutionPlan) -> ExecutionPlan:
-    """Set the model up for `plan`; returns the plan it really runs (the fused decode
-    layer is dropped, with a log line saying why, when a weight cannot feed it)."""
+def apply_plan(model: LlamaForCausalLM, plan: ExecutionPlan, kv_cache_dtype: str | None = None) -> ExecutionPlan:
+    """Set the model up for `plan`, once: its weights in the plan's format, its element-wise
+    ops, and for the fused tier every layer's operands. Returns the plan it really runs: the
+    fused tier is refused, with a log line naming why, when the layers (or the KV cache, given
+    its dtype name) have a feature the native fused layer does not cover."""
     set_weight_format(model, plan.weight_format, plan.embedding_dtype)
-    model.use_native_ops(plan.native_ops)
-    if plan.fused_decode and not model.can_fuse_decode():
-        logger.info("the fused decode layer does not take these weights (%s): decode steps run op by op",
-                    plan.weight_format.describe())
-        plan = dataclasses.replace(plan, fused_decode=False)
+    model.use_ops(plan.ops)
+    if plan.fused_decode:
+        missing = fused_layer.uncovered(model.layer_features(), kv_cache_dtype)
+        if missing:
+            logger.info("the fused decode layer does not cover this %s model's %s: decode steps run op by op",
+                        model.cfg.architecture, ", ".join(missing))
+            plan = dataclasses.replace(plan, fused_decode=False)
+    model.use_fused_layers(plan.fused_decode)
     return plan
 
 
-def cpu_native_plan(weight_dtype: torch.dtype = torch.float32, onednn: bool = True,
-                    fused_decode: bool = True, choice: CPUMatmulChoice | None = None) -> ExecutionPlan:
+def cpu_native_plan(weight_dtype: torch.dtype = torch.float32, onednn: bool = True, fused_decode: bool = True,
+                    choice: CPUMatmulChoice | None = None, rows: RowThresholds = ROWS) -> ExecutionPlan:
     """Float32 activations on the CPU with the native kernels: weights tiled in
     `weight_dtype` for the skinny kernel and (when `onednn`) packed for oneDNN, multiplied
-    as `choice` says; the native element-wise ops; and the fused decode layer (when
+    as `choice` says (default: the skinny kernel up to `rows.skinny_max_rows`, float32
+    oneDNN beyond); the native element-wise ops; and the fused decode layer (when
     attention reads the cache natively) for the row counts the skinny kernel takes; prefill
     attention in bf16 where the GEMMs are (`choice.gemm` onednn_bf16: measured faster)."""
-    choice = choice or CPUMatmulChoice()
+    choice = choice or CPUMatmulChoice(rows.skinny_max_rows)
     embedding_dtype = weight_dtype if weight_dtype != torch.float32 else None
     return ExecutionPlan(DenseFormat(weight_dtype, cpu_layout=True, onednn=onednn, choice=choice), embedding_dtype,
                          native_ops=True, fused_decode=fused_decode and choice.skinny_max_rows > 0,
                          fused_decode_max_rows=choice.skinny_max_rows,
-                         prefill_attention_dtype=torch.bfloat16 if choice.gemm == "onednn_bf16" else None)
+                         prefill_attention_dtype=torch.bfloat16 if choice.gemm == "onednn_bf16" else None,
+                         short_chunk_tokens=rows.short_chunk_tokens)
 
 
-def reference_plan(weight_dtype: torch.dtype) -> ExecutionPlan:
+def reference_plan(weight_dtype: torch.dtype, rows: RowThresholds = ROWS) -> ExecutionPlan:
     """Plain weights in `weight_dtype` and PyTorch ops: any device, any compute dtype."""
-    return ExecutionPlan(DenseFormat(weight_dtype), None, native_ops=False, fused_decode=False)
+    return ExecutionPlan(DenseFormat(weight_dtype), None, native_ops=False, fused_decode=False,
+                         short_chunk_tokens=rows.short_chunk_tokens)
 
 
-def quantized_plan(dense: ExecutionPlan, method: str, group_size: int = 32) -> ExecutionPlan:
+def quantized_plan(dense: ExecutionPlan, method: str, group_size: int = 32,
+                   rows: RowThresholds = ROWS) -> ExecutionPlan:
     """`dense` with weight-only quantized linears (`method`: "stored", "int8" or "int4"): the
-    quantized kernels (integer dot products up to 8 rows of 4-bit codes, 12 of 8-bit; a bf16
-    GEMM on dequantized tiles beyond), the dense format for any float weight left, and the
-    fused decode layer up to the rows the integer path takes."""
-    from tokenmill.kernels import QUANT_INTEGER_ROWS
+    quantized kernels (integer dot products up to `rows.quant_integer_rows[bits]` rows, a
+    bf16 GEMM on dequantized tiles beyond), the dense format for any float weight left, and
+    the fused decode layer up to the rows the integer path takes."""
     from tokenmill.quantization.formats import QuantizedFormat
 
-    fmt = QuantizedFormat(method, dense.weight_format, group_size)
-    return dataclasses.replace(dense, weight_format=fmt,
-                               fused_decode_max_rows=min(QUANT_INTEGER_ROWS.values()))
+    fmt = QuantizedFormat(method, dense.weight_format, group_size, dict(rows.quant_integer_rows))
+    return dataclasses.replace(dense, weight_format=fmt, fused_decode_max_rows=min(rows.quant_integer_rows.values()))

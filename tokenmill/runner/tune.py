@@ -26,7 +26,7 @@ import torch
 
 from tokenmill import kernels
 from tokenmill.hardware import cpu_info
-from tokenmill.quantization.dense import GEMM_KINDS, SKINNY_MAX_ROWS, CPUMatmulChoice
+from tokenmill.quantization.dense import GEMM_KINDS, CPUMatmulChoice
 
 logger = logging.getLogger(__name__)
 
@@ -181,4 +181,4 @@ def _write(path: Path, data: dict) -> None:
         logger.warning("could not cache the kernel choice in %s: %s", path, exc)
 
 
-__all__ = ["SKINNY_MAX_ROWS", "Timings", "choose", "decide", "describe", "measure"]
+__all__ = ["Timings", "choose", "decide", "describe", "measure"]

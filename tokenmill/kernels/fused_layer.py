@@ -1,0 +1,118 @@
+"""What the native fused decoder layer (`llama_decode_layer`, csrc/cpu_decoder.cpp) covers.
+
+This is the one place that says it. A decoder layer declares, once at load, the features
+it computes (`LayerFeatures`, from `DecoderLayer.features()`); the execution plan asks
+`uncovered(...)` and refuses the fused path for a model with any feature the op does not
+compute, with a log line naming it (the model then runs op by op, which computes
+everything). Nothing is skipped silently at run time.
+
+To cover a feature (Qwen3's q/k norms, Gemma 3's sliding windows and sandwich norms, ...):
+give `LayerFeatures` a field the layer sets, implement it in cpu_decoder.cpp, and list it
+in `COVERED` here; the layer's operands (`FusedLayerOperands`) carry what the op then reads.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+# Layer features the native op computes (True) or not (False). Every field of
+# LayerFeatures that is "on" for a layer must be True here for the op to run it.
+COVERED: dict[str, bool] = {
+    "rms_norm": True,  # pre-attention and pre-MLP RMSNorm, each fused with its residual add
+    "rotary_neox": True,  # rotate-half rotary embedding from the step's cos/sin table
+    "grouped_query_attention": True,  # any num_heads / num_kv_heads ratio
+    "silu_mlp": True,  # gate/up fused, SiLU-and-mul, down
+    "qkv_bias": False,  # Qwen2's q/k/v biases
+    "qk_norm": False,  # Qwen3 / Gemma 3: per-head RMSNorm of q and k before RoPE
+    "sliding_window": False,  # Mistral / Gemma 3 windowed attention (a layer with a window)
+    "sandwich_norms": False,  # Gemma: norms around the attention output and the MLP
+    "geglu_mlp": False,  # Gemma: tanh-approximated gelu gate
+    "logit_softcap": False,  # Gemma 2's attention soft-capping
+    "tensor_parallel": False,  # the all-reduces after o_proj and down_proj would fall inside the op
+}
+
+# Weight operands the op multiplies (DecodeOperand kinds): skinny tiles, quantized streams.
+COVERED_WEIGHTS = ("tiled float32", "tiled bfloat16", "quantized")
+
+# KV cache element types the op reads and writes (8-bit ones with scales, maybe rotated).
+COVERED_KV_DTYPES = ("float32", "bfloat16", "float16", "int8", "fp8_e4m3")
+
+
+@dataclass(frozen=True)
+class LayerFeatures:
+    """What one decoder layer computes, as the layer declares it at load. A feature that is
+    on (True, or a window / cap that is set) must be in COVERED for the fused op to run it."""
+
+    rms_norm: bool = True
+    rotary_neox: bool = True
+    grouped_query_attention: bool = True
+    silu_mlp: bool = True
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int | None = None
+    sandwich_norms: bool = False
+    geglu_mlp: bool = False
+    logit_softcap: float | None = None
+    tensor_parallel: bool = False
+    weights: tuple[str | None, ...] = ()  # each linear's operand kind; None: its format has none
+
+    def on(self) -> list[str]:
+        return [name for name in COVERED if getattr(self, name) not in (False, None)]
+
+
+def uncovered(layers: Iterable[LayerFeatures], kv_cache_dtype: str | None = None) -> list[str]:
+    """The features of a model's layers (and its KV cache, when given) the native fused op
+    does not compute, named for a log line; empty: the op runs every layer exactly."""
+    layers = list(dict.fromkeys(layers))  # layers alike are checked once
+    missing = list(dict.fromkeys(name for f in layers for name in f.on() if not COVERED[name]))
+    kinds = dict.fromkeys(kind for f in layers for kind in f.weights)
+    missing += [f"weights in a format with no fused operand ({kind or 'plain tensor'})"
+                for kind in kinds if kind not in COVERED_WEIGHTS]
+    if kv_cache_dtype is not None and kv_cache_dtype not in COVERED_KV_DTYPES:
+        missing.append(f"a {kv_cache_dtype} KV cache")
+    return missing
+
+
+@dataclass(frozen=True)
+class DecodeOperand:
+    """A weight as the native fused decode layer reads it: tiles for the skinny kernel
+    (`format` None) or a QuantizedTensor's packed stream, format row and permutation."""
+
+    tensor: torch.Tensor
+    out_features: int
+    format: tuple[int, ...] | None = None
+    col_perm: torch.Tensor | None = None
+
+    @property
+    def kind(self) -> str:
+        if self.format is not None:
+            return "quantized"
+        return "tiled bfloat16" if self.tensor.dtype == torch.bfloat16 else "tiled float32"
+
+
+@dataclass(frozen=True)
+class FusedLayerOperands:
+    """Everything the native op reads of one layer besides the step's tensors, gathered once
+    at load by the layer itself (`DecoderLayer.fused_operands`)."""
+
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    eps: float
+    weights: Sequence[DecodeOperand]  # qkv, o, gate_up, down
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+
+    @functools.cached_property
+    def flat_weights(self) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor | None]]:
+        """The weights as the op's arguments: tensors, their format rows one after another
+        (a tiled weight's row: N then zeros), act-order permutations."""
+        formats: list[int] = []
+        for operand in self.weights:
+            formats.extend(operand.format if operand.format is not None else (operand.out_features, 0, 0, 0, 0, 0))
+        return [o.tensor for o in self.weights], formats, [o.col_perm for o in self.weights]
