@@ -1,0 +1,252 @@
+"""Every execution path of a decoder layer against `DecoderLayer.forward`, the reference.
+
+One matrix: tier (fused native layer, per-op native, reference PyTorch) x weight format
+(float32, bfloat16, GGUF Q4_1 and Q8_0 as stored, int8 at load) x KV cache dtype (auto, int8)
+x tensor parallelism 1, on the tiny checkpoint (tests/tiny_checkpoint.py). Each path runs a
+prefill of two prompts, then decode steps and a verification-like short chunk (laid out as
+one-token rows, as the runner does) through a paged cache, asking the plan what each step
+runs, exactly as the runner does; its layer output and residual stream are compared, row by
+row, with the reference layer run densely over each whole sequence on the same weights (as
+the path stores them, dequantized to float32). So a difference is the path's own: its
+kernels, its activation rounding (int8 per 32 in the quantized integer kernels, bf16 in
+their GEMM) and its KV cache's rounding, bounded per dtype below.
+
+Also here: the plan refuses the fused layer at load, naming the feature, for a layer it
+does not cover (Qwen2's q/k/v biases), and that model then runs every step op by op.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tiny_checkpoint import write_tiny_llama
+from tokenmill import kernels
+from tokenmill.attention.backend import BatchLayout, ForwardContext, StepKind, forward_context
+from tokenmill.attention.kv_cache import LayerKVCache
+from tokenmill.attention.torch_sdpa import TorchSDPABackend
+from tokenmill.kernels import fused_layer
+from tokenmill.kernels.ops import NATIVE_OPS, REFERENCE_OPS
+from tokenmill.model_arch import ModelArchConfig
+from tokenmill.model.layers import Linear
+from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.quantization import QuantizedTensor
+from tokenmill.quantization.gguf_blocks import from_gguf_blocks
+from tokenmill.runner.plan import ExecutionPlan, apply_plan, cpu_native_plan, quantized_plan, reference_plan
+
+TIERS = ("fused", "per-op", "reference")
+FORMATS = ("float32", "bfloat16", "Q4_1", "Q8_0", "int8")
+KV_DTYPES = ("auto", "int8")
+LAYER = 1  # a layer with a residual stream coming in
+BLOCK_SIZE = 4
+
+# max |path - reference| / max |reference| over a step's layer output and residual rows.
+# Float weights: the kernels compute the reference's float32 arithmetic (1.3e-6 measured); a
+# quantized weight's integer kernel rounds activations to int8 per 32 and its GEMM to bf16
+# (3.5e-2 measured with a bf16 cache, 3.7e-2 int8 at load with an int8 cache); a bf16 / int8
+# KV cache rounds K and V once (6.9e-3 / 1.2e-2 measured with float weights).
+WEIGHT_TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-4, "Q4_1": 4e-2, "Q8_0": 4e-2, "int8": 4e-2}
+KV_TOLERANCE = {torch.float32: 0.0, torch.bfloat16: 1e-2, torch.int8: 3e-2}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def native() -> None:
+    if not kernels.cpu_kernels_available():
+        pytest.fail("the native CPU kernels did not build (python -m tokenmill.kernels -v shows why)")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory) -> tuple[ModelArchConfig, dict[str, torch.Tensor]]:
+    directory = write_tiny_llama(tmp_path_factory.mktemp("tiny"))
+    cfg = ModelArchConfig.from_hf_config(json.loads((directory / "config.json").read_text()))
+    return cfg, load_file(directory / "model.safetensors")
+
+
+def _checkpoint(tensors: dict[str, torch.Tensor], fmt: str) -> list[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """The tiny checkpoint with its layers' linear weights as GGUF blocks of `fmt` (exact
+    conversions of what gguf-py writes) for Q4_1 / Q8_0, as it is otherwise."""
+    if fmt not in ("Q4_1", "Q8_0"):
+        return list(tensors.items())
+    qtype = gguf.GGMLQuantizationType[fmt]
+    out = []
+    for name, tensor in tensors.items():
+        if ".layers." in name and name.endswith("proj.weight"):
+            tensor = from_gguf_blocks(gguf.quants.quantize(tensor.float().numpy().astype(np.float32), qtype), qtype.value)
+        out.append((name, tensor))
+    return out
+
+
+def _plan(tier: str, fmt: str) -> ExecutionPlan:
+    """The plan the builder chooses for this tier and format (the reference tier is a CPU
+    without the native kernels: stored GGUF blocks are served dequantized there)."""
+    weight_dtype = _weight_dtype(fmt)
+    if tier == "reference":
+        return reference_plan(weight_dtype)
+    dense = cpu_native_plan(weight_dtype, fused_decode=tier == "fused")
+    if fmt in ("Q4_1", "Q8_0"):
+        return quantized_plan(dense, "stored")
+    return quantized_plan(dense, "int8") if fmt == "int8" else dense
+
+
+def _build(cfg: ModelArchConfig, ckpt, plan: ExecutionPlan, kv_dtype: str) -> tuple[LlamaForCausalLM, ExecutionPlan]:
+    model = LlamaForCausalLM(cfg).eval()
+    stored_ok = plan.native_ops  # without the native kernels, quantized blocks are read dequantized
+    model.load_weights(iter(ckpt), plan.weight_format if stored_ok else None)
+    return model, apply_plan(model, plan, kv_dtype)
+
+
+def _reference_layer(cfg: ModelArchConfig, model: LlamaForCausalLM):
+    """A plain float32 copy of `model`'s layer LAYER (its weights as stored, dequantized)
+    with the reference ops: DecoderLayer.forward on it is the reference."""
+    reference = LlamaForCausalLM(cfg).eval()
+    layer, ref = model.layers[LAYER], reference.layers[LAYER]
+    with torch.no_grad():
+        for name, module in layer.named_modules():
+            target = ref.get_submodule(name)
+            if isinstance(module, Linear):
+                weight = module.weights.dequantize() if module.weights is not None else module.weight.float()
+                target.weight = torch.nn.Parameter(weight.clone(), requires_grad=False)
+                if module.bias is not None:
+                    target.bias.copy_(module.bias)
+        ref.input_layernorm.weight.copy_(layer.input_layernorm.weight)
+        ref.post_attention_layernorm.weight.copy_(layer.post_attention_layernorm.weight)
+    assert ref.input_layernorm.ops is REFERENCE_OPS
+    return reference
+
+
+def _weight_dtype(fmt: str) -> torch.dtype:
+    """How float weights are stored: bf16 but for float32 (the default model is a GGUF served
+    with bf16 float tensors)."""
+    return torch.float32 if fmt == "float32" else torch.bfloat16
+
+
+def _kv_torch_dtype(kv_dtype: str, fmt: str) -> torch.dtype:
+    """auto follows the weights' storage dtype, as builder.resolve_dtype does."""
+    return torch.int8 if kv_dtype == "int8" else _weight_dtype(fmt)
+
+
+def _backend(tier: str):
+    if tier == "reference":
+        return TorchSDPABackend()
+    from tokenmill.attention.cpu_native import CPUNativeBackend
+
+    return CPUNativeBackend()
+
+
+# Steps: tokens of sequence 0 and 1 (lengths 11 + 5 then 6 + 1 + 1 + 3 + 1 ...).
+PROMPTS = (11, 6)
+STEPS = [(11, 6), (1, 1), (1, 1), (3, 1), (1, 2)]
+
+
+def _layout(plan: ExecutionPlan, done: list[int], step: tuple[int, ...], tables: list[list[int]]) -> BatchLayout:
+    """The runner's layout of a step (short chunks after context as one-token rows)."""
+    query_lens, context_lens, block_tables, slots = [], [], [], []
+    for r, n in enumerate(step):
+        slots += [tables[r][p // BLOCK_SIZE] * BLOCK_SIZE + p % BLOCK_SIZE for p in range(done[r], done[r] + n)]
+        if plan.chunk_as_rows(done[r], n):
+            query_lens += [1] * n
+            context_lens += range(done[r] + 1, done[r] + n + 1)
+            block_tables += [tables[r]] * n
+        else:
+            query_lens.append(n)
+            context_lens.append(done[r] + n)
+            block_tables.append(tables[r])
+    return BatchLayout(query_lens, context_lens, block_tables, slots, BLOCK_SIZE)
+
+
+@pytest.mark.parametrize("kv_dtype", KV_DTYPES)
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("tier", TIERS)
+@torch.inference_mode()
+def test_every_path_matches_the_reference_decoder_layer(tiny, tier: str, fmt: str, kv_dtype: str) -> None:
+    if tier == "reference" and fmt == "int8":
+        pytest.skip("int8 at load runs on the native kernels only: the builder refuses it without them")
+    cfg, tensors = tiny
+    kv_name = "int8" if kv_dtype == "int8" else str(_weight_dtype(fmt)).removeprefix("torch.")
+    model, plan = _build(cfg, _checkpoint(tensors, fmt), _plan(tier, fmt), kv_name)
+    assert plan.tier == {"fused": "fused decode layer", "per-op": "per-op native", "reference": "reference"}[tier]
+    reference = _reference_layer(cfg, model)
+    layer, ref_layer = model.layers[LAYER], reference.layers[LAYER]
+    kv_torch = _kv_torch_dtype(kv_dtype, fmt)
+
+    total = [sum(s[r] for s in STEPS) for r in range(2)]
+    gen = torch.Generator().manual_seed(7)
+    h_all = [torch.randn(n, cfg.hidden_size, generator=gen) for n in total]
+    res_all = [torch.randn(n, cfg.hidden_size, generator=gen) for n in total]
+    rope_table = layer.self_attn.rotary
+    with torch.inference_mode():  # the reference: each whole sequence at once, dense causal attention
+        want = [ref_layer(rope_table.table(torch.arange(n)), h, res.clone()) for n, h, res in zip(total, h_all, res_all)]
+
+    blocks = sum(-(-n // BLOCK_SIZE) for n in total) + 2
+    cache = LayerKVCache.allocate(blocks, BLOCK_SIZE, cfg.num_kv_heads, cfg.head_dim, kv_torch)
+    free = torch.randperm(blocks, generator=torch.Generator().manual_seed(3)).tolist()
+    tables = [[free.pop() for _ in range(-(-n // BLOCK_SIZE))] for n in total]
+    backend = _backend(tier).for_plan(plan.prefill_attention_dtype)
+    done, kinds = [0, 0], []
+    bound = WEIGHT_TOLERANCE[fmt] + KV_TOLERANCE[kv_torch]
+    for step in STEPS:
+        layout = _layout(plan, done, step, tables)
+        kind = plan.step_kind(len(layout.query_lens), layout.all_decode)  # as the runner asks
+        kinds.append(kind)
+        spans = [(r, done[r], done[r] + n) for r, n in enumerate(step)]
+        h = torch.cat([h_all[r][a:b] for r, a, b in spans])
+        residual = torch.cat([res_all[r][a:b] for r, a, b in spans])
+        positions = torch.cat([torch.arange(a, b) for _, a, b in spans])
+        rope = rope_table.table(positions)
+        caches = [cache if i == LAYER else None for i in range(cfg.num_layers)]  # the cache of layer LAYER
+        ctx = ForwardContext.for_step(kind, backend, layout, caches, torch.device("cpu"))
+        with forward_context(ctx):
+            if kind.fused:
+                out = layer.fused_decode(model.fused_layers[LAYER], rope, h, residual, cache, ctx.decode)
+            else:
+                out, residual = layer(rope, h, residual)
+        row = 0
+        for r, a, b in spans:
+            for got, expected in ((out, want[r][0]), (residual, want[r][1])):
+                g, e = got[row : row + b - a], expected[a:b]
+                err = float((g - e).abs().max() / e.abs().max())
+                assert err < bound, f"{tier}/{fmt}/kv {kv_dtype}: step {step}, sequence {r}: error {err:.2e} >= {bound}"
+            row += b - a
+        done = [d + n for d, n in zip(done, step)]
+
+    decode_kind = {"fused": StepKind.FUSED, "per-op": StepKind.PER_OP, "reference": StepKind.REFERENCE}[tier]
+    assert kinds[0] == (StepKind.REFERENCE if tier == "reference" else StepKind.PER_OP)  # a prefill
+    assert kinds[1:] == [decode_kind] * (len(STEPS) - 1)  # decodes and short chunks as rows
+
+
+def test_the_plan_refuses_the_fused_layer_for_a_feature_it_does_not_cover(tiny, caplog) -> None:
+    """Qwen2's q/k/v biases are not in the fused op: refused at load with a log line naming
+    the feature; every step then runs op by op (and still matches the reference)."""
+    cfg, tensors = tiny
+    qwen = ModelArchConfig(**{**cfg.__dict__, "architecture": "qwen2", "attention_bias": True})
+    model = LlamaForCausalLM(qwen).eval()
+    ckpt = [(n, t) for n, t in tensors.items()]
+    for i in range(qwen.num_layers):
+        for part, size in (("q_proj", qwen.num_heads), ("k_proj", qwen.num_kv_heads), ("v_proj", qwen.num_kv_heads)):
+            ckpt.append((f"model.layers.{i}.self_attn.{part}.bias", torch.randn(size * qwen.head_dim) * 0.1))
+    model.load_weights(iter(ckpt))
+    with caplog.at_level(logging.INFO, logger="tokenmill.runner.plan"):
+        plan = apply_plan(model, cpu_native_plan(torch.float32), "float32")
+    assert not plan.fused_decode and model.fused_layers is None
+    assert "qkv_bias" in caplog.text and "op by op" in caplog.text
+    assert plan.step_kind(1, all_decode=True) is StepKind.PER_OP
+    assert model.layers[0].input_layernorm.ops is NATIVE_OPS  # the rest of the plan stands
+
+
+def test_coverage_is_one_table_that_names_what_is_missing() -> None:
+    """The fused op's coverage: every LayerFeatures field is in COVERED, and a layer asking
+    for more is told what (the next architectures extend this table, not the runner)."""
+    assert set(fused_layer.COVERED) <= set(fused_layer.LayerFeatures.__dataclass_fields__)
+    plain = fused_layer.LayerFeatures(weights=("tiled float32", "quantized"))
+    assert fused_layer.uncovered(plain, "int8") == []
+    wanted = fused_layer.LayerFeatures(qk_norm=True, sliding_window=4096, logit_softcap=50.0, tensor_parallel=True,
+                                       weights=("tiled float32", None))
+    missing = fused_layer.uncovered(wanted, "int4")
+    assert missing[:4] == ["qk_norm", "sliding_window", "logit_softcap", "tensor_parallel"]
+    assert "plain tensor" in missing[4] and "int4" in missing[5]
