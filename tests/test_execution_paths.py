@@ -17,6 +17,7 @@ does not cover (Qwen2's q/k/v biases), and that model then runs every step op by
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 
@@ -224,7 +225,7 @@ def test_the_plan_refuses_the_fused_layer_for_a_feature_it_does_not_cover(tiny, 
     """Qwen2's q/k/v biases are not in the fused op: refused at load with a log line naming
     the feature; every step then runs op by op (and still matches the reference)."""
     cfg, tensors = tiny
-    qwen = ModelArchConfig(**{**cfg.__dict__, "architecture": "qwen2", "attention_bias": True})
+    qwen = dataclasses.replace(cfg, architecture="qwen2", attention_bias=True)
     model = LlamaForCausalLM(qwen).eval()
     ckpt = [(n, t) for n, t in tensors.items()]
     for i in range(qwen.num_layers):
@@ -244,9 +245,25 @@ def test_coverage_is_one_table_that_names_what_is_missing() -> None:
     for more is told what (the next architectures extend this table, not the runner)."""
     assert set(fused_layer.COVERED) <= set(fused_layer.LayerFeatures.__dataclass_fields__)
     plain = fused_layer.LayerFeatures(weights=("tiled float32", "quantized"))
-    assert fused_layer.uncovered(plain, "int8") == []
+    assert fused_layer.uncovered([plain, plain], "int8") == []
     wanted = fused_layer.LayerFeatures(qk_norm=True, sliding_window=4096, logit_softcap=50.0, tensor_parallel=True,
                                        weights=("tiled float32", None))
-    missing = fused_layer.uncovered(wanted, "int4")
+    missing = fused_layer.uncovered([plain, wanted], "int4")
     assert missing[:4] == ["qk_norm", "sliding_window", "logit_softcap", "tensor_parallel"]
     assert "plain tensor" in missing[4] and "int4" in missing[5]
+
+
+@pytest.mark.parametrize("family,features", [
+    ("qwen3", ["qk_norm"]),
+    ("gemma3", ["qk_norm", "sliding_window", "sandwich_norms", "geglu_mlp"]),
+])
+def test_qwen3_and_gemma3_layers_are_refused_the_fused_layer_by_name(family, features, caplog) -> None:
+    """The layer kinds the next architectures brought: each uncovered feature is named at load."""
+    from test_model_families import hf_gemma3, hf_qwen3, ours_from
+
+    model = ours_from(hf_qwen3() if family == "qwen3" else hf_gemma3())
+    with caplog.at_level(logging.INFO, logger="tokenmill.runner.plan"):
+        plan = apply_plan(model, cpu_native_plan(torch.float32), "float32")
+    assert not plan.fused_decode and model.fused_layers is None
+    for name in features:
+        assert name in caplog.text
