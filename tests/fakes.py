@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from tokenmill.engine.batch import RequestTable, RunnerOutput, ScheduledRequest, SchedulerOutput, StepRequest
 from tokenmill.engine.block_manager import KVBlockManager
+from tokenmill.engine.input_processor import AdmissionLimits, InputProcessor
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig
 from tokenmill.engine.step_cost import StepCostEstimator
@@ -189,6 +190,9 @@ class Harness:
                                       priority_aging, slo_ttft, slo_tpot)
         self.kv = KVBlockManager(num_blocks, block_size, enable_caching)
         self.sched = Scheduler(self.config, self.kv, clock, step_cost)
+        # Admission as the engine runs it (the scheduler itself checks nothing).
+        self.processor = InputProcessor(FakeTokenizer(), AdmissionLimits(max_model_len, VOCAB_SIZE, num_blocks,
+                                                                         block_size), self.config.by_priority)
         self.runner = FakeRunner(num_blocks, block_size, policy)
         self.proposer = proposer  # sets each running request's proposals after every step
         self.finished: dict[str, Request] = {}
@@ -202,6 +206,8 @@ class Harness:
             arrival_time: float | None = None, **params: object) -> Request:
         request = make_request(request_id, prompt, self.config.max_model_len, cache_salt, priority, arrival_time,
                                **params)
+        self.processor.check(request.num_prompt_tokens, request.params)
+        self.processor.check_priority(priority)
         self.sched.add_request(request)
         self.kv.check_integrity()
         return request
@@ -372,6 +378,7 @@ class FakeTokenizer:
     ids (below NUM_SPECIAL) skipped."""
 
     eos_token_ids = [EOS]
+    max_token_chars = 1  # one character per token
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return [NUM_SPECIAL + ord(c) % 26 for c in text]

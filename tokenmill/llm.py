@@ -51,18 +51,19 @@ class LLM:
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         priorities = _as_priority_list(priority, len(prompts))
-        for prompt, p, rank in zip(prompts, params, priorities):  # validate all first
-            self._check_prompt(prompt, p, rank)
-        ids = []
+        engine = self.engine
+        requests = [engine.input_processor.process(engine.new_request_id(), prompt, p, arrival_time=engine.clock(),
+                                                   priority=rank)
+                    for prompt, p, rank in zip(prompts, params, priorities)]  # all are checked before any is queued
+        added = []
         try:
-            for prompt, p, rank in zip(prompts, params, priorities):
-                request_id = self.engine.new_request_id()
-                self.engine.add_request(request_id, prompt, p, final_only=True, priority=rank)
-                ids.append(request_id)
-            return self._run(ids, use_tqdm)
+            for request in requests:
+                engine.add_processed(request, final_only=True)
+                added.append(request.request_id)
+            return self._run(added, use_tqdm)
         except BaseException:
-            for request_id in ids:  # e.g. KeyboardInterrupt: leave nothing allocated
-                self.engine.abort_request(request_id)
+            for request_id in added:  # e.g. KeyboardInterrupt: leave nothing allocated
+                engine.abort_request(request_id)
             raise
 
     def chat(
@@ -79,22 +80,12 @@ class LLM:
 
     def encode_chat(self, messages: list[Message], add_generation_prompt: bool = True,
                     allow_special_tokens_in_content: bool = False) -> list[int]:
-        """The template writes its own special tokens (BOS included); special-token text in
-        the messages is text unless `allow_special_tokens_in_content` (Tokenizer.encode_chat)."""
-        return self.tokenizer.encode_chat(messages, add_generation_prompt,
-                                          allow_special_tokens_in_content=allow_special_tokens_in_content)[1]
+        """A conversation's prompt ids in the model's chat template; special-token text in the
+        messages is text unless `allow_special_tokens_in_content` (Tokenizer.encode_chat)."""
+        return self.engine.input_processor.render_chat(
+            messages, add_generation_prompt, allow_special_tokens_in_content=allow_special_tokens_in_content)
 
     # ----- internals -----------------------------------------------------------------
-
-    def _check_prompt(self, prompt: Prompt, params: SamplingParams, priority: int = 0) -> None:
-        """Run the engine's checks without queueing anything."""
-        engine = self.engine
-        _, ids = engine._tokenize(prompt)
-        params.validate_token_ids(engine.facts.vocab_size)
-        from tokenmill.engine.request import Request
-
-        probe = Request("probe", ids, params, max_total_tokens=engine.facts.max_model_len, priority=priority)
-        engine.scheduler.check_can_admit(probe)
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(request_ids)

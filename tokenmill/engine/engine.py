@@ -23,6 +23,7 @@ from typing import Protocol
 from tokenmill.config import EngineConfig, EngineFacts
 from tokenmill.engine.batch import RunnerOutput, SchedulerOutput
 from tokenmill.engine.block_manager import HybridKVBlockManager, KVBlockManager
+from tokenmill.engine.input_processor import AdmissionLimits, InputProcessor, ProcessedRequest
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
@@ -183,6 +184,9 @@ class LLMEngine:
         # SLO mode predicts steps from the engine's own: every step's time is fed back.
         self.step_cost = StepCostEstimator() if slo_ttft is not None or slo_tpot is not None else None
         self.scheduler = Scheduler(limits, kv, clock, self.step_cost)
+        self.input_processor = InputProcessor(
+            tokenizer, AdmissionLimits(facts.max_model_len, facts.vocab_size, facts.num_blocks, facts.block_size),
+            priority_scheduling=limits.by_priority)
         self.output_processor = OutputProcessor(tokenizer, clock)
         self.observers: list[StepObserver] = []
         self.num_prompt_tokens = 0
@@ -236,34 +240,21 @@ class LLMEngine:
         cache_salt: str | None = None,
         priority: int = 0,
     ) -> None:
-        """Validate and queue a request; raises ValueError (naming the problem and
-        the limit) before anything is allocated. `priority` (lower first) needs
+        """Validate and queue a request; raises ValueError (an AdmissionError naming the
+        problem and the limit) before anything is allocated. `priority` (lower first) needs
         --scheduling-policy priority unless it is 0, as in vLLM."""
-        params = params or SamplingParams()
-        self.scheduler.check_priority(priority)
-        prompt_text, prompt_ids = self._tokenize(prompt)
-        params.validate_token_ids(self.vocab_size)
-        samples = [
-            Request(
-                request_id=request_id if params.n == 1 else f"{request_id}#{i}",
-                prompt_token_ids=prompt_ids,
-                params=self._sample_params(params, i),
-                eos_token_ids=tuple(self.tokenizer.eos_token_ids),
-                max_total_tokens=self.max_model_len,
-                arrival_time=arrival_time or self.clock(),
-                cache_salt=cache_salt,
-                priority=priority,
-            )
-            for i in range(params.n)
-        ]
-        for rid in [request_id, *(s.request_id for s in samples)]:
+        request = self.input_processor.process(request_id, prompt, params, arrival_time=arrival_time or self.clock(),
+                                               cache_salt=cache_salt, priority=priority)
+        self.add_processed(request, final_only)
+
+    def add_processed(self, request: ProcessedRequest, final_only: bool = False) -> None:
+        """Queue a request the input processor made (`LLM` checks a whole batch first)."""
+        for rid in [request.request_id, *(s.request_id for s in request.samples)]:
             if rid in self.output_processor.user_requests or rid in self.scheduler.requests:
                 raise ValueError(f"request id {rid!r} is already in use")
-        for sample in samples:
-            self.scheduler.check_can_admit(sample)
-        for sample in samples:
+        for sample in request.samples:
             self.scheduler.add_request(sample)
-        self.output_processor.add(request_id, prompt_text, samples, final_only)
+        self.output_processor.add(request.request_id, request.prompt_text, request.samples, final_only)
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks at once; returns its final output."""
@@ -377,24 +368,3 @@ class LLMEngine:
         )
         for observer in self.observers:
             observer.on_step(record, outputs)
-
-    def _tokenize(self, prompt: str | list[int]) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            if not prompt:
-                raise ValueError("the prompt is empty: it must contain at least one token")
-            return prompt, self.tokenizer.encode(prompt)
-        ids = list(prompt)
-        if not ids:
-            raise ValueError("the prompt is empty: it must contain at least one token")
-        bad = next((t for t in ids if not isinstance(t, int) or not 0 <= t < self.vocab_size), None)
-        if bad is not None:
-            raise ValueError(f"prompt token id {bad!r} is out of the vocabulary (size {self.vocab_size})")
-        return None, ids
-
-    @staticmethod
-    def _sample_params(params: SamplingParams, index: int) -> SamplingParams:
-        """Each of n samples runs as its own request; seeded ones get distinct seeds."""
-        if params.n == 1:
-            return params
-        seed = None if params.seed is None else params.seed + index
-        return dataclasses.replace(params, n=1, seed=seed)

@@ -85,37 +85,9 @@ class Scheduler:
 
     # ----- admission -----------------------------------------------------------------
 
-    def check_can_admit(self, request: Request) -> None:
-        """Reject, before any work, a request that could never run to completion."""
-        self.check_priority(request.priority)
-        limit = self.config.max_model_len
-        if request.num_prompt_tokens == 0:
-            raise ValueError("the prompt is empty: it must contain at least one token")
-        if request.num_prompt_tokens >= limit:
-            raise ValueError(
-                f"the prompt has {request.num_prompt_tokens} tokens, but max_model_len is {limit}: "
-                "it must be shorter to leave room for at least one generated token"
-            )
-        # The last sampled token is never fed back, so it needs no KV slot.
-        worst_case = request.num_prompt_tokens + request.max_tokens - 1
-        capacity = self.kv.num_blocks * self.kv.block_size
-        if self.kv.blocks_needed(worst_case) > self.kv.num_blocks:
-            raise ValueError(
-                f"prompt ({request.num_prompt_tokens} tokens) + max_tokens ({request.max_tokens}) needs "
-                f"{worst_case} KV slots, which can never fit in the KV cache ({capacity} tokens); "
-                "lower max_tokens or raise kv_cache_memory"
-            )
-
-    def check_priority(self, priority: object) -> None:
-        """vLLM's rule: a priority other than 0 needs the priority policy."""
-        if not isinstance(priority, int) or isinstance(priority, bool):
-            raise ValueError(f"priority must be an integer, got {priority!r}")
-        if priority != 0 and not self.config.by_priority:
-            raise ValueError(f"priority must be 0 unless priority scheduling is enabled (got {priority}; start "
-                             "the engine with --scheduling-policy priority)")
-
     def add_request(self, request: Request) -> None:
-        self.check_can_admit(request)
+        """Queue a request the input processor admitted (it checked that the request
+        can run to completion within max_model_len and the KV cache)."""
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request

@@ -1,8 +1,24 @@
-"""Sampling parameters of one request, named and defaulted as vLLM's are."""
+"""Sampling parameters of one request, named and defaulted as vLLM's are.
+
+This is the one declaration of a request's parameters and their defaults (OpenAI's
+and vLLM's: temperature 1.0, top_p 1.0, max_tokens 16 as vLLM's offline API and
+OpenAI's completions). The server's request fields map onto these fields (a field
+the client leaves out takes the default declared here) and the CLI's sampling flags
+are generated from them, help text included (`sampling_fields()`).
+"""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
+
+
+def _param(default: Any, help: str, flag: str | None = None) -> Any:
+    """A field with its help text (and a CLI flag spelling where the generated one would
+    clash with an engine flag)."""
+    return field(default=default, metadata={"help": help, "flag": flag})
 
 
 @dataclass
@@ -13,25 +29,29 @@ class SamplingParams:
     penalties 0.0 (presence, frequency) and 1.0 (repetition).
     """
 
-    n: int = 1
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    min_p: float = 0.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    seed: int | None = None
-    stop: list[str] | str | None = None
-    stop_token_ids: list[int] | None = None
-    ignore_eos: bool = False
-    max_tokens: int | None = 16
-    min_tokens: int = 0
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    logit_bias: dict[int, float] | None = None
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    n: int = _param(1, "samples to generate for the prompt")
+    temperature: float = _param(1.0, "softmax temperature; 0 samples greedily")
+    top_p: float = _param(1.0, "nucleus sampling: keep the smallest set of tokens whose probability reaches "
+                               "top_p (1 = off)")
+    top_k: int = _param(0, "keep the k most likely tokens (0 or -1 = off)")
+    min_p: float = _param(0.0, "drop tokens less likely than min_p times the most likely one (0 = off)")
+    presence_penalty: float = _param(0.0, "subtracted from the logits of tokens already generated, in [-2, 2]")
+    frequency_penalty: float = _param(0.0, "subtracted per occurrence of a generated token, in [-2, 2]")
+    repetition_penalty: float = _param(1.0, "divides the positive logits (multiplies the negative) of tokens "
+                                            "in the prompt or output (1 = off)")
+    # --seed is the engine's (the shared generator's); this one is the request's.
+    seed: int | None = _param(None, "seed of this request's sampling (default: the engine's shared generator)",
+                              flag="--sampling-seed")
+    stop: list[str] | str | None = _param(None, "stop string; the output ends before it")
+    stop_token_ids: list[int] | None = _param(None, "token id that ends the output (kept in it)")
+    ignore_eos: bool = _param(False, "keep generating past the end-of-sequence token")
+    max_tokens: int | None = _param(16, "most tokens to generate (None: up to the end of the context)")
+    min_tokens: int = _param(0, "tokens to generate before EOS or a stop token id may end the output")
+    logprobs: int | None = _param(None, "log probabilities of the top N tokens at each output position")
+    prompt_logprobs: int | None = _param(None, "log probabilities of the top N tokens at each prompt position")
+    logit_bias: dict[int, float] | None = _param(None, "token id -> bias added to its logit, in [-100, 100]")
+    skip_special_tokens: bool = _param(True, "leave special tokens out of the output text")
+    include_stop_str_in_output: bool = _param(False, "keep the stop string that ended the output in its text")
 
     # Derived in __post_init__: the stop strings as a list, never None.
     stop_strings: list[str] = field(init=False, repr=False)
@@ -101,11 +121,15 @@ class SamplingParams:
             f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}",
         )
 
-    def validate_token_ids(self, vocab_size: int) -> None:
-        """Checks that need the model's vocabulary size."""
-        for token_id in [*self.stop_token_ids, *(self.logit_bias or {})]:
-            _check(token_id < vocab_size,
-                   f"token id {token_id} is out of the vocabulary (size {vocab_size})")
+
+def sampling_fields() -> Iterator[dataclasses.Field]:
+    """The declared fields of SamplingParams (each with `metadata["help"]`)."""
+    return (f for f in dataclasses.fields(SamplingParams) if f.init)
+
+
+def default(name: str) -> Any:
+    """The declared default of one field, e.g. default("max_tokens") == 16."""
+    return SamplingParams.__dataclass_fields__[name].default
 
 
 def _check(ok: bool, message: str) -> None:

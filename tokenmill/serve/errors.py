@@ -58,9 +58,13 @@ def bad_request(message: str, param: str | None = None) -> APIError:
 
 
 def from_value_error(error: ValueError) -> APIError:
-    """A ValueError from SamplingParams or the engine, which names the field first
-    ("temperature must be >= 0, ..."): the field becomes `param`."""
+    """A ValueError from the input processor (an AdmissionError names its `param`) or from
+    SamplingParams, which names the field first ("temperature must be >= 0, ..."): the
+    field becomes `param`."""
     message = str(error)
+    param = getattr(error, "param", None)
+    if param is not None:
+        return bad_request(message, param=param)
     match = re.match(r"^([a-z_]+) (?:must|values|keys)\b", message)
     return bad_request(message, param=match.group(1) if match else None)
 

@@ -66,15 +66,6 @@ class RequestLimits:
                               param="logit_bias")
 
 
-def check_prompt_chars(num_chars: int, max_chars: int, param: str = "prompt") -> None:
-    """A text longer than max_model_len times the longest token's length cannot fit the
-    context whatever it says: refused before the tokenizer spends time on it."""
-    if num_chars > max_chars:
-        raise bad_request(
-            f"the {param} has {num_chars} characters, more than this model's context can hold "
-            f"(at most {max_chars} characters); shorten it", param=param)
-
-
 def payload_too_large(limit: int) -> APIError:
     return APIError(413, f"the request body is larger than this server's limit of {limit} bytes "
                          "(--max-request-body-bytes)", code="request_too_large", headers={"Connection": "close"})

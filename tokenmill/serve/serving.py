@@ -1,11 +1,10 @@
 """OpenAI requests -> engine requests -> OpenAI responses and SSE streams.
 
-A handler checks everything it can see itself (model name, the request limits,
-parameters, the prompt's length against max_model_len) before queueing anything,
-then hands the engine one group of requests (one per prompt); the engine thread
-runs the checks that need the engine (token ids in the vocabulary, KV capacity,
-the waiting queue's limit) and answers through a future, so a bad request is
-refused before any step works on it.
+A handler checks the server's own request limits and the model name, then runs the
+engine's input processor (`tokenmill.engine.input_processor`, the admission path `LLM`
+takes too: tokenize, render chat, check lengths, vocabulary and KV capacity) before
+queueing anything; the engine thread checks only the waiting queue's limit and answers
+through a future, so a bad request is refused before any step works on it.
 
 Tokenizing and rendering chat templates run in a small thread pool, never on the
 event loop (the tokenizer releases the GIL while it works), so a big prompt does
@@ -34,6 +33,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from tokenmill.engine.engine import LLMEngine
+from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling.params import SamplingParams
 from tokenmill.serve.async_engine import (
@@ -45,7 +45,7 @@ from tokenmill.serve.async_engine import (
     QueueTimeoutError,
 )
 from tokenmill.serve.errors import APIError, bad_request, error_body, from_value_error
-from tokenmill.serve.limits import RequestLimits, check_prompt_chars
+from tokenmill.serve.limits import RequestLimits
 from tokenmill.serve.logprobs import CompletionLogprobs, chat_logprobs
 from tokenmill.serve.protocol import (
     ChatCompletionRequest,
@@ -106,22 +106,16 @@ class OpenAIServing:
         self.allow_special_tokens_in_content = allow_special_tokens_in_content
         self._prompt_pool = ThreadPoolExecutor(PROMPT_THREADS, thread_name_prefix="tokenmill-prompts")
 
-    async def off_loop(self, function: Callable[..., T], *args: Any) -> T:
+    async def off_loop(self, function: Callable[..., T], *args: Any, **kwargs: Any) -> T:
         """Run CPU work on the prompt threads (ValueError becomes a 400)."""
         loop = asyncio.get_running_loop()
         try:
-            return await loop.run_in_executor(self._prompt_pool, functools.partial(function, *args))
+            return await loop.run_in_executor(self._prompt_pool, functools.partial(function, *args, **kwargs))
         except ValueError as error:
             raise from_value_error(error) from error
 
     def close(self) -> None:
         self._prompt_pool.shutdown(wait=False, cancel_futures=True)
-
-    @property
-    def max_prompt_chars(self) -> int:
-        """The longest text that could still fit the context (see Tokenizer.max_token_chars)."""
-        core = self.core
-        return core.max_model_len * core.tokenizer.max_token_chars
 
     # ----- model and engine --------------------------------------------------------------
 
@@ -131,6 +125,11 @@ class OpenAIServing:
         if self._served_names:
             return self._served_names
         return [self.engine.engine.model_name] if self.engine.engine is not None else []
+
+    @property
+    def processor(self) -> InputProcessor:
+        """The engine's input processor (admission: the same checks as `LLM`'s)."""
+        return self.core.input_processor
 
     @property
     def core(self) -> LLMEngine:
@@ -171,18 +170,15 @@ class OpenAIServing:
         self._check_limits(body, len(texts))
         self.limits.check_logprobs(body.logprobs, "logprobs")
         core = self.core
-        for text in texts:
-            if isinstance(text, str):
-                check_prompt_chars(len(text), self.max_prompt_chars)
-        prompts = await self.off_loop(_encode_prompts, core, texts)
+        prompts = await self.off_loop(_tokenize_prompts, self.processor, texts)
         max_tokens = body.max_tokens
         if max_tokens is None:  # OpenAI's default, within what the context leaves
             room = core.max_model_len - max(len(p.token_ids) for p in prompts)
             max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, room) if room > 0 else DEFAULT_COMPLETION_MAX_TOKENS
-        for prompt in prompts:
-            self._check_fits(len(prompt.token_ids), max_tokens)
         echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
         params = _sampling_params(body, max_tokens, body.logprobs, prompt_logprobs=echo_logprobs)
+        for prompt in prompts:
+            self._admit(len(prompt.token_ids), params, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = await self._submit(request_id, [p.token_ids for p in prompts], params, body.priority)
         renderer = _CompletionRenderer(request_id, model, prompts, body, core)
@@ -204,7 +200,7 @@ class OpenAIServing:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = _sampling_params(body, max_tokens, num_logprobs)
-        self._check_fits(len(prompt_ids), max_tokens)
+        self._admit(len(prompt_ids), params, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self._submit(request_id, [prompt_ids], params, body.priority)
         renderer = _ChatRenderer(request_id, model, len(prompt_ids), body, core)
@@ -218,21 +214,9 @@ class OpenAIServing:
             raise bad_request("this server does not accept chat templates in requests (the operator can allow "
                               "them with --trust-request-chat-template)", param="chat_template")
         dicts = [m.to_template_dict() for m in messages]
-        try:
-            return await self.off_loop(self._render_and_encode, dicts, add_generation_prompt, chat_template,
-                                       template_kwargs)
-        except APIError as error:
-            error.param = error.param or "messages"
-            raise
-
-    def _render_and_encode(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
-                           chat_template: str | None, template_kwargs: dict[str, Any] | None) -> list[int]:
-        # The template writes its own special tokens (BOS included), as LLM.encode_chat does.
-        _, ids = self.core.tokenizer.encode_chat(
-            messages, add_generation_prompt, chat_template=chat_template or self.chat_template,
-            template_kwargs=template_kwargs, allow_special_tokens_in_content=self.allow_special_tokens_in_content,
-            check_text=lambda text: check_prompt_chars(len(text), self.max_prompt_chars, param="messages"))
-        return ids
+        return await self.off_loop(self.processor.render_chat, dicts, add_generation_prompt,
+                                   chat_template=chat_template or self.chat_template, template_kwargs=template_kwargs,
+                                   allow_special_tokens_in_content=self.allow_special_tokens_in_content)
 
     # ----- admission -----------------------------------------------------------------------
 
@@ -241,23 +225,13 @@ class OpenAIServing:
         self.limits.check_stop(body.stop, body.stop_token_ids)
         self.limits.check_logit_bias(body.logit_bias)
 
-    def _check_fits(self, prompt_len: int, max_tokens: int | None) -> None:
-        """Refuse a prompt that cannot fit max_model_len, alone or with max_tokens
-        (the engine alone would cap max_tokens silently)."""
-        limit = self.core.max_model_len
-        if prompt_len >= limit:
-            raise bad_request(
-                f"this model's maximum context length is {limit} tokens, but the prompt has {prompt_len} "
-                "tokens, which leaves no room for a completion; shorten the prompt",
-                param="prompt",
-            )
-        if max_tokens is not None and prompt_len + max_tokens > limit:
-            raise bad_request(
-                f"this model's maximum context length is {limit} tokens, but {prompt_len + max_tokens} "
-                f"were requested ({prompt_len} in the prompt, {max_tokens} for the completion); "
-                "shorten the prompt or lower max_tokens",
-                param="max_tokens",
-            )
+    def _admit(self, prompt_len: int, params: SamplingParams, prompt_param: str) -> None:
+        """The input processor's checks, with OpenAI's rule for max_tokens: a prompt plus
+        max_tokens over max_model_len is refused (`LLM` caps max_tokens instead)."""
+        try:
+            self.processor.check(prompt_len, params, strict_max_tokens=True, prompt_param=prompt_param)
+        except ValueError as error:
+            raise from_value_error(error) from error
 
     async def _submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
                       priority: int = 0) -> OutputStream:
@@ -300,10 +274,9 @@ def _prompt_list(prompt: str | list[int] | list[str] | list[list[int]]) -> list[
     return list(prompt)
 
 
-def _encode_prompts(core: LLMEngine, prompts: list[str | list[int]]) -> list[Prompt]:
-    # An empty string stays empty (no BOS-only prompt), so the engine refuses it by name.
-    return [Prompt(core.tokenizer.encode(p) if p else [], p) if isinstance(p, str) else Prompt(p)
-            for p in prompts]
+def _tokenize_prompts(processor: InputProcessor, prompts: list[str | list[int]]) -> list[Prompt]:
+    prompts_ids = [processor.tokenize(p) for p in prompts]
+    return [Prompt(ids, text) for text, ids in prompts_ids]
 
 
 def _check_stream_options(body: SamplingFields) -> None:
