@@ -9,36 +9,51 @@ import sys
 from tokenmill.config import add_engine_args, config_from_args
 
 
-def add_sampling_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--max-tokens", type=int, default=256)
-    parser.add_argument("--temperature", type=float, default=0.7)
-    parser.add_argument("--top-p", type=float, default=1.0)
-    parser.add_argument("--top-k", type=int, default=0)
-    parser.add_argument("--min-p", type=float, default=0.0)
-    parser.add_argument("--repetition-penalty", type=float, default=1.0)
-    parser.add_argument("--presence-penalty", type=float, default=0.0)
-    parser.add_argument("--frequency-penalty", type=float, default=0.0)
-    parser.add_argument("--sampling-seed", type=int, default=None, help="seed of the request's sampling")
-    parser.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
-    parser.add_argument("--ignore-eos", action="store_true")
+# The request parameters `generate` and `chat` take as flags; each flag's type, default
+# and help come from its SamplingParams field (tokenmill/sampling/params.py).
+CLI_SAMPLING_FIELDS = ("max_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                       "presence_penalty", "frequency_penalty", "seed", "stop", "stop_token_ids", "ignore_eos",
+                       "skip_special_tokens", "include_stop_str_in_output")
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, **defaults: object) -> None:
+    """One flag per SamplingParams field of CLI_SAMPLING_FIELDS, with the field's default
+    unless `defaults` overrides it (a command that means another default says why)."""
+    from tokenmill.sampling.params import sampling_fields
+
+    group = parser.add_argument_group("sampling", "the request's parameters (as SamplingParams and the server's)")
+    for f in sampling_fields():
+        if f.name not in CLI_SAMPLING_FIELDS:
+            continue
+        flag = _sampling_flag(f)
+        kwargs: dict = {"dest": _dest(flag), "default": defaults.get(f.name, f.default), "help": f.metadata["help"]}
+        kind = str(f.type)
+        if kind == "bool":
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif kind.startswith("list["):  # a list field: repeat the flag
+            kwargs.update(action="append", type=int if kind.startswith("list[int]") else str,
+                          help=kwargs["help"] + " (repeatable)")
+        else:
+            kwargs["type"] = int if kind.startswith("int") else float if kind.startswith("float") else str
+        if not kind == "bool" and kwargs["default"] is not None and "action" not in kwargs:
+            kwargs["help"] += f" (default {kwargs['default']})"
+        group.add_argument(flag, **kwargs)
 
 
 def sampling_params(args: argparse.Namespace):
-    from tokenmill.sampling.params import SamplingParams
+    from tokenmill.sampling.params import SamplingParams, sampling_fields
 
-    return SamplingParams(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        presence_penalty=args.presence_penalty,
-        frequency_penalty=args.frequency_penalty,
-        seed=args.sampling_seed,
-        stop=args.stop,
-        ignore_eos=args.ignore_eos,
-    )
+    values = vars(args)
+    return SamplingParams(**{f.name: values[_dest(_sampling_flag(f))] for f in sampling_fields()
+                             if f.name in CLI_SAMPLING_FIELDS})
+
+
+def _sampling_flag(f) -> str:
+    return f.metadata["flag"] or "--" + f.name.replace("_", "-")
+
+
+def _dest(flag: str) -> str:
+    return flag.removeprefix("--").replace("-", "_")
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -110,6 +125,15 @@ def configure_logging(level: str = "info") -> None:
 
 def main(argv: list[str] | None = None) -> int:
     configure_logging()
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenmill", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
@@ -123,16 +147,13 @@ def main(argv: list[str] | None = None) -> int:
     chat = sub.add_parser("chat", help="interactive chat, streaming tokens")
     chat.add_argument("--system", default=None, help="system message")
     add_engine_args(chat)
-    add_sampling_args(chat)
+    # The one default chat changes: a reply runs until it ends (EOS) or the context does,
+    # as the server's /v1/chat/completions does when max_tokens is left out (vLLM's too).
+    add_sampling_args(chat, max_tokens=None)
     chat.set_defaults(func=cmd_chat)
 
     _add_optional_commands(sub)
-    args = parser.parse_args(argv)
-    try:
-        return args.func(args)
-    except (ValueError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    return parser
 
 
 def _add_optional_commands(sub) -> None:

@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
 from pydantic_core import PydanticCustomError
 
+from tokenmill.sampling.params import SamplingParams
 from tokenmill.serve.limits import MAX_N
 
 TokenIds = list[StrictInt]
@@ -71,28 +72,39 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
+def sampling_field(name: str) -> Any:
+    """A request field that is a SamplingParams field: its default and description come
+    from SamplingParams, the one declaration (a client's null also means the default)."""
+    declared = SamplingParams.__dataclass_fields__[name]
+    return Field(declared.default, description=declared.metadata["help"])
+
+
 class SamplingFields(RequestBody):
-    """Fields shared by /v1/completions and /v1/chat/completions."""
+    """Fields shared by /v1/completions and /v1/chat/completions. Those named as
+    SamplingParams's fields are its fields (serving.py maps them by name)."""
 
     model: str | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = 1
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    repetition_penalty: float | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = sampling_field("n")
+    # None: completions take SamplingParams's default (16) within what the context leaves,
+    # chat the rest of the context (as vLLM's server).
+    max_tokens: int | None = Field(None, description="most tokens to generate (default: 16 for a completion, "
+                                                     "the rest of the context for a chat)")
+    temperature: float | None = sampling_field("temperature")
+    top_p: float | None = sampling_field("top_p")
+    top_k: int | None = sampling_field("top_k")
+    min_p: float | None = sampling_field("min_p")
+    presence_penalty: float | None = sampling_field("presence_penalty")
+    frequency_penalty: float | None = sampling_field("frequency_penalty")
+    repetition_penalty: float | None = sampling_field("repetition_penalty")
     # torch generators take 64-bit seeds; a larger one would only fail inside a step.
-    seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = None
-    stop: str | list[str] | None = None
-    stop_token_ids: TokenIds | None = None
-    logit_bias: dict[str, float] | None = None
-    ignore_eos: bool = False
-    min_tokens: int = 0
-    skip_special_tokens: bool = True
-    include_stop_str_in_output: bool = False
+    seed: Annotated[int, Field(ge=-(2**63), lt=2**63)] | None = sampling_field("seed")
+    stop: str | list[str] | None = sampling_field("stop")
+    stop_token_ids: TokenIds | None = sampling_field("stop_token_ids")
+    logit_bias: dict[str, float] | None = sampling_field("logit_bias")  # token ids as strings (JSON keys)
+    ignore_eos: bool | None = sampling_field("ignore_eos")
+    min_tokens: int | None = sampling_field("min_tokens")
+    skip_special_tokens: bool | None = sampling_field("skip_special_tokens")
+    include_stop_str_in_output: bool | None = sampling_field("include_stop_str_in_output")
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's field: lower is served first under --scheduling-policy priority; anything but

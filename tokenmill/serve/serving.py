@@ -35,7 +35,7 @@ from starlette.types import Receive, Scope, Send
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.outputs import CompletionOutput, RequestOutput
-from tokenmill.sampling.params import SamplingParams
+from tokenmill.sampling.params import SamplingParams, default, sampling_fields
 from tokenmill.serve.async_engine import (
     AsyncEngine,
     EngineUnavailableError,
@@ -57,9 +57,6 @@ from tokenmill.serve.protocol import (
 
 # Seconds a client told "queue full" or "queue wait too long" should wait before retrying.
 RETRY_AFTER_SECONDS = 1
-# OpenAI's and vLLM's max_tokens when a completion request does not say (chat has none:
-# it runs until the context ends, as in vLLM).
-DEFAULT_COMPLETION_MAX_TOKENS = 16
 # Threads that tokenize prompts and render chat templates: a burst of big prompts
 # queues here instead of taking every core from the engine.
 PROMPT_THREADS = 2
@@ -172,9 +169,9 @@ class OpenAIServing:
         core = self.core
         prompts = await self.off_loop(_tokenize_prompts, self.processor, texts)
         max_tokens = body.max_tokens
-        if max_tokens is None:  # OpenAI's default, within what the context leaves
+        if max_tokens is None:  # OpenAI's and vLLM's default (SamplingParams's), within what the context leaves
             room = core.max_model_len - max(len(p.token_ids) for p in prompts)
-            max_tokens = min(DEFAULT_COMPLETION_MAX_TOKENS, room) if room > 0 else DEFAULT_COMPLETION_MAX_TOKENS
+            max_tokens = min(default("max_tokens"), room) if room > 0 else default("max_tokens")
         echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
         params = _sampling_params(body, max_tokens, body.logprobs, prompt_logprobs=echo_logprobs)
         for prompt in prompts:
@@ -288,31 +285,21 @@ def _include_usage(body: SamplingFields) -> bool:
     return body.stream_options is not None and body.stream_options.include_usage
 
 
+# SamplingParams fields whose request field means something else or needs parsing: the
+# handler computes them (max_tokens's default, logprobs from chat's bool + top_logprobs).
+_COMPUTED_FIELDS = ("max_tokens", "logprobs", "prompt_logprobs", "logit_bias")
+
+
 def _sampling_params(body: SamplingFields, max_tokens: int | None, logprobs: int | None,
                      prompt_logprobs: int | None = None) -> SamplingParams:
-    """OpenAI fields -> SamplingParams; its ValueErrors become 400s naming the field."""
+    """OpenAI fields -> SamplingParams, field by field of the same name; a field the client
+    left out or sent as null takes SamplingParams's default. Its ValueErrors become 400s
+    naming the field."""
+    given = {f.name: getattr(body, f.name) for f in sampling_fields()
+             if f.name not in _COMPUTED_FIELDS and getattr(body, f.name, None) is not None}
     try:
-        return SamplingParams(
-            n=body.n,
-            temperature=1.0 if body.temperature is None else body.temperature,
-            top_p=1.0 if body.top_p is None else body.top_p,
-            top_k=0 if body.top_k is None else body.top_k,
-            min_p=0.0 if body.min_p is None else body.min_p,
-            presence_penalty=body.presence_penalty or 0.0,
-            frequency_penalty=body.frequency_penalty or 0.0,
-            repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
-            seed=body.seed,
-            stop=body.stop,
-            stop_token_ids=body.stop_token_ids,
-            ignore_eos=body.ignore_eos,
-            max_tokens=max_tokens,
-            min_tokens=body.min_tokens,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            logit_bias=_logit_bias(body.logit_bias),
-            skip_special_tokens=body.skip_special_tokens,
-            include_stop_str_in_output=body.include_stop_str_in_output,
-        )
+        return SamplingParams(**given, max_tokens=max_tokens, logprobs=logprobs, prompt_logprobs=prompt_logprobs,
+                              logit_bias=_logit_bias(body.logit_bias))
     except ValueError as error:
         raise from_value_error(error) from error
 
