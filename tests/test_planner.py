@@ -435,7 +435,7 @@ def test_plan_json_for_a_preset_on_a_catalog_device(capsys) -> None:
     plan = json.loads(out)
     assert plan["kv"]["bytes_per_token"] == 128 * KIB
     assert plan["kv"]["bytes_per_request"] == GIB // 2
-    budget = 0.9 * 80 * GIB - plan["memory"]["weights_bytes"]
+    budget = (80 * GIB - plan["memory"]["weights_bytes"]) // 2  # the engine's default on a GPU
     assert plan["memory"]["kv_budget_bytes_per_device"] == budget
     assert plan["kv"]["max_concurrent_requests"] == int(budget // (GIB // 2))
     assert [row["batch"] for row in plan["batches"]] == [1, 2, 4, 8, 16, 32, 64]
@@ -443,11 +443,41 @@ def test_plan_json_for_a_preset_on_a_catalog_device(capsys) -> None:
         assert row["tokens_per_s"] == pytest.approx(row["batch"] / row["tpot_s"])
         assert row["kv_fits"]
     assert plan["compute_bound_batch"]["empty_cache"] > 64
+    # vLLM's rule when asked for, with the new spellings of the flags.
+    rc, out, _ = run_plan(capsys, "llama-3.1-8b", "--target-device", "a100-80gb", "--weights", "bf16",
+                          "--max-model-len", "4096", "--max-num-seqs", "64", "--gpu-memory-utilization", "0.9",
+                          "--json")
+    plan = json.loads(out)
+    assert plan["memory"]["kv_budget_bytes_per_device"] == 0.9 * 80 * GIB - plan["memory"]["weights_bytes"]
+
+
+def test_plan_flags_are_the_engines_settings_with_the_engines_defaults(capsys) -> None:
+    """The flags that mean engine settings are config.py's (same defaults as `serve`): the
+    model's whole context, 64 sequences, the engine's KV memory on the target device."""
+    from tokenmill.cli import build_parser
+    from tokenmill.config import EngineConfig, default_kv_cache_memory
+
+    args = build_parser().parse_args(["plan"])
+    config = EngineConfig()
+    assert args.max_model_len == config.model.max_model_len is None
+    assert args.max_num_seqs == config.scheduler.max_num_seqs == 64
+    assert args.kv_cache_memory == config.cache.kv_cache_memory is None
+    assert args.kv_cache_dtype == config.cache.kv_cache_dtype == "auto"
+    assert args.tensor_parallel_size == args.pipeline_parallel_size == 1 and args.target_device == "this"
+    rc, out, _ = run_plan(capsys, "--target-device", "epyc-9654", "--json")
+    plan = json.loads(out)
+    assert plan["kv"]["context_len"] == 8192 == plan["model"]["max_position_embeddings"]  # as serve's
+    device = plan["device"]["memory_bytes"]
+    assert plan["memory"]["kv_budget_bytes_per_device"] == default_kv_cache_memory(False, device, device) == 2 * GIB
+    assert plan["batches"][-1]["batch"] == 64
+    with pytest.raises(SystemExit):  # the engine's choices
+        build_parser().parse_args(["plan", "--kv-cache-dtype", "int3"])
+    assert "invalid choice: 'int3'" in capsys.readouterr().err
 
 
 def test_plan_text_with_tensor_parallelism_and_a_kv_budget(capsys) -> None:
     rc, out, _ = run_plan(capsys, "llama-3.1-70b", "--device", "h100-sxm", "--tensor-parallel-size", "4",
-                          "--kv-cache-memory", "10GiB", "--max-batch", "16")
+                          "--kv-cache-memory", "10GiB", "--max-batch", "16", "--context-len", "4096")
     assert rc == 0
     assert "4 x H100-SXM (TP 4)" in out
     assert "320 KiB per token (80 KiB per device)" in out
@@ -491,7 +521,6 @@ def test_plan_weights_that_do_not_fit_leave_no_requests(capsys) -> None:
     (["llama-3.1-8b", "--device", "h300"], "unknown device 'h300'; choose from H100-SXM"),
     (["llama-5"], "unknown model 'llama-5': neither a preset (llama-3.1-8b"),
     (["llama-3.1-8b", "--device", "l4", "--weights", "int3"], "unknown weight format 'int3'; choose from"),
-    (["llama-3.1-8b", "--device", "l4", "--kv-cache-dtype", "int3"], "unknown KV cache dtype 'int3'"),
     (["llama-3.2-1b", "--device", "l4", "-pp", "32"], "pipeline-parallel-size (32) exceeds the model's 16 layers"),
     (["llama-3.1-8b", "--device", "l4", "--context-len", "0"], "context-len must be at least 1"),
 ])

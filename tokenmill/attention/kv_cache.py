@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.attention import kv_quant
+from tokenmill.dtypes import dtype_name
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class KVCacheSpec:
 
     def describe(self) -> str:
         """e.g. 'bfloat16', 'int8 + float16 scale per (token, head), Hadamard-64 rotated'."""
-        name = {torch.int8: "int8", kv_quant.fp8_dtype(): "fp8_e4m3"}.get(self.dtype, str(self.dtype).removeprefix("torch."))
+        name = dtype_name(self.dtype)
         if not self.quantized:
             return name
         rotated = f", Hadamard-{self.rotation} rotated" if self.rotation else ""

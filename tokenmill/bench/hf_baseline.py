@@ -33,9 +33,9 @@ from typing import Any
 
 import torch
 
+from tokenmill.dtypes import torch_dtype
 from tokenmill.workloads.offline import Request, RunRecord
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class _StepClock:
@@ -63,7 +63,7 @@ class HFBaseline:
         self.model_path = model_path
         self.dtype = dtype
         self.device = torch.device(device)
-        kwargs: dict[str, Any] = {"dtype": _DTYPES[dtype]}
+        kwargs: dict[str, Any] = {"dtype": torch_dtype(dtype)}
         if model_path.endswith(".gguf"):
             directory, name = os.path.split(os.path.abspath(model_path))
             kwargs["gguf_file"] = name

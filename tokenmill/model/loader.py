@@ -21,6 +21,7 @@ from tokenmill.distributed.layout import ShardLayout
 from tokenmill.distributed.model_parallel import ModelParallel
 from tokenmill.chat_template import GEMMA_CHAT_TEMPLATE
 from tokenmill.config import DEFAULT_MODEL_FILE, DEFAULT_MODEL_PACKAGE, default_model_path  # noqa: F401 (re-exported)
+from tokenmill.dtypes import torch_dtype as dtype_of
 from tokenmill.gguf_file import GGUFFile
 from tokenmill.model.layers import Linear
 from tokenmill.model.llama import LlamaForCausalLM
@@ -33,7 +34,6 @@ from tokenmill.tokenizer import Tokenizer
 logger = logging.getLogger(__name__)
 
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 @dataclass
@@ -114,7 +114,7 @@ def load_model(model: str | None | Checkpoint, dtype: str, device: torch.device,
     each tensor is read only as far as the rank keeps it."""
     checkpoint = model if isinstance(model, Checkpoint) else open_checkpoint(model)
     path, arch = checkpoint.path, checkpoint.arch
-    torch_dtype = _DTYPES[dtype]
+    torch_dtype = dtype_of(dtype)
     model_parallel = parallel(arch, checkpoint.column_unit) if parallel is not None else ModelParallel.single(arch)
     with torch.device("meta"):
         net = LlamaForCausalLM(arch, max_positions, model_parallel)

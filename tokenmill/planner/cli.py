@@ -20,10 +20,13 @@ planned as stored (its exact bytes) unless --weights is given.
 EPILOG = """\
 examples:
   tokenmill plan                                        # the default model, measured on this machine
-  tokenmill plan llama-3.1-70b --device a100-80gb --weights bf16 --context-len 4096
-  tokenmill plan llama-3.1-70b --device h100-sxm --tensor-parallel-size 4 --max-batch 512 --json
-  tokenmill plan qwen3-30b-a3b --device epyc-9654 --weights q4_k --kv-cache-dtype int8 --plot plan.png
-  tokenmill plan ~/models/Qwen2.5-7B-Instruct --device l4 --weights int4-g128 --kv-cache-memory 8GiB
+  tokenmill plan llama-3.1-70b --target-device a100-80gb --weights bf16 --max-model-len 4096
+  tokenmill plan llama-3.1-70b --target-device h100-sxm --tensor-parallel-size 4 --max-num-seqs 512 --json
+  tokenmill plan qwen3-30b-a3b --target-device epyc-9654 --weights q4_k --kv-cache-dtype int8 --plot plan.png
+  tokenmill plan ~/models/Qwen2.5-7B-Instruct --target-device l4 --weights int4-g128 --kv-cache-memory 8GiB
+
+The engine's settings default as `tokenmill serve`'s do: the model's whole context, 64
+sequences, the engine's KV memory (2 GiB on a CPU; half of what the weights leave on a GPU).
   tokenmill plan --list                                 # presets, devices, weight formats
 
 The figures are upper bounds: kernels reach about 50-90% of a device's bandwidth and FLOP/s.
@@ -37,45 +40,54 @@ def register(sub) -> None:
     parser.set_defaults(func=cmd_plan)
 
 
+# Flags that mean the engine's settings: declared by config.py (help, default, choices),
+# with this command's older spellings kept as aliases.
+ENGINE_SETTINGS = ("model", "num_threads", "kv_cache_dtype", "tensor_parallel_size", "pipeline_parallel_size",
+                   "max_model_len", "max_num_seqs", "kv_cache_memory")
+OLD_SPELLINGS = {"max_model_len": ("--context-len",), "max_num_seqs": ("--max-batch",),
+                 "kv_cache_memory": ("--kv-cache-memory-bytes",)}
+
+
 def add_plan_args(parser: argparse.ArgumentParser) -> None:
+    from tokenmill.config import add_setting_args
+
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="preset, GGUF file, Hugging Face directory or config.json")
-    parser.add_argument("--model", dest="model_flag", default=None, help="same as MODEL")
-    parser.add_argument("--device", default="this",
-                        help="a catalog device (see --list), 'this' (measure this machine: ~30 s) or a device "
-                             "JSON file (as --json prints under 'device'); default: this")
-    parser.add_argument("--num-threads", type=int, default=None, help="threads to measure 'this' with (default: all)")
-    parser.add_argument("--weights", default=None,
-                        help="weight format: float32, bfloat16, float16, fp8, int8, int4-g32/64/128, or a GGUF "
-                             "block type (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k); default: a GGUF as "
-                             "stored, a config.json's dtype or quantization, else bfloat16")
+    add_target_args(parser)
     parser.add_argument("--compute-dtype", default=None, choices=["float32", "bfloat16", "fp8", "int8"],
                         help="the dtype whose FLOP/s the compute takes (default: the weight format's)")
-    parser.add_argument("--kv-cache-dtype", default="auto",
-                        help="auto, float32, bfloat16, float16, int8, fp8, fp8_e4m3, fp8_e5m2 (default: auto, "
-                             "the weights' compute dtype)")
-    parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
-    parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1)
     parser.add_argument("--interconnect-bandwidth", type=float, default=None, metavar="GB_S",
                         help="GB/s each device sends over its link; adds all-reduce and stage hand-over times "
                              "(default: communication not counted)")
     parser.add_argument("--interconnect-latency", type=float, default=0.0, metavar="US",
                         help="microseconds per hop of a collective (with --interconnect-bandwidth)")
-    parser.add_argument("--context-len", "--max-model-len", dest="context_len", type=int, default=None,
-                        help="tokens each request holds in the KV cache (default: min(4096, the model's))")
     parser.add_argument("--input-len", type=int, default=None,
                         help="prompt tokens for TTFT (default: the context length)")
-    parser.add_argument("--max-batch", "--max-num-seqs", dest="max_batch", type=int, default=256,
-                        help="largest batch in the table (default 256)")
-    parser.add_argument("--kv-cache-memory", "--kv-cache-memory-bytes", dest="kv_cache_memory", default=None,
-                        help="KV memory per device, bytes or e.g. 20GiB (default: --gpu-memory-utilization x "
-                             "device memory - weights)")
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="share of device memory for weights and KV cache (default 0.9, as vLLM)")
+    engine = parser.add_argument_group(
+        "engine settings (as `tokenmill serve` takes them; --max-model-len is the context each request holds, "
+        "--max-num-seqs the largest batch planned)")
+    add_setting_args(engine, ENGINE_SETTINGS, OLD_SPELLINGS)
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument("--plot", default=None, metavar="FILE.png", help="draw tokens/s and TPOT per batch size and "
                                                                          "the memory split (matplotlib)")
     parser.add_argument("--list", action="store_true", help="list presets, devices and weight formats, and exit")
+
+
+def add_target_args(parser) -> None:
+    """What a plan is for that the engine has no setting of (the simulator's roofline takes
+    them too): the target device, the weight format, vLLM's memory share."""
+    parser.add_argument("--target-device", "--device", dest="target_device", default="this",
+                        help="the device planned for: a catalog device (see --list), 'this' (measure this machine: "
+                             "~30 s) or a device JSON file (as --json prints under 'device'); default: this. "
+                             "(--device is its old spelling; the engine's --device is cpu or cuda)")
+    parser.add_argument("--weights", default=None,
+                        help="weight format: float32, bfloat16, float16, fp8, int8, int4-g32/64/128, or a GGUF "
+                             "block type (q8_0, q4_0, q4_1, q5_0, q5_1, q4_k, q5_k, q6_k); default: a GGUF as "
+                             "stored, a config.json's dtype or quantization, else bfloat16")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=None,
+                        help="vLLM's rule for the KV memory: this share of device memory for weights and KV cache. "
+                             "Default: the engine's kv_cache_memory default (2 GiB on a CPU, at most a fifth of "
+                             "its RAM; half the memory the weights leave on a GPU)")
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
@@ -87,9 +99,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.list:
         print(list_choices())
         return 0
-    if args.model_tag and args.model_flag and args.model_tag != args.model_flag:
-        raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model_flag!r}")
-    spec = read_model(args.model_tag or args.model_flag or _default_model())
+    if args.model_tag and args.model and args.model_tag != args.model:
+        raise ValueError(f"two models given: {args.model_tag!r} and --model {args.model!r}")
+    spec = read_model(args.model_tag or args.model or _default_model())
     weights = args.weights or (None if spec.stored else spec.checkpoint_format or "bfloat16")
     fmt = weight_format(weights) if weights else None
     parallel = Parallelism(
@@ -98,9 +110,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         link_latency=args.interconnect_latency * 1e-6,
     )
     inputs = PlanInputs(
-        model=spec, device=resolve_device(args.device, args.num_threads), weights=fmt,
+        model=spec, device=resolve_device(args.target_device, args.num_threads), weights=fmt,
         kv_cache_dtype=args.kv_cache_dtype, compute_dtype=args.compute_dtype, parallel=parallel,
-        context_len=args.context_len, input_len=args.input_len, max_batch=args.max_batch,
+        context_len=args.max_model_len, input_len=args.input_len, max_batch=args.max_num_seqs,
         kv_cache_memory=parse_memory(args.kv_cache_memory), memory_utilization=args.gpu_memory_utilization,
     )
     plan = make_plan(inputs)

@@ -2,7 +2,7 @@
 
 `probe` is what `benchmarks/compare.py probe` prints beside every benchmark (its record,
 with the default model's bounds); `this_device` turns the same measurements into a
-`Device`, the record the catalog holds, for `tokenmill plan --device this`. torch is
+`Device`, the record the catalog holds, for `tokenmill plan --target-device this`. torch is
 imported inside the functions only.
 
 How: bandwidth is the faster of a sum over a float32 buffer and a GEMV over a float32

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from tokenmill.dtypes import DTYPES
 from tokenmill.planner.presets import PRESETS, preset
 from tokenmill.planner.shape import ModelShape, StoredWeights, read_gguf, shape_from_hf_config
 
@@ -63,4 +64,4 @@ def _hf_weight_format(cfg: dict[str, Any]) -> str | None:
     if method == "fp8":
         return "fp8"
     dtype = cfg.get("torch_dtype") or cfg.get("dtype")
-    return dtype if dtype in ("float32", "bfloat16", "float16") else None
+    return dtype if dtype in DTYPES else None

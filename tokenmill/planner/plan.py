@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.config import SchedulingConfig, default_kv_cache_memory
 from tokenmill.planner.roofline import (
     GIB,
     KIB,
@@ -45,11 +46,12 @@ class PlanInputs:
     kv_cache_dtype: str = "auto"
     compute_dtype: str | None = None  # None: the weight format's
     parallel: Parallelism = field(default_factory=Parallelism)
-    context_len: int | None = None  # None: min(4096, the model's context length)
+    # The engine's settings, defaulting as the engine's do (config.py):
+    context_len: int | None = None  # max_model_len; None: the model's context length
     input_len: int | None = None  # None: the context length
-    max_batch: int = 256
-    kv_cache_memory: int | None = None  # bytes per device; None: utilization x memory - weights
-    memory_utilization: float = 0.9
+    max_batch: int = SchedulingConfig().max_num_seqs
+    kv_cache_memory: int | None = None  # bytes per device; None: the engine's default (or memory_utilization)
+    memory_utilization: float | None = None  # vLLM's rule when given: utilization x memory - weights
 
 
 def batch_sizes(max_batch: int, extra: int = 0) -> list[int]:
@@ -76,7 +78,8 @@ class Resolved:
 
 def resolve(inputs: PlanInputs) -> Resolved:
     """The weight format (a GGUF as stored when none is given), the KV dtype, the compute
-    rate and the KV budget (--kv-cache-memory, else utilization x memory - weights)."""
+    rate and the KV budget (--kv-cache-memory; else utilization x memory - weights when a
+    --gpu-memory-utilization is given; else the engine's default on that device)."""
     spec, shape, par, device = inputs.model, inputs.model.shape, inputs.parallel, inputs.device
     _check(inputs)
     stored = spec.stored
@@ -94,9 +97,15 @@ def resolve(inputs: PlanInputs) -> Resolved:
     per_device_weights = device_weight_bytes(wbytes, shape, par)
     if inputs.kv_cache_memory is not None:
         budget, budget_source = float(inputs.kv_cache_memory), "--kv-cache-memory"
-    else:
+    elif inputs.memory_utilization is not None:
         budget = kv_budget(device, per_device_weights, inputs.memory_utilization)
         budget_source = f"{inputs.memory_utilization:g} x device memory - weights"
+    else:
+        on_gpu = device.kind == "gpu"
+        budget = float(default_kv_cache_memory(on_gpu, device.memory_bytes,
+                                               int(device.memory_bytes - per_device_weights)))
+        budget_source = ("the engine's default: half the memory the weights leave" if on_gpu else
+                         "the engine's default: 2 GiB, at most a fifth of the memory")
     return Resolved(dep, fmt, wanted_compute, per_device_weights, budget, budget_source)
 
 
@@ -108,7 +117,7 @@ def make_plan(inputs: PlanInputs) -> dict[str, Any]:
     rate = dep.flops_rate
     per_device_weights, budget, budget_source = resolved.weights_per_device, resolved.kv_budget, \
         resolved.kv_budget_source
-    context = inputs.context_len or min(4096, shape.max_position_embeddings)
+    context = inputs.context_len or shape.max_position_embeddings
     prompt = inputs.input_len or context
     per_request = kv_bytes_per_request(shape, kv, context, par)
     fits = budget > 0 and per_device_weights < device.memory_bytes
@@ -180,11 +189,11 @@ def _check(inputs: PlanInputs) -> None:
         if value is not None and value < 1:
             raise ValueError(f"{name.replace('_', '-')} must be at least 1, got {value}")
     if inputs.max_batch < 1:
-        raise ValueError(f"max-batch must be at least 1, got {inputs.max_batch}")
+        raise ValueError(f"max-num-seqs must be at least 1, got {inputs.max_batch}")
     if inputs.parallel.pipeline_parallel_size > shape.num_layers:
         raise ValueError(f"pipeline-parallel-size ({inputs.parallel.pipeline_parallel_size}) exceeds the "
                          f"model's {shape.num_layers} layers")
-    if not 0 < inputs.memory_utilization <= 1:
+    if inputs.memory_utilization is not None and not 0 < inputs.memory_utilization <= 1:
         raise ValueError(f"gpu-memory-utilization must be in (0, 1], got {inputs.memory_utilization}")
     if inputs.kv_cache_memory is not None and inputs.kv_cache_memory <= 0:
         raise ValueError(f"kv-cache-memory must be a positive number of bytes, got {inputs.kv_cache_memory}")

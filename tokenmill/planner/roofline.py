@@ -32,6 +32,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from tokenmill.dtypes import KV_CACHE_DTYPES, KVCacheDtype, kv_cache_dtype_name
 from tokenmill.planner.shape import ModelShape, TensorGroups
 
 KIB, MIB, GIB = 2**10, 2**20, 2**30
@@ -169,33 +170,13 @@ def stored_format(stored_bytes: TensorGroups, params: TensorGroups, name: str) -
 # ----- KV cache dtypes ---------------------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class KVCacheDtype:
-    name: str
-    bytes_per_element: int
-    scale_bytes: int = 0  # per token, layer, K or V, and KV head (an fp16 scale)
-
-
-KV_CACHE_DTYPES: dict[str, KVCacheDtype] = {
-    "float32": KVCacheDtype("float32", 4),
-    "bfloat16": KVCacheDtype("bfloat16", 2),
-    "float16": KVCacheDtype("float16", 2),
-    # 8-bit caches as tokenmill stores them (issue 13): an fp16 scale per token and head.
-    "int8": KVCacheDtype("int8", 1, 2),
-    "fp8": KVCacheDtype("fp8", 1, 2),
-    "fp8_e4m3": KVCacheDtype("fp8_e4m3", 1, 2),
-    "fp8_e5m2": KVCacheDtype("fp8_e5m2", 1, 2),
-}
-
-
 def kv_cache_dtype(name: str, weights: WeightFormat) -> KVCacheDtype:
-    """`auto` is the weights' compute dtype as vLLM's auto is the model's dtype: float32 for
-    float32 weights, float16 for float16, else bfloat16."""
-    key = _FORMAT_ALIASES.get(name.strip().lower(), name.strip().lower())
+    """A --kv-cache-dtype of the engine's table (tokenmill/dtypes.py; bf16-style spellings
+    of the weight formats work too). `auto` is the weights' compute dtype as vLLM's auto is
+    the model's dtype: float32 for float32 weights, float16 for float16, else bfloat16."""
+    key = kv_cache_dtype_name(_FORMAT_ALIASES.get(name.strip().lower(), name))
     if key == "auto":
         key = {"float32": "float32", "float16": "float16"}.get(weights.name, "bfloat16")
-    if key not in KV_CACHE_DTYPES:
-        raise ValueError(f"unknown KV cache dtype {name!r}; choose from auto, {', '.join(KV_CACHE_DTYPES)}")
     return KV_CACHE_DTYPES[key]
 
 

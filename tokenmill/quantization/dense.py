@@ -8,9 +8,8 @@ import torch.nn.functional as F
 from dataclasses import dataclass
 
 from tokenmill import kernels
+from tokenmill.dtypes import dtype_name
 from tokenmill.quantization.base import DecodeOperand, LinearWeights, WeightFormat
-
-_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 
 
 class PlainWeights(LinearWeights):
@@ -22,7 +21,7 @@ class PlainWeights(LinearWeights):
 
     @property
     def format_name(self) -> str:
-        return _NAMES.get(self.weight.dtype, str(self.weight.dtype))
+        return dtype_name(self.weight.dtype)
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight if self.weight.dtype == x.dtype else self.weight.to(x.dtype))
@@ -83,8 +82,8 @@ class CPUDenseWeights(LinearWeights):
 
     @property
     def format_name(self) -> str:
-        packed = "" if self.packed is None else f"+{_NAMES[self.packed.dtype]}-onednn"
-        return f"{_NAMES[self.tiled.dtype]}-tiled{packed}"
+        packed = "" if self.packed is None else f"+{dtype_name(self.packed.dtype)}-onednn"
+        return f"{dtype_name(self.tiled.dtype)}-tiled{packed}"
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
@@ -137,7 +136,7 @@ class DenseFormat(WeightFormat):
         self.cpu_layout = cpu_layout
         self.onednn = onednn and onednn_available()
         self.choice = choice
-        self.name = _NAMES.get(weight_dtype, str(weight_dtype))
+        self.name = dtype_name(weight_dtype)
 
     def make(self, weight: torch.Tensor, many_rows: bool = True) -> LinearWeights:
         if self.cpu_layout and kernels.can_tile_for_skinny(weight):

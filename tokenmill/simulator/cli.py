@@ -26,7 +26,7 @@ Simulate `tokenmill serve` under a load: the engine's own scheduler and KV block
 --block-size, --kv-cache-memory, --enable-prefix-caching, --max-model-len) run on virtual
 time, and each step takes the time a cost model predicts. The cost model is this
 machine's calibration (`tokenmill simulate calibrate`, stored per model, dtype and
-threads) or, with --device, the roofline of a catalog device. The report has the keys and
+threads) or, with --target-device, the roofline of a catalog device. The report has the keys and
 definitions of `tokenmill bench serve` (TTFT, TPOT, ITL, E2E latency, throughput,
 goodput), plus the KV cache's usage over time and the preemptions.
 
@@ -45,7 +45,7 @@ examples:
       --input-len 128 --output-len 32 --num-prompts 500 --output-dir sim/
   tokenmill simulate sweep --dtype float32 --num-threads 1 --request-rates 0.5,1,2 \\
       --grid max_num_seqs=8,32 --grid max_num_batched_tokens=256,2048 --output-dir grid/
-  tokenmill simulate --model llama-3.1-8b --device h100-sxm --request-rate 20 --input-len 1024 --output-len 256
+  tokenmill simulate --model llama-3.1-8b --target-device h100-sxm --request-rate 20 --input-len 1024 --output-len 256
   tokenmill simulate validate --dtype float32 --num-threads 1 --max-model-len 1024 \\
       --request-rates 0.25,0.5,1,2,inf --num-prompts 32 --input-len 128 --output-len 32 --output-dir val/
 """
@@ -109,31 +109,25 @@ a calibration made at another load predicts another machine.
 
 
 def add_engine_group(parser: argparse.ArgumentParser, runs_model: bool = False) -> None:
-    """serve's engine flags, but the sampler's --seed (here --seed draws the dataset) and,
-    unless the command runs the model, those the cost model has a flag of the same name for
-    (--device, --kv-cache-dtype, -tp, -pp: one flag each, read by both)."""
-    from tokenmill.config import add_engine_args, engine_settings
+    """serve's engine flags (--kv-cache-dtype, -tp and -pp size the roofline's KV cache and
+    split too), but the sampler's --seed (here --seed draws the dataset) and, unless the
+    command runs the model, the engine's --device: on virtual time nothing runs on one, and
+    --device stays the old spelling of --target-device."""
+    from tokenmill.config import add_engine_args
 
-    taken = () if runs_model else tuple(s.name for s in engine_settings() if s.flag in parser._option_string_actions)
-    add_engine_args(parser, skip=("seed", *taken))
+    add_engine_args(parser, skip=("seed",) if runs_model else ("seed", "device"))
 
 
 def add_model_source_args(parser: argparse.ArgumentParser) -> None:
     """Where a step's cost comes from: this machine's calibration, or a device's roofline."""
-    source = parser.add_argument_group("cost model (--model: with --device also a `tokenmill plan` preset)")
+    from tokenmill.planner.cli import add_target_args
+
+    source = parser.add_argument_group("cost model (--model: with --target-device also a `tokenmill plan` preset)")
     source.add_argument("--profile", default=None, metavar="FILE",
                         help="a calibration file (default: the stored one for --model, --dtype, --num-threads)")
-    source.add_argument("--device", default="this",
-                        help="'this' (the calibration, default), or a catalog device / device JSON of `tokenmill "
-                             "plan`: the roofline of the model there")
-    source.add_argument("--weights", default=None, help="--device: the weight format (as `tokenmill plan`)")
-    source.add_argument("--kv-cache-dtype", default="auto", help="the KV cache dtype: with --device as `tokenmill plan` names it, and its bytes "
-                             "size the cache; with a calibration it is the engine's (serve's --kv-cache-dtype)")
-    source.add_argument("--tensor-parallel-size", "-tp", type=int, default=1, help="--device: TP degree")
-    source.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, help="--device: PP degree")
-    source.add_argument("--gpu-memory-utilization", type=float, default=0.9,
-                        help="--device: share of its memory for weights and KV (default 0.9)")
-    over = parser.add_argument_group("server overheads (default: the calibration's measured ones; 0 with --device)")
+    add_target_args(source)
+    over = parser.add_argument_group("server overheads (default: the calibration's measured ones; 0 with "
+                                     "--target-device)")
     over.add_argument("--request-overhead-ms", type=float, default=None,
                       help="from a request's send to the engine holding it (HTTP, validation, tokenization)")
     over.add_argument("--step-overhead-ms", type=float, default=None,
@@ -240,12 +234,13 @@ def build_setup(args: argparse.Namespace):
     from tokenmill.simulator import setup as simsetup
 
     config = _engine_config(args)
-    if args.device.strip().lower() == "this":
+    if args.target_device.strip().lower() == "this":
         for flag, value, default in (("--weights", args.weights, None), ("--kv-cache-dtype", args.kv_cache_dtype, "auto"),
                                      ("--tensor-parallel-size", args.tensor_parallel_size, 1),
-                                     ("--pipeline-parallel-size", args.pipeline_parallel_size, 1)):
+                                     ("--pipeline-parallel-size", args.pipeline_parallel_size, 1),
+                                     ("--gpu-memory-utilization", args.gpu_memory_utilization, None)):
             if value != default:
-                raise ValueError(f"{flag} describes a --device for the roofline; this machine's calibration "
+                raise ValueError(f"{flag} describes a --target-device for the roofline; this machine's calibration "
                                  "has the weights and threads it was run with")
         profile, path = simsetup.resolve_profile(config, args.profile)
         return simsetup.setup_from_profile(config, profile, str(path), _overheads(args, profile.overheads))
@@ -253,9 +248,9 @@ def build_setup(args: argparse.Namespace):
     from tokenmill.planner.roofline import Parallelism
 
     if config.model.model is None:
-        raise ValueError("--device needs a MODEL: a `tokenmill plan` preset, a GGUF file or a config.json")
+        raise ValueError("--target-device needs a MODEL: a `tokenmill plan` preset, a GGUF file or a config.json")
     return simsetup.setup_from_roofline(
-        config, config.model.model, resolve_device(args.device), weights=args.weights,
+        config, config.model.model, resolve_device(args.target_device), weights=args.weights,
         kv_cache_dtype=args.kv_cache_dtype, parallel=Parallelism(args.tensor_parallel_size,
                                                                  args.pipeline_parallel_size),
         memory_utilization=args.gpu_memory_utilization, overheads=_overheads(args, None),

@@ -5,7 +5,7 @@ Two sources of a step's cost:
   dtype and threads, or given as a file; the KV cache holds `--kv-cache-memory` (default:
   what the builder gives on this machine) over the model's KV bytes per token, as the
   builder counts blocks;
-- a catalog device (`--device h100-sxm`, any `tokenmill plan` device): the roofline of
+- a catalog device (`--target-device h100-sxm`, any `tokenmill plan` device): the roofline of
   the model on it (`RooflineStepModel`), with the KV budget `tokenmill plan` computes
   (--kv-cache-memory, else --gpu-memory-utilization x device memory - weights).
 """
@@ -66,7 +66,7 @@ def setup_from_profile(config: EngineConfig, profile: Profile, source: str = "",
 
 def setup_from_roofline(config: EngineConfig, model: str, device: Device, weights: str | None = None,
                         kv_cache_dtype: str = "auto", parallel: Parallelism | None = None,
-                        memory_utilization: float = 0.9, step_overhead_s: float = 0.0,
+                        memory_utilization: float | None = None, step_overhead_s: float = 0.0,
                         overheads: ServerOverheads | None = None) -> SimulationSetup:
     """The roofline of `model` (a preset, GGUF or config.json) on a catalog `device`."""
     from tokenmill.planner.model_spec import read_model
