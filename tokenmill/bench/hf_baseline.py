@@ -37,7 +37,6 @@ from tokenmill.dtypes import torch_dtype
 from tokenmill.workloads.offline import Request, RunRecord
 
 
-
 class _StepClock:
     """A `generate` streamer that only notes when each step's tokens arrive."""
 
