@@ -3,8 +3,9 @@
 A handler checks the server's own request limits and the model name, then runs the
 engine's input processor (`tokenmill.engine.input_processor`, the admission path `LLM`
 takes too: tokenize, render chat, check lengths, vocabulary and KV capacity) before
-queueing anything; the engine thread checks only the waiting queue's limit and answers
-through a future, so a bad request is refused before any step works on it.
+queueing anything; the engine thread adds the requests through `LLMEngine.add_request` (the
+same processor again, on token ids: cheap) after checking the waiting queue's limit, and
+answers through a future, so a bad request is refused before any step works on it.
 
 Tokenizing and rendering chat templates run in a small thread pool, never on the
 event loop (the tokenizer releases the GIL while it works), so a big prompt does
