@@ -117,6 +117,17 @@ def test_a_chat_template_error_is_a_refusal_of_messages() -> None:
     assert str(error) == "each message needs a 'role'" and error.param == "messages"
 
 
+def test_priority_other_than_zero_needs_the_priority_policy() -> None:
+    error = refusal(processor().process, "r", [5], arrival_time=0.0, priority=3)
+    assert str(error) == ("priority must be 0 unless priority scheduling is enabled (got 3; start the engine with "
+                          "--scheduling-policy priority)")
+    assert error.param == "priority"
+    assert refusal(processor().check_priority, True).param == "priority"  # not an integer
+    ranked = InputProcessor(ChatTokenizer(), AdmissionLimits(32, VOCAB_SIZE, 10, 4), priority_scheduling=True)
+    assert [s.priority for s in ranked.process("r", [5], SamplingParams(n=2), arrival_time=0.0,
+                                               priority=-2).samples] == [-2, -2]
+
+
 # ----- what an admitted request becomes ----------------------------------------------------
 
 

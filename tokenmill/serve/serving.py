@@ -176,7 +176,7 @@ class OpenAIServing:
         echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
         params = _sampling_params(body, max_tokens, body.logprobs, prompt_logprobs=echo_logprobs)
         for prompt in prompts:
-            self._admit(len(prompt.token_ids), params, "prompt")
+            self._admit(len(prompt.token_ids), params, body.priority, "prompt")
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = await self._submit(request_id, [p.token_ids for p in prompts], params, body.priority)
         renderer = _CompletionRenderer(request_id, model, prompts, body, core)
@@ -198,7 +198,7 @@ class OpenAIServing:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = _sampling_params(body, max_tokens, num_logprobs)
-        self._admit(len(prompt_ids), params, "messages")
+        self._admit(len(prompt_ids), params, body.priority, "messages")
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self._submit(request_id, [prompt_ids], params, body.priority)
         renderer = _ChatRenderer(request_id, model, len(prompt_ids), body, core)
@@ -223,10 +223,11 @@ class OpenAIServing:
         self.limits.check_stop(body.stop, body.stop_token_ids)
         self.limits.check_logit_bias(body.logit_bias)
 
-    def _admit(self, prompt_len: int, params: SamplingParams, prompt_param: str) -> None:
+    def _admit(self, prompt_len: int, params: SamplingParams, priority: int, prompt_param: str) -> None:
         """The input processor's checks, with OpenAI's rule for max_tokens: a prompt plus
         max_tokens over max_model_len is refused (`LLM` caps max_tokens instead)."""
         try:
+            self.processor.check_priority(priority)
             self.processor.check(prompt_len, params, strict_max_tokens=True, prompt_param=prompt_param)
         except ValueError as error:
             raise from_value_error(error) from error
