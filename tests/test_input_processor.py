@@ -18,12 +18,14 @@ from tokenmill.sampling.params import SamplingParams
 class ChatTokenizer(FakeTokenizer):
     """A fake with a chat template: one line per message, or a template's ValueError."""
 
-    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            tools: list[dict[str, Any]] | None = None, **kwargs: Any) -> str:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True, *,
+                    check_text=None, **kwargs: Any) -> tuple[str, list[int]]:
         if any("role" not in m for m in messages):
             raise ValueError("each message needs a 'role'")
-        text = "".join(f"{m['role']}:{m['content']};" for m in messages)
-        return text + ("assistant:" if add_generation_prompt else "")
+        text = "".join(f"{m['role']}:{m['content']};" for m in messages) + ("assistant:" if add_generation_prompt else "")
+        if check_text is not None:
+            check_text(text)
+        return text, self.encode(text, add_special_tokens=False)
 
 
 def processor(max_model_len: int = 32, num_blocks: int = 10, block_size: int = 4) -> InputProcessor:
