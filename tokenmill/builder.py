@@ -24,6 +24,8 @@ from tokenmill.attention.backend import AttentionBackend
 from tokenmill.attention.kv_cache import KVCacheSpec, PagedKVCache
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
 from tokenmill.config import EngineConfig, EngineFacts, SpeculativeConfig
+from tokenmill.config import default_kv_cache_memory as default_kv_cache_memory_bytes
+from tokenmill.dtypes import kv_cache_dtype_name, torch_dtype
 from tokenmill.engine.engine import LLMEngine, Proposer
 from tokenmill.hardware import cpu_info
 from tokenmill.model_arch import ModelArchConfig
@@ -39,8 +41,6 @@ from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_KV_DTYPES = {**_DTYPES, "int8": torch.int8}  # and fp8_e4m3 where torch has it
 
 
 @dataclass
@@ -305,7 +305,7 @@ def resolve_kv_cache_dtype(name: str, dtype: DtypePlan, device: torch.device) ->
     fp8_e4m3, which needs float8 tensors in torch and on the device)."""
     if name == "auto":
         return dtype
-    name = "fp8_e4m3" if name == "fp8" else name
+    name = kv_cache_dtype_name(name)
     if name == "fp8_e4m3":
         check_fp8_kv_cache(device)
     return dataclasses.replace(dtype, kv=name)
@@ -327,7 +327,7 @@ def kv_cache_spec(config: EngineConfig, num_layers: int, num_kv_heads: int, head
                   dtype: DtypePlan) -> KVCacheSpec:
     """The cache's layout: its dtype, and for an 8-bit one the Hadamard rotation the config
     asks for (when head_dim has a power-of-two factor of at least 16)."""
-    kv_dtype = kv_quant.fp8_dtype() if dtype.kv_cache == "fp8_e4m3" else _KV_DTYPES[dtype.kv_cache]
+    kv_dtype = torch_dtype(dtype.kv_cache)
     rotate = kv_quant.is_quantized(kv_dtype) and config.cache.kv_cache_rotation
     rotation = kv_quant.rotation_block(head_dim) if rotate else 0
     if rotate and not rotation:
@@ -345,7 +345,7 @@ def choose_plan(config: EngineConfig, device: torch.device, dtype: DtypePlan, ke
     and the fused decode layer where attention reads the cache natively; with weight-only
     quantization (as stored, or int8/int4 at load) the quantized kernels. Elsewhere plain
     weights and PyTorch ops."""
-    weights = _DTYPES[dtype.weights]
+    weights = torch_dtype(dtype.weights)
     method = config.quantization.quantization
     if not (device.type == "cpu" and dtype.compute == "float32" and kernels_ok):
         if method in ("int8", "int4"):
@@ -456,12 +456,12 @@ def hybrid_pool_sizes(config: EngineConfig, spec: KVCacheSpec, num_sliding: int,
 
 
 def default_kv_cache_memory(device: torch.device) -> int:
-    """2 GiB on CPU, capped at a fifth of RAM; on a GPU half of its free memory."""
+    """config.default_kv_cache_memory on this device (its RAM, or the GPU's free memory)."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free // 2
+        free, total = torch.cuda.mem_get_info(device)
+        return default_kv_cache_memory_bytes(True, total, free)
     total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    return min(2 * 2**30, total // 5)
+    return default_kv_cache_memory_bytes(False, total, total)
 
 
 def resolve_max_model_len(config: EngineConfig, loaded: LoadedModel) -> int:
