@@ -53,11 +53,12 @@ def test_a_request_that_says_nothing_gets_sampling_params_defaults(body) -> None
     declared = {f.name: f.default for f in sampling_fields()}
     for name, field in type(body).model_fields.items():
         if name in declared and name not in ("max_tokens", "logprobs"):
-            assert field.default == declared[name], name
+            assert field.default in (None, declared[name]), name  # null: SamplingParams's default
+            assert field.description == SamplingParams.__dataclass_fields__[name].metadata["help"], name
 
 
 def test_null_means_the_default_and_a_value_is_passed_by_name() -> None:
-    body = CompletionRequest.model_validate({"prompt": "a", "temperature": None, "ignore_eos": None, "top_k": 4,
+    body = CompletionRequest.model_validate({"prompt": "a", "temperature": None, "top_p": None, "top_k": 4,
                                              "stop": "x", "logit_bias": {"3": 1.5}})
     params = _sampling_params(body, 3, 2)
     assert params == SamplingParams(max_tokens=3, logprobs=2, top_k=4, stop="x", logit_bias={3: 1.5})

@@ -72,11 +72,12 @@ class StreamOptions(OpenAIModel):
     include_usage: bool = False
 
 
-def sampling_field(name: str) -> Any:
-    """A request field that is a SamplingParams field: its default and description come
-    from SamplingParams, the one declaration (a client's null also means the default)."""
+def sampling_field(name: str, nullable: bool = True) -> Any:
+    """A request field that is a SamplingParams field, described as SamplingParams describes
+    it. A nullable field defaults to null, which means SamplingParams's default (serving.py
+    leaves it out); the others take SamplingParams's default itself."""
     declared = SamplingParams.__dataclass_fields__[name]
-    return Field(declared.default, description=declared.metadata["help"])
+    return Field(None if nullable else declared.default, description=declared.metadata["help"])
 
 
 class SamplingFields(RequestBody):
@@ -84,7 +85,7 @@ class SamplingFields(RequestBody):
     SamplingParams's fields are its fields (serving.py maps them by name)."""
 
     model: str | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] = sampling_field("n")
+    n: Annotated[int, Field(ge=1, le=MAX_N)] = sampling_field("n", nullable=False)
     # None: completions take SamplingParams's default (16) within what the context leaves,
     # chat the rest of the context (as vLLM's server).
     max_tokens: int | None = Field(None, description="most tokens to generate (default: 16 for a completion, "
@@ -101,10 +102,10 @@ class SamplingFields(RequestBody):
     stop: str | list[str] | None = sampling_field("stop")
     stop_token_ids: TokenIds | None = sampling_field("stop_token_ids")
     logit_bias: dict[str, float] | None = sampling_field("logit_bias")  # token ids as strings (JSON keys)
-    ignore_eos: bool | None = sampling_field("ignore_eos")
-    min_tokens: int | None = sampling_field("min_tokens")
-    skip_special_tokens: bool | None = sampling_field("skip_special_tokens")
-    include_stop_str_in_output: bool | None = sampling_field("include_stop_str_in_output")
+    ignore_eos: bool = sampling_field("ignore_eos", nullable=False)
+    min_tokens: int = sampling_field("min_tokens", nullable=False)
+    skip_special_tokens: bool = sampling_field("skip_special_tokens", nullable=False)
+    include_stop_str_in_output: bool = sampling_field("include_stop_str_in_output", nullable=False)
     stream: bool = False
     stream_options: StreamOptions | None = None
     # vLLM's field: lower is served first under --scheduling-policy priority; anything but
