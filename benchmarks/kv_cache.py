@@ -24,12 +24,10 @@ DTYPES = ["bfloat16", "float32", "int8", "fp8_e4m3"]
 
 def build(kv_dtype: str, max_tokens: int, args: argparse.Namespace):
     from tokenmill.attention.kv_cache import KVCacheSpec
-    from tokenmill.builder import _KV_DTYPES
-    from tokenmill.attention import kv_quant
+    from tokenmill.dtypes import torch_dtype
     from tokenmill.llm import LLM
 
-    torch_dtype = kv_quant.fp8_dtype() if kv_dtype == "fp8_e4m3" else _KV_DTYPES[kv_dtype]
-    per_token = KVCacheSpec(30, 3, 64, 16, torch_dtype).bytes_per_token  # the default model's shape
+    per_token = KVCacheSpec(30, 3, 64, 16, torch_dtype(kv_dtype)).bytes_per_token  # the default model's shape
     tokens = max(args.batch) * (args.context + max_tokens + 32)
     return LLM(kv_cache_dtype=kv_dtype, dtype=args.dtype, num_threads=args.threads,
                kv_cache_memory=int(tokens * per_token * 1.1), max_num_seqs=max(args.batch),
@@ -62,7 +60,7 @@ def kernel_times(dtypes: list[str], batch: int, context: int, rounds: int, calls
     from tokenmill import kernels
     from tokenmill.attention import kv_quant
     from tokenmill.attention.kv_cache import LayerKVCache
-    from tokenmill.builder import _KV_DTYPES
+    from tokenmill.dtypes import torch_dtype
 
     kernels.cpu_kernels_available()
     block = 16
@@ -70,7 +68,7 @@ def kernel_times(dtypes: list[str], batch: int, context: int, rounds: int, calls
     caches, times = {}, {d: [] for d in dtypes}
     for d in dtypes:
         cache = LayerKVCache.allocate(batch * blocks, block, 3, 64,
-                                      kv_quant.fp8_dtype() if d == "fp8_e4m3" else _KV_DTYPES[d])
+                                      torch_dtype(d))
         rows = torch.randn(batch * blocks * block, 3, 64)
         cache.write(rows, rows, torch.arange(rows.shape[0]))
         caches[d] = cache

@@ -37,7 +37,7 @@ def _collectives_rank(rank: int, port: int, kind: str, iters: int, queue) -> Non
     import torch
 
     from tokenmill.config import EngineConfig
-    from tokenmill.distributed.group import DistributedContext
+    from tokenmill.parallel.group import DistributedContext
 
     torch.set_num_threads(1)
     config = EngineConfig.from_kwargs(tensor_parallel_size=2, master_port=port, all_reduce=kind)
@@ -91,7 +91,7 @@ def collectives(args: argparse.Namespace) -> None:
 def _echo(address) -> None:
     from multiprocessing.connection import Client
 
-    from tokenmill.distributed.channel import no_delay
+    from tokenmill.parallel.channel import no_delay
 
     conn = no_delay(Client(address, authkey=b"k"))
     while True:
@@ -118,7 +118,7 @@ def step_message_cost() -> None:
     listener = Listener(("127.0.0.1", 0), authkey=b"k")
     echo = multiprocessing.get_context("spawn").Process(target=_echo, args=(listener.address,))
     echo.start()
-    from tokenmill.distributed.channel import no_delay
+    from tokenmill.parallel.channel import no_delay
 
     conn = no_delay(listener.accept())
     print("\n| step message (pickle + loopback socket + unpickle) | bytes | p50 one way (us) |")

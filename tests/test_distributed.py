@@ -15,11 +15,11 @@ from tests.tiny_checkpoint import write_tiny_llama
 from tokenmill import SamplingParams
 from tokenmill.config import EngineConfig
 from tokenmill.distributed.executor import DistributedError
-from tokenmill.distributed.group import max_kv_units
-from tokenmill.distributed.layout import Span, build_layout, split_sizes
-from tokenmill.distributed.pipeline import split_microbatches
 from tokenmill.llm import LLM
 from tokenmill.model_arch import ModelArchConfig
+from tokenmill.parallel.group import max_kv_units
+from tokenmill.parallel.layout import Span, build_layout, split_sizes
+from tokenmill.runner.pipeline import split_microbatches
 
 SMOLLM2 = ModelArchConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, tie_word_embeddings=True)
 

@@ -207,7 +207,7 @@ def test_what_cannot_be_served_is_refused_at_open(changes, message, float_model,
 
 
 def test_flags_and_older_exports(float_model, tmp_path) -> None:
-    from tokenmill.builder import quantized_as_stored
+    from tokenmill.runner.worker import quantized_as_stored
     from tokenmill.config import EngineConfig
 
     quantized_dir, _ = write_quantized(float_model, tmp_path, CASES["gptq-asym"][0], False)
@@ -233,7 +233,7 @@ def test_flags_and_older_exports(float_model, tmp_path) -> None:
 
 
 def _single_layout(config: dict):
-    from tokenmill.distributed.model_parallel import ModelParallel
     from tokenmill.model_arch import ModelArchConfig
+    from tokenmill.parallel.model_parallel import ModelParallel
 
     return ModelParallel.single(ModelArchConfig.from_hf_config(config)).layout

@@ -218,7 +218,7 @@ def test_bfloat16_weights_compute_in_float32_like_a_rounded_float32_model() -> N
 
 
 def test_dtype_plan_on_a_cpu_without_bf16_arithmetic(monkeypatch) -> None:
-    from tokenmill import builder as factory
+    from tokenmill.runner import worker as factory
 
     cpu = torch.device("cpu")
     monkeypatch.setattr(factory, "cpu_has_native_bf16", lambda: False)
@@ -283,7 +283,7 @@ def test_rotary_in_place_matches_the_torch_rotation_on_a_strided_view() -> None:
 def test_attention_backend_choice_and_its_errors() -> None:
     from tokenmill.attention.cpu_native import CPUNativeBackend
     from tokenmill.attention.torch_sdpa import TorchSDPABackend
-    from tokenmill.builder import select_attention_backend
+    from tokenmill.runner.worker import select_attention_backend
     from tokenmill.config import EngineConfig
 
     cpu = torch.device("cpu")

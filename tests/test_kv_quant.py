@@ -264,7 +264,7 @@ def test_unknown_kv_cache_dtype_names_the_choices() -> None:
 def test_kv_cache_dtype_flag_and_its_resolution() -> None:
     import argparse
 
-    from tokenmill.builder import DtypePlan, kv_cache_spec, resolve_kv_cache_dtype
+    from tokenmill.runner.worker import DtypePlan, kv_cache_spec, resolve_kv_cache_dtype
     from tokenmill.config import add_engine_args, config_from_args
 
     parser = argparse.ArgumentParser()
@@ -287,7 +287,7 @@ def test_kv_cache_dtype_flag_and_its_resolution() -> None:
 
 
 def test_fp8_on_a_torch_without_float8_is_refused(monkeypatch) -> None:
-    from tokenmill.builder import DtypePlan, resolve_kv_cache_dtype
+    from tokenmill.runner.worker import DtypePlan, resolve_kv_cache_dtype
 
     monkeypatch.delattr(torch, "float8_e4m3fn")
     with pytest.raises(ValueError, match="needs float8 tensors .* use int8"):

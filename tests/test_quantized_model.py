@@ -164,7 +164,7 @@ def test_mixed_block_types_in_one_fused_weight_are_served_dense() -> None:
 
 
 def test_quantization_errors_name_the_problem() -> None:
-    from tokenmill.builder import quantized_as_stored
+    from tokenmill.runner.worker import quantized_as_stored
     from tokenmill.config import EngineConfig
 
     with pytest.raises(ValueError, match="quantized already"):

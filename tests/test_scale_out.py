@@ -18,7 +18,7 @@ import pytest
 from tests.server_utils import REPO, ServerProcess, free_port, sse_json
 from tests.test_distributed import assert_same, engine_settings, run
 from tests.tiny_checkpoint import write_tiny_llama
-from tokenmill.distributed.routing import (
+from tokenmill.serve.routing import (
     CacheAwarePolicy,
     RoundRobinPolicy,
     block_hashes,
@@ -66,7 +66,7 @@ def test_round_robin_skips_unhealthy_replicas() -> None:
 
 
 def test_replica_metrics_get_a_replica_label_and_metadata_once() -> None:
-    from tokenmill.distributed.data_parallel import label_metrics
+    from tokenmill.serve.data_parallel import label_metrics
 
     text = ('# HELP tokenmill:x help\n# TYPE tokenmill:x counter\ntokenmill:x{model_name="m"} 3.0\n'
             "tokenmill:y 1.0\n")

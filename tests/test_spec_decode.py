@@ -23,7 +23,8 @@ import torch
 from fakes import FakeTokenizer, fake_facts
 
 from tokenmill.attention.kv_cache import KVCacheSpec, PagedKVCache
-from tokenmill.builder import LoadedDraft, build_proposer, select_attention_backend
+from tokenmill.builder import build_proposer
+from tokenmill.runner.worker import LoadedDraft, build_draft_runner, select_attention_backend
 from tokenmill.config import EngineConfig
 from tokenmill.engine.engine import LLMEngine
 from tokenmill.engine.request import Request
@@ -110,10 +111,11 @@ def tiny_engine(target: LlamaForCausalLM, draft: LlamaForCausalLM | None = None,
             darch = draft.cfg
             loaded = LoadedModel(draft, darch, None, "draft", darch.max_position_embeddings)
             kv_spec = KVCacheSpec(darch.num_layers, darch.num_kv_heads, darch.head_dim, block_size, torch.float32)
-            from tokenmill.builder import DtypePlan
+            from tokenmill.runner.worker import DtypePlan
 
             loaded_draft = LoadedDraft(loaded, DtypePlan("float32", "float32"), kv_spec, planned(draft, native))
-        proposer = build_proposer(config, runner, loaded_draft, native)
+        draft_runner = build_draft_runner(config, runner, loaded_draft) if loaded_draft is not None else None
+        proposer = build_proposer(config, runner, draft_runner)
     facts = dataclasses.replace(fake_facts(num_blocks, block_size, max_model_len), vocab_size=arch.vocab_size)
     return LLMEngine(config, runner, FakeTokenizer(), facts, proposer=proposer)
 
@@ -575,11 +577,11 @@ def test_llm_with_a_draft_model_from_disk(hf_dirs) -> None:
 ])
 def test_an_unfit_draft_is_refused_before_anything_is_allocated(hf_dirs, draft: str, message: str,
                                                                 monkeypatch) -> None:
-    import tokenmill.builder as builder
+    import tokenmill.runner.worker as worker
     from tokenmill.llm import LLM
 
     allocated = []
-    monkeypatch.setattr(builder, "PagedKVCache", lambda *a, **k: allocated.append(a))
+    monkeypatch.setattr(worker, "PagedKVCache", lambda *a, **k: allocated.append(a))
     with pytest.raises(ValueError, match=message):
         LLM(hf_dirs["target"], speculative_config={"model": hf_dirs[draft], "num_speculative_tokens": 2},
             **TINY_LLM)
@@ -602,10 +604,10 @@ def test_an_unfit_draft_is_refused_before_anything_is_allocated(hf_dirs, draft: 
     ([1, 2], "must be a JSON object"),
 ])
 def test_bad_speculative_configs_are_refused_before_loading(config, message: str, monkeypatch) -> None:
-    import tokenmill.builder as builder
+    import tokenmill.runner.worker as worker
     from tokenmill.llm import LLM
 
-    monkeypatch.setattr(builder, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
+    monkeypatch.setattr(worker, "load_model", lambda *a, **k: pytest.fail("loaded a model"))
     with pytest.raises(ValueError, match=message):
         LLM(speculative_config=config)
 

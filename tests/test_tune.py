@@ -96,7 +96,7 @@ def test_measure_times_every_candidate_for_every_row_count() -> None:
 
 
 def test_on_a_cpu_with_the_kernels_activations_stay_float32_and_dtype_is_storage() -> None:
-    from tokenmill.builder import DtypePlan, resolve_dtype
+    from tokenmill.runner.worker import DtypePlan, resolve_dtype
 
     cpu = torch.device("cpu")
     assert resolve_dtype("auto", cpu, native_kernels=True) == DtypePlan("float32", "bfloat16", "bfloat16")

@@ -18,7 +18,7 @@ def add_kernels_args(parser: argparse.ArgumentParser) -> None:
 def cmd_kernels(args: argparse.Namespace) -> int:
     import torch
 
-    from tokenmill.builder import layer_shapes
+    from tokenmill.runner.worker import layer_shapes
     from tokenmill.hardware import cpu_info
     from tokenmill.kernels import cpu_kernels_available
     from tokenmill.model.loader import resolve_model_path

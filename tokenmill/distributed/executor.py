@@ -46,13 +46,6 @@ def with_rendezvous_port(config: EngineConfig) -> EngineConfig:
         return config.replace(master_port=sock.getsockname()[1])
 
 
-def build_parallel_executor(config: EngineConfig):
-    from tokenmill.builder import BuiltExecutor
-
-    executor = ParallelExecutor(config)
-    return BuiltExecutor(executor, executor.tokenizer, executor.facts)
-
-
 class ParallelExecutor:
     def __init__(self, config: EngineConfig) -> None:
         from tokenmill.distributed.worker import spawn_ranks, threads_per_rank
@@ -75,10 +68,9 @@ class ParallelExecutor:
             raise DistributedError(self._describe_failure(exc)) from exc
 
     def _start(self, config: EngineConfig, threads: int) -> None:
-        from tokenmill.builder import build_rank
-        from tokenmill.distributed.channel import StepServer
-        from tokenmill.distributed.group import DistributedContext
-        from tokenmill.distributed.worker import rank_setup, set_microbatches
+        from tokenmill.parallel.channel import StepServer
+        from tokenmill.parallel.group import DistributedContext
+        from tokenmill.runner.worker import build_rank, rank_setup
 
         parallel = config.parallel
         logger.info("starting %d ranks (tensor parallel %d x pipeline parallel %d) on %d host(s), rendezvous %s:%d, "
@@ -87,8 +79,7 @@ class ParallelExecutor:
                     threads)
         self.ctx = self._watching(lambda: DistributedContext(config, 0))
         built = build_rank(config, rank_setup(self.ctx, config, threads))  # in this thread: torch's thread count
-        self.runner = built.executor
-        set_microbatches(self.runner, config)
+        self.runner = built.runner
         self.tokenizer = built.tokenizer
         self.facts = dataclasses.replace(built.facts, execution_plan=built.facts.execution_plan + self._describe())
         self.server = StepServer(self.ctx.store, parallel.master_addr, parallel.world_size - 1)
@@ -107,7 +98,7 @@ class ParallelExecutor:
         if self._closed:
             raise DistributedError("the parallel executor is closed")
         if self._step_thread != threading.get_ident():  # the timer slack is per thread
-            from tokenmill.distributed.shm import lower_timer_slack
+            from tokenmill.parallel.shm import lower_timer_slack
 
             lower_timer_slack()
             self._step_thread = threading.get_ident()

@@ -34,37 +34,20 @@ def threads_per_rank(config: EngineConfig) -> int:
     return max(1, total // config.parallel.ranks_per_node)
 
 
-def rank_setup(ctx, config: EngineConfig, num_threads: int):
-    """What `build_rank` needs to build this rank's part (builder.RankSetup)."""
-    from tokenmill.builder import RankSetup
-    from tokenmill.distributed.pipeline import PipelineRunner
-    from tokenmill.runner.model_runner import ModelRunner
-
-    runner = PipelineRunner if config.parallel.pipeline_parallel_size > 1 else ModelRunner
-    return RankSetup(ctx.model_parallel, ctx.max_kv_bytes_per_token, num_threads, runner)
-
-
-def set_microbatches(runner, config: EngineConfig) -> None:
-    parallel = config.parallel
-    if parallel.pipeline_parallel_size > 1:
-        runner.microbatches = parallel.pipeline_microbatches or parallel.pipeline_parallel_size
-
-
 def worker_main(config: EngineConfig, rank: int, num_threads: int, parent_pid: int | None) -> None:
     """The body of worker process `rank` (> 0)."""
     if parent_pid is not None:
         _die_with_parent(parent_pid)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
-    from tokenmill.builder import build_rank
-    from tokenmill.distributed.channel import STOP, ChannelClosed, StepClient
-    from tokenmill.distributed.group import DistributedContext
+    from tokenmill.parallel.channel import STOP, ChannelClosed, StepClient
+    from tokenmill.parallel.group import DistributedContext
+    from tokenmill.runner.worker import build_rank, rank_setup
 
     ctx = client = None
     try:
         ctx = DistributedContext(config, rank)
         built = build_rank(config, rank_setup(ctx, config, num_threads))
-        runner = built.executor
-        set_microbatches(runner, config)
+        runner = built.runner
         client = StepClient(ctx.store, rank)
         sends_output = rank == ctx.place.output_rank
         logger.info("rank %d (pid %d) ready: %s", rank, os.getpid(), _describe(ctx))

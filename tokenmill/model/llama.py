@@ -21,12 +21,12 @@ from torch import nn
 from tokenmill import kernels
 from tokenmill.attention.backend import PagedDecode, get_forward_context
 from tokenmill.attention.kv_cache import LayerKVCache
-from tokenmill.distributed.layout import ShardLayout
-from tokenmill.distributed.model_parallel import ModelParallel
 from tokenmill.kernels.fused_layer import FusedLayerOperands, LayerFeatures
 from tokenmill.kernels.ops import TorchOps
 from tokenmill.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from tokenmill.model_arch import ModelArchConfig
+from tokenmill.parallel.layout import ShardLayout
+from tokenmill.parallel.model_parallel import ModelParallel
 from tokenmill.quantization import QuantizedTensor, WeightFormat
 
 

@@ -17,8 +17,6 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from tokenmill.distributed.layout import ShardLayout
-from tokenmill.distributed.model_parallel import ModelParallel
 from tokenmill.chat_template import GEMMA_CHAT_TEMPLATE
 from tokenmill.config import DEFAULT_MODEL_FILE, DEFAULT_MODEL_PACKAGE, default_model_path  # noqa: F401 (re-exported)
 from tokenmill.dtypes import torch_dtype as dtype_of
@@ -26,6 +24,8 @@ from tokenmill.gguf_file import GGUFFile
 from tokenmill.model.layers import Linear
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model_arch import FULL, SLIDING, SUPPORTED_ARCHITECTURES, ModelArchConfig
+from tokenmill.parallel.layout import ShardLayout
+from tokenmill.parallel.model_parallel import ModelParallel
 from tokenmill.quantization import QuantizedTensor, WeightFormat
 from tokenmill.quantization.checkpoints import COMPANIONS, SUPPORTED_CHECKPOINTS, prequantized_config
 from tokenmill.quantization.gguf_blocks import from_gguf_blocks

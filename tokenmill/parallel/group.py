@@ -24,9 +24,9 @@ import torch
 import torch.distributed as dist
 
 from tokenmill.config import EngineConfig, ParallelConfig
-from tokenmill.distributed.layout import ShardLayout, build_layout
-from tokenmill.distributed.model_parallel import ModelParallel
-from tokenmill.distributed.shm import PeerFailure, ShmCommunicator, lower_timer_slack
+from tokenmill.parallel.layout import ShardLayout, build_layout
+from tokenmill.parallel.model_parallel import ModelParallel
+from tokenmill.parallel.shm import PeerFailure, ShmCommunicator, lower_timer_slack
 
 logger = logging.getLogger(__name__)
 

@@ -13,8 +13,8 @@ from typing import Protocol
 
 import torch
 
-from tokenmill.distributed.layout import ShardLayout
 from tokenmill.model_arch import ModelArchConfig
+from tokenmill.parallel.layout import ShardLayout
 
 
 class TPCommunicator(Protocol):

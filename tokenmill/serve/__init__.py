@@ -1,7 +1,8 @@
-"""The OpenAI-compatible HTTP server (`tokenmill serve`): FastAPI app and routes, the
-asyncio wrapper around the engine thread, request/response schemas, errors, limits,
-draining, Prometheus metrics, and the data-parallel router in front of replicas.
+"""`tokenmill serve`: the OpenAI-compatible HTTP server (`cli.py`, `api_server.py`,
+`serving.py`, `async_engine.py`, metrics, limits, draining) and the data-parallel
+router in front of replica servers (`data_parallel.py`, `routing.py`), which receives
+the single server's `serve` as a callable.
 
-A front door: may import `llm.py`, `builder.py` and everything below them; nothing
-imports it but `cli.py`.
+A front door: may import builder.py, llm.py, distributed/ (for `--headless`) and
+everything below; only cli.py (the floor above) imports it.
 """

@@ -175,9 +175,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
         if path is not None and not os.path.isfile(path):
             raise FileNotFoundError(f"--{flag.replace('_', '-')} {path!r} does not exist")
     if settings.data_parallel_size > 1:
-        from tokenmill.distributed.data_parallel import serve_data_parallel
+        from tokenmill.serve.data_parallel import serve_data_parallel
 
-        return serve_data_parallel(settings)
+        return serve_data_parallel(settings, serve)
     return serve(settings)
 
 

@@ -22,13 +22,17 @@ import multiprocessing
 import socket
 import sys
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 # At module level: FastAPI resolves the handlers' annotations in this module's globals.
 from fastapi import Request
 
 logger = logging.getLogger("tokenmill.serve.dp")
+
+# One replica's server: settings in, exit status out (`serve.cli.serve`; a module-level
+# function, so a spawned replica process receives it by name).
+ServeFn = Callable[[argparse.Namespace], int]
 
 HEALTH_INTERVAL_S = 1.0
 FORWARDED_HEADERS = ("authorization", "content-type", "accept")
@@ -59,14 +63,12 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def _replica_main(settings: argparse.Namespace) -> None:
-    from tokenmill.serve.cli import serve
-
+def _replica_main(serve: ServeFn, settings: argparse.Namespace) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s dp%(process)d %(name)s: %(message)s")
     sys.exit(serve(settings))
 
 
-def start_replicas(settings: argparse.Namespace, count: int) -> list[Replica]:
+def start_replicas(settings: argparse.Namespace, count: int, serve: ServeFn) -> list[Replica]:
     from tokenmill.hardware import cpu_info
 
     context = multiprocessing.get_context("spawn")
@@ -76,7 +78,7 @@ def start_replicas(settings: argparse.Namespace, count: int) -> list[Replica]:
         port = _free_port()
         replica_settings = argparse.Namespace(**{**vars(settings), "host": "127.0.0.1", "port": port,
                                                  "num_threads": threads, "data_parallel_size": 1})
-        process = context.Process(target=_replica_main, args=(replica_settings,), name=f"tokenmill-dp{index}")
+        process = context.Process(target=_replica_main, args=(serve, replica_settings), name=f"tokenmill-dp{index}")
         process.start()
         replicas.append(Replica(index, f"http://127.0.0.1:{port}", process))
     return replicas
@@ -84,7 +86,7 @@ def start_replicas(settings: argparse.Namespace, count: int) -> list[Replica]:
 
 class Router:
     def __init__(self, replicas: list[Replica], policy_name: str, api_key: str | None = None) -> None:
-        from tokenmill.distributed.routing import make_policy
+        from tokenmill.serve.routing import make_policy
 
         self.replicas = replicas
         self.policy = make_policy(policy_name, len(replicas))
@@ -142,7 +144,7 @@ class Router:
     # ----- forwarding -------------------------------------------------------------------
 
     def choose(self, path: str, body: dict) -> Replica:
-        from tokenmill.distributed.routing import prompt_key
+        from tokenmill.serve.routing import prompt_key
 
         choice = self.policy.choose(prompt_key(path, body), [r.load for r in self.replicas],
                                     [r.healthy for r in self.replicas])
@@ -345,15 +347,17 @@ def create_router_app(router: Router, on_all_dead):
     return app
 
 
-def serve_data_parallel(settings: argparse.Namespace) -> int:
-    """Start the replicas and the router; return the exit status once it has stopped."""
+def serve_data_parallel(settings: argparse.Namespace, serve: ServeFn) -> int:
+    """Start the replicas (each runs `serve`, the single server's body, handed in by
+    serve/cli.py so this module never imports it back) and the router; return the exit
+    status once it has stopped."""
     import uvicorn
 
     count = settings.data_parallel_size
     if count < 1:
         raise ValueError(f"data_parallel_size must be at least 1, got {count}")
     logging.getLogger().setLevel(settings.log_level.upper())
-    replicas = start_replicas(settings, count)
+    replicas = start_replicas(settings, count, serve)
     logger.info("data parallel: %d replicas (%s), policy %s", count,
                 ", ".join(f"replica {r.index} pid {r.process.pid} at {r.url}" for r in replicas),
                 settings.data_parallel_policy)

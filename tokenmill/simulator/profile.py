@@ -298,8 +298,9 @@ class Calibrator:
     `make_profile(samples)` fits them into a `Profile`."""
 
     def __init__(self, config: EngineConfig) -> None:
-        from tokenmill.builder import build_executor, default_kv_cache_memory, resolve_device
+        from tokenmill.builder import build_executor
         from tokenmill.planner.model_spec import read_model
+        from tokenmill.runner.worker import default_kv_cache_memory, resolve_device
 
         self.config = config
         built = build_executor(config)

@@ -243,27 +243,3 @@ class DraftModelProposer:
                 generator = make_generator((seed ^ 0x5DEECE66D) & (2**63 - 1), self.runner.device)
                 self.generators[job.request.request_id] = generator
         return float(torch.rand(1, generator=generator, device=self.runner.device))
-
-
-# ----- start-up checks -----------------------------------------------------------------------
-
-
-def check_draft(draft_vocab: int, target_vocab: int, draft_tokens: dict[str, int] | None,
-                target_tokens: dict[str, int] | None, draft_context_len: int, draft_window: int | None,
-                max_model_len: int) -> None:
-    """Raise ValueError when a draft cannot propose for the target: another vocabulary or
-    tokenizer, or too short a context for max_model_len."""
-    if draft_vocab != target_vocab:
-        raise ValueError(f"the draft model's vocabulary has {draft_vocab} tokens, the target's {target_vocab}: "
-                         "a draft must share the target's tokenizer")
-    if draft_tokens is not None and target_tokens is not None and draft_tokens != target_tokens:
-        differ = sorted(t for t in set(draft_tokens) ^ set(target_tokens))[:3] or \
-            sorted(t for t in draft_tokens if draft_tokens[t] != target_tokens[t])[:3]
-        raise ValueError(f"the draft model's tokenizer differs from the target's (e.g. {differ}): "
-                         "a draft must share the target's tokenizer")
-    if draft_context_len < max_model_len:
-        raise ValueError(f"the draft model's context is {draft_context_len} tokens, less than max_model_len "
-                         f"{max_model_len}: lower max_model_len or choose another draft")
-    if draft_window is not None and draft_window < max_model_len:
-        raise ValueError(f"the draft model uses sliding-window attention ({draft_window} tokens), which tokenmill "
-                         f"does not implement; max_model_len {max_model_len} must be at most {draft_window}")

@@ -1,0 +1,488 @@
+"""Building one rank: an EngineConfig in, a model ready to run steps out.
+
+`build_rank` resolves the device, threads and dtypes, opens the checkpoint, chooses the
+execution plan and the attention backend, loads the model (this rank's part of it under
+tensor/pipeline parallelism), loads a draft model when speculative decoding asks for
+one, sizes and allocates the KV cache, and builds the runner; it returns them with the
+tokenizer and the `EngineFacts` found on the way. The one-process engine (builder.py)
+and every rank of a split (distributed/: rank 0's executor and the worker processes)
+build through this same function, as vLLM's workers build themselves and its executor
+only drives them.
+
+Runner layer: imports model/, attention/, quantization/, parallel/, kernels/, engine's
+plain step types and the ground floor; never spec_decode/, distributed/ or builder.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from tokenmill.attention import kv_quant
+from tokenmill.attention.backend import AttentionBackend
+from tokenmill.attention.kv_cache import KVCacheSpec, PagedKVCache
+from tokenmill.attention.torch_sdpa import TorchSDPABackend
+from tokenmill.config import EngineConfig, EngineFacts, SpeculativeConfig
+from tokenmill.config import default_kv_cache_memory as default_kv_cache_memory_bytes
+from tokenmill.dtypes import kv_cache_dtype_name, torch_dtype
+from tokenmill.hardware import cpu_info
+from tokenmill.model.loader import LoadedModel, load_model, open_checkpoint
+from tokenmill.model_arch import ModelArchConfig
+from tokenmill.quantization.dense import CPUMatmulChoice
+from tokenmill.runner import tune
+from tokenmill.runner.model_runner import ModelRunner
+from tokenmill.runner.pipeline import PipelineRunner
+from tokenmill.runner.plan import ExecutionPlan, apply_plan, cpu_native_plan, quantized_plan, reference_plan
+from tokenmill.runner.threads import ThreadGovernor
+from tokenmill.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+@dataclass
+class BuiltRank:
+    runner: ModelRunner
+    tokenizer: Tokenizer
+    facts: EngineFacts
+    draft_runner: ModelRunner | None = None  # a draft model's, for speculative decoding
+
+
+# A rank of a tensor/pipeline-parallel split: its ModelParallel from the model's shape and
+# the checkpoint's block width, and the KV bytes per token of the rank that needs most
+# (every rank allocates as many blocks: the scheduler's block ids are global).
+@dataclass
+class RankSetup:
+    parallel: Callable[[object, int], object]  # (ModelArchConfig, column unit) -> ModelParallel
+    max_kv_bytes_per_token: Callable[[int], int]  # element size -> bytes
+    num_threads: int | None = None
+    runner_class: type = ModelRunner
+    microbatches: int | None = None  # pipeline micro-batches per step (a PipelineRunner's)
+
+
+def rank_setup(ctx, config: EngineConfig, num_threads: int) -> RankSetup:
+    """This rank's setup from its membership of the split (`parallel.group.DistributedContext`)."""
+    parallel = config.parallel
+    if parallel.pipeline_parallel_size > 1:
+        microbatches = parallel.pipeline_microbatches or parallel.pipeline_parallel_size
+        return RankSetup(ctx.model_parallel, ctx.max_kv_bytes_per_token, num_threads, PipelineRunner, microbatches)
+    return RankSetup(ctx.model_parallel, ctx.max_kv_bytes_per_token, num_threads)
+
+
+def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltRank:
+    """Load the model (one rank's part of it, given `rank`), its plan, KV cache and runner."""
+    start = time.perf_counter()
+    device = resolve_device(config.device.device)
+    governor = compute_threads(config, device, rank.num_threads if rank else None)
+    kernels_ok = device.type == "cpu" and config.device.native_kernels and _cpu_kernels_build()
+    dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, resolve_dtype(config.model.dtype, device, kernels_ok),
+                                   device)
+    checkpoint = open_checkpoint(config.model.model)
+    backend = select_attention_backend(config.device.attention_backend, device, kernels_ok)
+    keep_quantized = quantized_as_stored(config, checkpoint.quantized, kernels_ok)
+    chosen = choose_plan(config, device, dtype, kernels_ok, backend, checkpoint.arch, keep_quantized)
+    parallel = None
+    if rank is not None:
+        alignment = chosen.weight_format.shard_alignment
+        parallel = lambda arch, unit: rank.parallel(arch, math.lcm(unit, alignment))
+    loaded = load_model(checkpoint, dtype.compute, device, config.model.max_model_len, chosen.weight_format, parallel,
+                        keep_quantized=keep_quantized)
+    max_model_len = resolve_max_model_len(config, loaded)
+    plan = apply_plan(loaded.model, chosen, dtype.kv_cache)
+    backend = backend.for_plan(plan.prefill_attention_dtype)
+    speculative = config.speculative.speculative_config
+    draft = load_draft(config, device, loaded, max_model_len, kernels_ok, backend) if _has_draft(speculative) else None
+    layout = loaded.model.parallel.layout
+    spec = kv_cache_spec(config, layout.layers.size, layout.kv_heads.size, loaded.arch.head_dim, dtype)
+    memory = config.cache.kv_cache_memory or default_kv_cache_memory(device)
+    # A draft keeps the KV of the same tokens: the memory is split so both hold as many.
+    bytes_per_block = spec.bytes_per_block + (draft.kv_spec.bytes_per_block if draft else 0)
+    if rank is not None:  # as many blocks as the rank holding most KV per token can have
+        bytes_per_block = rank.max_kv_bytes_per_token(spec.element_size) * spec.block_size
+    sliding_layers = hybrid_sliding_layers(config, loaded, rank is None and draft is None)
+    num_sliding_blocks = window = 0
+    if sliding_layers:
+        window = loaded.arch.sliding_window
+        num_blocks, num_sliding_blocks = hybrid_pool_sizes(config, spec, len(sliding_layers), window, memory)
+    else:
+        num_blocks = memory // bytes_per_block
+    if num_blocks < 1:
+        raise ValueError(f"kv_cache_memory {memory} bytes is less than one KV block ({bytes_per_block} bytes)")
+    kv_cache = PagedKVCache(spec, num_blocks, device, sliding_layers, num_sliding_blocks)
+    runner_class = rank.runner_class if rank is not None else ModelRunner
+    runner = runner_class(loaded.model, kv_cache, backend, plan, device, seed=config.model.seed, threads=governor)
+    if rank is not None and rank.microbatches is not None:
+        runner.microbatches = rank.microbatches
+    draft_runner = build_draft_runner(config, runner, draft) if draft is not None else None
+    facts = EngineFacts(
+        model_name=loaded.name, model_path=loaded.path, architecture=loaded.arch.architecture,
+        vocab_size=loaded.arch.vocab_size, max_model_len=max_model_len, device=str(device),
+        compute_dtype=dtype.compute, weight_format=weight_format_name(loaded.model, plan), kv_cache_dtype=dtype.kv_cache,
+        num_blocks=num_blocks, block_size=config.cache.block_size, kv_bytes_per_token=spec.bytes_per_token,
+        attention_backend=backend.name, execution_plan=plan.describe(), num_threads=torch.get_num_threads(),
+        load_seconds=time.perf_counter() - start, speculative=describe_speculation(speculative, draft_runner),
+        kv_cache_format=spec.describe(), num_sliding_blocks=num_sliding_blocks, sliding_window=window,
+    )
+    logger.info(
+        "loaded %s (%s) on %s in %.1f s: %d KV blocks of %d tokens = %d tokens (%.2f GiB, %d bytes per token, "
+        "KV cache %s), max_model_len %d, attention %s", loaded.name, dtype.describe(facts.weight_format), device,
+        facts.load_seconds, num_blocks,
+        spec.block_size, facts.kv_capacity_tokens, kv_cache.nbytes / 2**30, spec.bytes_per_token, facts.kv_cache_format,
+        max_model_len, backend.name,
+    )
+    if sliding_layers:
+        logger.info("hybrid KV cache: %d sliding-window layers (window %d) keep %d blocks of their own, the other %d "
+                    "layers %d", len(sliding_layers), window, num_sliding_blocks, spec.num_layers - len(sliding_layers),
+                    num_blocks)
+    logger.info("execution plan (%s): %s", plan.tier, plan.describe())
+    if speculative is not None:
+        logger.info("speculative decoding: %s", facts.speculative)
+    return BuiltRank(runner, loaded.tokenizer, facts, draft_runner)
+
+
+# ----- speculative decoding ------------------------------------------------------------------
+
+
+@dataclass
+class LoadedDraft:
+    loaded: LoadedModel
+    dtype: DtypePlan
+    kv_spec: KVCacheSpec
+    plan: ExecutionPlan
+
+
+def _has_draft(speculative: SpeculativeConfig | None) -> bool:
+    return speculative is not None and speculative.method == "draft_model"
+
+
+def load_draft(config: EngineConfig, device: torch.device, target: LoadedModel, max_model_len: int,
+               kernels_ok: bool, backend: AttentionBackend) -> LoadedDraft:
+    """Load the draft model (its own dtype and weight format: a GGUF's quantized blocks are
+    served as stored under dtype auto, as for a target) and check it can propose for the
+    target (same tokenizer, context for max_model_len) before anything is allocated."""
+    speculative = config.speculative.speculative_config
+    draft_config = config.replace(model=speculative.model, dtype=speculative.dtype or config.model.dtype,
+                                  quantization=None)
+    dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, resolve_dtype(draft_config.model.dtype, device,
+                                                                               kernels_ok), device)
+    checkpoint = open_checkpoint(speculative.model)
+    keep_quantized = quantized_as_stored(draft_config, checkpoint.quantized, kernels_ok)
+    chosen = choose_plan(draft_config, device, dtype, kernels_ok, backend, checkpoint.arch, keep_quantized)
+    draft = load_model(checkpoint, dtype.compute, device, max_model_len, chosen.weight_format,
+                       keep_quantized=keep_quantized)
+    check_draft(draft.arch.vocab_size, target.arch.vocab_size, _token_table(draft.tokenizer),
+                _token_table(target.tokenizer), draft.context_len, draft.arch.sliding_window, max_model_len)
+    plan = apply_plan(draft.model, chosen, dtype.kv_cache)
+    kv_spec = kv_cache_spec(config, draft.arch.num_layers, draft.arch.num_kv_heads, draft.arch.head_dim, dtype)
+    return LoadedDraft(draft, dtype, kv_spec, plan)
+
+
+
+def build_draft_runner(config: EngineConfig, runner: ModelRunner, draft: LoadedDraft) -> ModelRunner:
+    """The draft's own runner and KV cache: as many tokens as the target's, plus room for
+    every running request's proposals (the builder wraps it in a DraftModelProposer)."""
+    k = config.speculative.speculative_config.num_speculative_tokens
+    lookahead = config.scheduler.max_num_seqs * -(-(k - 1) // config.cache.block_size)
+    cache = PagedKVCache(draft.kv_spec, runner.kv_cache.num_blocks + lookahead, runner.device)
+    backend = runner.backend.for_plan(draft.plan.prefill_attention_dtype)
+    return ModelRunner(draft.loaded.model, cache, backend, draft.plan, runner.device, seed=config.model.seed)
+
+
+def check_draft(draft_vocab: int, target_vocab: int, draft_tokens: dict[str, int] | None,
+                target_tokens: dict[str, int] | None, draft_context_len: int, draft_window: int | None,
+                max_model_len: int) -> None:
+    """Raise ValueError when a draft cannot propose for the target: another vocabulary or
+    tokenizer, or too short a context for max_model_len."""
+    if draft_vocab != target_vocab:
+        raise ValueError(f"the draft model's vocabulary has {draft_vocab} tokens, the target's {target_vocab}: "
+                         "a draft must share the target's tokenizer")
+    if draft_tokens is not None and target_tokens is not None and draft_tokens != target_tokens:
+        differ = sorted(t for t in set(draft_tokens) ^ set(target_tokens))[:3] or \
+            sorted(t for t in draft_tokens if draft_tokens[t] != target_tokens[t])[:3]
+        raise ValueError(f"the draft model's tokenizer differs from the target's (e.g. {differ}): "
+                         "a draft must share the target's tokenizer")
+    if draft_context_len < max_model_len:
+        raise ValueError(f"the draft model's context is {draft_context_len} tokens, less than max_model_len "
+                         f"{max_model_len}: lower max_model_len or choose another draft")
+    if draft_window is not None and draft_window < max_model_len:
+        raise ValueError(f"the draft model uses sliding-window attention ({draft_window} tokens), which tokenmill "
+                         f"does not implement; max_model_len {max_model_len} must be at most {draft_window}")
+
+
+def describe_speculation(speculative: SpeculativeConfig | None, draft_runner: ModelRunner | None) -> str:
+    if speculative is None:
+        return ""
+    text = f"{speculative.method}, {speculative.num_speculative_tokens} tokens"
+    if speculative.method == "ngram":
+        return text + f", lookup {speculative.prompt_lookup_min}-{speculative.prompt_lookup_max}"
+    runner = draft_runner
+    return (f"{text}, draft {speculative.model} ({runner.plan.describe()}; {runner.kv_cache.num_blocks} KV blocks, "
+            f"{runner.kv_cache.nbytes / 2**30:.2f} GiB)")
+
+
+def _token_table(tokenizer: Tokenizer) -> dict[str, int]:
+    return tokenizer.backend.get_vocab(with_added_tokens=True)
+
+
+def weight_format_name(model: torch.nn.Module, plan: ExecutionPlan) -> str:
+    """How the linear weights are stored, e.g. 'bfloat16', or 'q4-g32 (q8-g32 head)'."""
+    names = [m.weights.format_name for m in model.modules() if getattr(m, "weights", None) is not None]
+    if not names:
+        return plan.weight_format.name
+    common = max(set(names), key=names.count)
+    head = getattr(getattr(model, "lm_head", None), "weights", None)
+    if head is not None and head.format_name != common:
+        return f"{common} ({head.format_name} head)"
+    return common
+
+# ----- what the config leaves to the machine ----------------------------------------------
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def compute_threads(config: EngineConfig, device: torch.device, num_threads: int | None = None) -> ThreadGovernor | None:
+    """On the CPU: a fixed count (`num_threads`, a rank's share, over the config's), or (the
+    default) a governor that uses the cores other work leaves free (runner/threads.py)."""
+    if device.type != "cpu":
+        return None
+    fixed = num_threads or config.device.num_threads
+    if fixed is not None:
+        torch.set_num_threads(fixed)
+        return None
+    return ThreadGovernor(cpu_info().num_cores, torch.set_num_threads)
+
+
+def cpu_has_native_bf16() -> bool:
+    return cpu_info().native_bf16
+
+
+@dataclass(frozen=True)
+class DtypePlan:
+    compute: str  # activations
+    weights: str  # how linear and embedding weights are stored
+    kv: str = ""  # the KV cache; "" = compute
+
+    @property
+    def kv_cache(self) -> str:
+        return self.kv or self.compute
+
+    def __str__(self) -> str:
+        return self.describe()
+
+    def describe(self, weights: str | None = None) -> str:
+        """`weights`: what the loaded linear weights really are, when not `self.weights`
+        (a GGUF's Q4_1 blocks served as stored are not bfloat16 weights)."""
+        weights = weights or self.weights
+        if self.compute == weights == self.kv_cache:
+            return self.compute
+        stored = "weights and KV cache" if weights == self.kv_cache else f"weights, {self.kv_cache} KV cache"
+        return f"{weights} {stored}, {self.compute} compute"
+
+
+def resolve_dtype(dtype: str, device: torch.device, native_kernels: bool = False) -> DtypePlan:
+    """On a CPU with tokenmill's kernels, activations stay float32 and `dtype` is how the
+    weights and the KV cache are stored: `auto` and `bfloat16` store them in bfloat16 (half
+    the bytes a decode step streams; matmuls then take whichever kernels measure fastest
+    here, bf16 GEMMs included where the CPU has them), `float32` keeps the checkpoint exact.
+    Elsewhere `dtype` is the compute dtype: `auto` is bfloat16 on GPUs and on CPUs with
+    bf16 arithmetic, float32 on other CPUs, where bf16 matmuls would be emulated (10-20x
+    slower) and `bfloat16` then stores bf16 weights and KV computing in float32."""
+    if device.type == "cpu" and native_kernels:
+        if dtype == "float16":
+            raise ValueError("float16 is for GPUs; on the CPU use bfloat16 or float32")
+        stored = "float32" if dtype == "float32" else "bfloat16"
+        return DtypePlan(compute="float32", weights=stored, kv=stored)
+    if dtype == "auto":
+        dtype = "bfloat16" if device.type == "cuda" or cpu_has_native_bf16() else "float32"
+    if dtype == "bfloat16" and device.type == "cpu" and not cpu_has_native_bf16():
+        return DtypePlan(compute="float32", weights="bfloat16", kv="bfloat16")
+    return DtypePlan(compute=dtype, weights=dtype)
+
+
+def resolve_kv_cache_dtype(name: str, dtype: DtypePlan, device: torch.device) -> DtypePlan:
+    """`auto` keeps the KV dtype resolve_dtype chose (it follows --dtype); any other name is
+    how the cache is stored, whatever the compute dtype ('fp8' is vLLM's spelling of
+    fp8_e4m3, which needs float8 tensors in torch and on the device)."""
+    if name == "auto":
+        return dtype
+    name = kv_cache_dtype_name(name)
+    if name == "fp8_e4m3":
+        check_fp8_kv_cache(device)
+    return dataclasses.replace(dtype, kv=name)
+
+
+def check_fp8_kv_cache(device: torch.device) -> None:
+    fp8 = kv_quant.fp8_dtype()
+    if fp8 is None:
+        raise ValueError(f"kv_cache_dtype fp8_e4m3 needs float8 tensors (torch.float8_e4m3fn), which torch "
+                         f"{torch.__version__} lacks; use int8 (same size)")
+    try:
+        torch.ones(1, device=device).to(fp8).float()
+    except (RuntimeError, TypeError) as exc:
+        raise ValueError(f"kv_cache_dtype fp8_e4m3: {device} cannot store float8 tensors ({exc}); use int8 "
+                         "(same size)") from exc
+
+
+def kv_cache_spec(config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,
+                  dtype: DtypePlan) -> KVCacheSpec:
+    """The cache's layout: its dtype, and for an 8-bit one the Hadamard rotation the config
+    asks for (when head_dim has a power-of-two factor of at least 16)."""
+    kv_dtype = torch_dtype(dtype.kv_cache)
+    rotate = kv_quant.is_quantized(kv_dtype) and config.cache.kv_cache_rotation
+    rotation = kv_quant.rotation_block(head_dim) if rotate else 0
+    if rotate and not rotation:
+        logger.info("head_dim %d has no power-of-two factor >= 16: the %s KV cache is not rotated", head_dim,
+                    dtype.kv_cache)
+    return KVCacheSpec(num_layers, num_kv_heads, head_dim, config.cache.block_size, kv_dtype, rotation)
+
+
+def choose_plan(config: EngineConfig, device: torch.device, dtype: DtypePlan, kernels_ok: bool,
+                backend: AttentionBackend, arch: ModelArchConfig | None = None,
+                keep_quantized: bool = False) -> ExecutionPlan:
+    """On a float32-computing CPU with the native kernels: weights tiled for the decode
+    kernels and packed for oneDNN (unless `pack_weights` is off), the matmul kernels per
+    row range measured on this machine (`runner/tune.py`), the native element-wise ops,
+    and the fused decode layer where attention reads the cache natively; with weight-only
+    quantization (as stored, or int8/int4 at load) the quantized kernels. Elsewhere plain
+    weights and PyTorch ops."""
+    weights = torch_dtype(dtype.weights)
+    method = config.quantization.quantization
+    if not (device.type == "cpu" and dtype.compute == "float32" and kernels_ok):
+        if method in ("int8", "int4"):
+            raise ValueError(f"quantization {method} runs on tokenmill's native CPU kernels, which are turned off, "
+                             "failed to build or are not for this device")
+        return reference_plan(weights)
+    choice = cpu_matmul_choice(config, weights, arch)
+    plan = cpu_native_plan(weights, onednn=config.device.pack_weights, choice=choice,
+                           fused_decode=backend.name == "cpu_native")
+    if keep_quantized or method in ("int8", "int4"):
+        return quantized_plan(plan, "stored" if keep_quantized else method, config.quantization.quantization_group_size)
+    return plan
+
+
+def quantized_as_stored(config: EngineConfig, stored: str | None, kernels_ok: bool) -> bool:
+    """Whether the checkpoint's quantized weights are served as stored: by default for a
+    quantized GGUF (as llama.cpp and Ollama do) or a GPTQ / AWQ checkpoint unless --dtype
+    float32/bfloat16 asks to dequantize; never without the native kernels (they would be
+    dequantized every step). `--quantization gguf|gptq|awq` names the checkpoint's own
+    (vLLM's spelling), which must be what it stores."""
+    method = config.quantization.quantization
+    if method in _STORED_QUANTIZATIONS and stored != method:
+        found = f"a {stored} checkpoint" if stored else "a float checkpoint"
+        model = config.model.model or "the model"
+        raise ValueError(f"quantization {method} needs {_STORED_QUANTIZATIONS[method]}; {model} is {found}")
+    if method in ("int8", "int4") and stored is not None:
+        raise ValueError(f"the checkpoint's weights are quantized already ({stored}); quantization {method} is for "
+                         "float checkpoints (leave --quantization unset to serve them as stored, or use none)")
+    if stored is None or method == "none":
+        return False
+    if method == stored or config.model.dtype == "auto":
+        if not kernels_ok:
+            logger.warning("serving the %s weights dequantized: the native CPU kernels are off or did not build", stored)
+            return False
+        return True
+    return False
+
+
+_STORED_QUANTIZATIONS = {
+    "gguf": "a GGUF file whose linear weights are stored in quantized blocks",
+    "gptq": "a GPTQ checkpoint (quantization_config quant_method gptq)",
+    "awq": "an AWQ checkpoint (quantization_config quant_method awq)",
+}
+
+
+def cpu_matmul_choice(config: EngineConfig, weights: torch.dtype, arch: ModelArchConfig | None) -> CPUMatmulChoice:
+    """The measured (or cached) kernel choice, unless the config fixes both parts of it."""
+    fixed_gemm = config.device.cpu_gemm != "auto"
+    if config.device.cpu_gemm == "onednn_bf16" and weights != torch.bfloat16:
+        raise ValueError("cpu_gemm onednn_bf16 rounds inputs to bf16: it needs bfloat16 weights (--dtype bfloat16)")
+    if fixed_gemm and config.device.skinny_max_rows is not None:
+        return CPUMatmulChoice(config.device.skinny_max_rows, config.device.cpu_gemm)
+    shapes = layer_shapes(arch) if arch is not None else [(576, 576)]
+    choice, timings, source = tune.choose(shapes, weights, allowed=[config.device.cpu_gemm] if fixed_gemm else None)
+    if config.device.skinny_max_rows is not None:
+        choice = CPUMatmulChoice(config.device.skinny_max_rows, choice.gemm)
+    logger.info("CPU matmul kernels (%s): %s", source, choice.describe())
+    return choice
+
+
+def layer_shapes(arch: ModelArchConfig) -> list[tuple[int, int]]:
+    """(out, in) of one decoder layer's linear weights: qkv, o, gate_up, down."""
+    q, kv = arch.num_heads * arch.head_dim, arch.num_kv_heads * arch.head_dim
+    h, i = arch.hidden_size, arch.intermediate_size
+    return [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]
+
+
+def select_attention_backend(name: str, device: torch.device, kernels_ok: bool) -> AttentionBackend:
+    if name == "torch_sdpa" or (name == "auto" and device.type != "cpu"):
+        return TorchSDPABackend()
+    if device.type != "cpu":
+        raise ValueError(f"attention_backend {name!r} runs on the CPU only; use torch_sdpa on {device.type}")
+    if kernels_ok:
+        from tokenmill.attention.cpu_native import CPUNativeBackend
+
+        return CPUNativeBackend()
+    if name == "cpu_native":
+        raise ValueError("attention_backend 'cpu_native' needs the native CPU kernels, which are turned off or failed "
+                         "to build (see the warning above; `python -m tokenmill.kernels -v` shows the compiler output)")
+    return TorchSDPABackend()
+
+
+def hybrid_sliding_layers(config: EngineConfig, loaded: LoadedModel, supported: bool) -> frozenset[int]:
+    """The layers whose KV goes to a sliding-window pool of its own: a model with both kinds
+    of layer, on one process without a draft model (tensor/pipeline ranks and a draft's
+    shared memory split keep every block), unless --disable-hybrid-kv-cache-manager."""
+    arch = loaded.model.cfg
+    sliding = frozenset(i for i in range(arch.num_layers) if arch.layer_window(i) is not None)
+    if not supported or config.cache.disable_hybrid_kv_cache_manager or len(sliding) in (0, arch.num_layers):
+        return frozenset()
+    return sliding
+
+
+def hybrid_pool_sizes(config: EngineConfig, spec: KVCacheSpec, num_sliding: int, window: int,
+                      memory: int) -> tuple[int, int]:
+    """(full-attention blocks, sliding-window blocks) for `memory` bytes. A running request
+    holds at most the blocks of its window plus its step's chunk in the sliding pool; the
+    pool gets twice what max_num_seqs such requests and a step's tokens need (the other half
+    keeps finished windows for prefix hits), at most half the memory; the full-attention
+    layers get the rest."""
+    size, per_layer_block = spec.block_size, spec.bytes_per_block // spec.num_layers
+    running = config.scheduler.max_num_seqs * (-(-(window - 1) // size) + 1)
+    step = -(-config.scheduler.max_num_batched_tokens // size)
+    sliding_bytes = per_layer_block * num_sliding
+    num_sliding_blocks = max(2, min(2 * (running + step) + 1, memory // 2 // sliding_bytes))
+    full_bytes = per_layer_block * (spec.num_layers - num_sliding)
+    return (memory - num_sliding_blocks * sliding_bytes) // full_bytes, num_sliding_blocks
+
+
+def default_kv_cache_memory(device: torch.device) -> int:
+    """config.default_kv_cache_memory on this device (its RAM, or the GPU's free memory)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return default_kv_cache_memory_bytes(True, total, free)
+    total = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return default_kv_cache_memory_bytes(False, total, total)
+
+
+def resolve_max_model_len(config: EngineConfig, loaded: LoadedModel) -> int:
+    requested = config.model.max_model_len
+    max_model_len = requested or loaded.context_len  # sliding-window layers attend through their window at any length
+    if requested and requested > loaded.context_len:
+        logger.warning("max_model_len %d exceeds the model's context length %d", requested, loaded.context_len)
+    return max_model_len
+
+
+def _cpu_kernels_build() -> bool:
+    from tokenmill.kernels import cpu_kernels_available
+
+    return cpu_kernels_available()
+
