@@ -9,7 +9,6 @@ for speculative decoding; `build_engine` wraps them in an `LLMEngine`. `LLM`,
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
 from tokenmill.config import EngineConfig, EngineFacts
@@ -19,8 +18,6 @@ from tokenmill.runner.worker import build_rank
 from tokenmill.spec_decode.draft import DraftModelProposer
 from tokenmill.spec_decode.ngram import NgramProposer
 from tokenmill.tokenizer import Tokenizer
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass
