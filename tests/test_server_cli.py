@@ -111,7 +111,7 @@ def test_library_http_logs_stay_at_warning():
 
 
 def test_the_start_up_line_names_the_weights_as_loaded():
-    from tokenmill.builder import DtypePlan
+    from tokenmill.runner.worker import DtypePlan
 
     plan = DtypePlan(compute="float32", weights="bfloat16", kv="bfloat16")
     assert str(plan) == "bfloat16 weights and KV cache, float32 compute"
