@@ -58,7 +58,6 @@ def kernel_times(dtypes: list[str], batch: int, context: int, rounds: int, calls
     import torch
 
     from tokenmill import kernels
-    from tokenmill.attention import kv_quant
     from tokenmill.attention.kv_cache import LayerKVCache
     from tokenmill.dtypes import torch_dtype
 
