@@ -17,12 +17,13 @@ from typing import TYPE_CHECKING
 os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
 
 if TYPE_CHECKING:
     from tokenmill.llm import LLM
     from tokenmill.outputs import CompletionOutput, RequestOutput
     from tokenmill.sampling.params import SamplingParams
+    from tokenmill.sampling.structured_outputs import StructuredOutputsParams
 
 
 def __getattr__(name: str):
@@ -34,6 +35,10 @@ def __getattr__(name: str):
         from tokenmill.sampling.params import SamplingParams
 
         return SamplingParams
+    if name == "StructuredOutputsParams":
+        from tokenmill.sampling.structured_outputs import StructuredOutputsParams
+
+        return StructuredOutputsParams
     if name in ("RequestOutput", "CompletionOutput"):
         from tokenmill import outputs
 

@@ -34,6 +34,7 @@ KV_CACHE_DTYPES = KV_CACHE_DTYPE_CHOICES
 ATTENTION_BACKENDS = ("auto", "cpu_native", "torch_sdpa")
 ALL_REDUCE_BACKENDS = ("auto", "shm", "gloo", "nccl")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar",)
 
 
 def parse_memory(value: str | int | float | None) -> int | None:
@@ -102,9 +103,13 @@ class ModelConfig:
                               "compute dtype, auto = bfloat16")
     max_model_len: int | None = setting(None, help="longest sequence (prompt + output); default: the model's context")
     seed: int = setting(0, help="seed of the sampler's shared generator (requests without their own seed)")
+    structured_outputs_backend: str = setting(
+        "xgrammar", choices=STRUCTURED_OUTPUTS_BACKENDS,
+        help="grammar library that constrains output to a JSON schema, regex, choice or grammar")
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, SUPPORTED_DTYPES)
+        _check_choice("structured_outputs_backend", self.structured_outputs_backend, STRUCTURED_OUTPUTS_BACKENDS)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
 

@@ -52,6 +52,7 @@ class LLM:
         params = _as_params_list(sampling_params, len(prompts))
         priorities = _as_priority_list(priority, len(prompts))
         engine = self.engine
+        self._compile_constraints(params)  # a bad one fails here, before anything is queued
         requests = [engine.input_processor.process(engine.new_request_id(), prompt, p, arrival_time=engine.clock(),
                                                    priority=rank)
                     for prompt, p, rank in zip(prompts, params, priorities)]  # all are checked before any is queued
@@ -99,6 +100,20 @@ class LLM:
                     bar.update(1)
         bar.close()
         return [results[i] for i in request_ids]
+
+
+def _compile_constraints_of(llm: LLM, params: list[SamplingParams]) -> None:
+    constrained = [p.structured_outputs for p in params if p.structured_outputs is not None]
+    if constrained:
+        from tokenmill.structured_output import compiler_for
+
+        engine = llm.engine
+        compiler = compiler_for(llm.tokenizer, engine.facts.vocab_size, engine.config.model.structured_outputs_backend)
+        for constraint in constrained:  # compiled now and cached for the runner
+            compiler.compile(constraint)
+
+
+LLM._compile_constraints = _compile_constraints_of
 
 
 def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:

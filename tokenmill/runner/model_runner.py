@@ -21,6 +21,7 @@ from tokenmill.runner.plan import ExecutionPlan
 from tokenmill.runner.threads import ThreadGovernor
 from tokenmill.sampling.rejection import RejectionSampler, Verification
 from tokenmill.sampling.sampler import Sampler, SamplingRow, compute_token_logprobs
+from tokenmill.structured_output.manager import PendingMasks, StructuredOutputManager
 
 # (request id, proposals) -> the [len(proposals), V] distributions a draft sampled them
 # from, or None for point masses; set by the builder when a draft model proposes.
@@ -54,11 +55,15 @@ class ModelRunner:
         self.requests = RequestTable()
         self.generators: dict[str, torch.Generator] = {}
         self.short_chunks_as_decodes = True  # off: every multi-token chunk attends as one (benchmarks)
+        # Grammar matchers of requests with structured outputs (set by the builder).
+        self.structured_output: StructuredOutputManager | None = None
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
         for request_id in batch.finished_ids:
             self.generators.pop(request_id, None)
+        if self.structured_output is not None:
+            self.structured_output.release([*batch.finished_ids, *batch.preempted_ids])
         return self.run(self.requests.apply(batch))
 
     @torch.inference_mode()
@@ -69,11 +74,15 @@ class ModelRunner:
             return RunnerOutput()
         if self.threads is not None:
             self.threads.update()
+        # Grammar masks of the rows sampled next are filled while the forward runs.
+        masks = self.structured_output.start(items) if self.structured_output is not None else None
         hidden, starts = self.forward(items)
         if hidden is None:  # a pipeline stage before the last: its hidden states went on
             return RunnerOutput()
         output = RunnerOutput()
-        self._sample(items, hidden, starts, output)
+        self._sample(items, hidden, starts, output, masks)
+        if masks is not None:
+            self.structured_output.advance(masks, output)
         self._prompt_logprobs(items, hidden, starts, output)
         return output
 
@@ -118,9 +127,11 @@ class ModelRunner:
                 block_tables.append(table)
         return BatchLayout(query_lens, context_lens, block_tables, slots, size)
 
-    def _sample(self, items: list[StepRequest], hidden: torch.Tensor, starts: list[int], output: RunnerOutput) -> None:
+    def _sample(self, items: list[StepRequest], hidden: torch.Tensor, starts: list[int], output: RunnerOutput,
+                masks: PendingMasks | None = None) -> None:
         """One token after the last known token of each request that samples; for one with
-        proposals, a row per proposal too, verified. One LM-head pass for all rows."""
+        proposals, a row per proposal too, verified. One LM-head pass for all rows; the
+        tokens a request's grammar forbids are masked out first (`masks`)."""
         plain = [i for i, r in enumerate(items) if r.sample and not r.spec_token_ids]
         spec = [i for i, r in enumerate(items) if r.sample and r.spec_token_ids]
         if not plain and not spec:
@@ -130,6 +141,8 @@ class ModelRunner:
             first = starts[i] + items[i].item.num_new_tokens - 1
             rows.extend(range(first, first + len(items[i].spec_token_ids) + 1))
         logits = self.model.compute_logits(hidden[torch.tensor(rows, device=self.device)])
+        if masks is not None:
+            self.structured_output.apply(masks, logits)
         if plain:
             result = self.sampler(logits[: len(plain)], [self._sampling_row(items[i]) for i in plain])
             for i, token_id, logprobs in zip(plain, result.token_ids, result.logprobs):

@@ -41,6 +41,8 @@ from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.runner.pipeline import PipelineRunner
 from tokenmill.runner.plan import ExecutionPlan, apply_plan, cpu_native_plan, quantized_plan, reference_plan
 from tokenmill.runner.threads import ThreadGovernor
+from tokenmill.structured_output.compiler import compiler_for
+from tokenmill.structured_output.manager import StructuredOutputManager
 from tokenmill.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -116,6 +118,8 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltRank
     kv_cache = PagedKVCache(spec, num_blocks, device, sliding_layers, num_sliding_blocks)
     runner_class = rank.runner_class if rank is not None else ModelRunner
     runner = runner_class(loaded.model, kv_cache, backend, plan, device, seed=config.model.seed, threads=governor)
+    runner.structured_output = StructuredOutputManager(
+        compiler_for(loaded.tokenizer, loaded.arch.vocab_size, config.model.structured_outputs_backend))
     if rank is not None and rank.microbatches is not None:
         runner.microbatches = rank.microbatches
     draft_runner = build_draft_runner(config, runner, draft) if draft is not None else None

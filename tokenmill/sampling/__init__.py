@@ -9,5 +9,6 @@ import the sampler from `tokenmill.sampling.sampler`.
 """
 
 from tokenmill.sampling.params import SamplingParams
+from tokenmill.sampling.structured_outputs import StructuredOutputsParams
 
-__all__ = ["SamplingParams"]
+__all__ = ["SamplingParams", "StructuredOutputsParams"]

@@ -14,6 +14,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from tokenmill.sampling.structured_outputs import StructuredOutputsParams
+
 
 def _param(default: Any, help: str, flag: str | None = None) -> Any:
     """A field with its help text (and a CLI flag spelling where the generated one would
@@ -52,6 +54,11 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = _param(None, "token id -> bias added to its logit, in [-100, 100]")
     skip_special_tokens: bool = _param(True, "leave special tokens out of the output text")
     include_stop_str_in_output: bool = _param(False, "keep the stop string that ended the output in its text")
+    # The output must match a JSON schema, regex, choice or grammar (vLLM's field). Not a
+    # plain value: the server reads it from its own fields (serve/structured.py) and the
+    # CLI has none, so sampling_fields() leaves it out.
+    structured_outputs: StructuredOutputsParams | None = field(
+        default=None, metadata={"help": "constraint on the output", "flag": None, "generated": False})
 
     # Derived in __post_init__: the stop strings as a list, never None.
     stop_strings: list[str] = field(init=False, repr=False)
@@ -116,6 +123,8 @@ class SamplingParams:
             _check(isinstance(token_id, int) and token_id >= 0,
                    f"logit_bias keys must be token ids (non-negative integers), got {token_id!r}")
             _check(-100.0 <= bias <= 100.0, f"logit_bias values must be in [-100, 100], got {bias}")
+        _check(self.structured_outputs is None or isinstance(self.structured_outputs, StructuredOutputsParams),
+               "structured_outputs must be a StructuredOutputsParams")
         _check(
             self.seed is None or (isinstance(self.seed, int) and -(2**63) <= self.seed < 2**64),
             f"seed must be an integer in [-2**63, 2**64), got {self.seed!r}",
@@ -124,7 +133,7 @@ class SamplingParams:
 
 def sampling_fields() -> Iterator[dataclasses.Field]:
     """The declared fields of SamplingParams (each with `metadata["help"]`)."""
-    return (f for f in dataclasses.fields(SamplingParams) if f.init)
+    return (f for f in dataclasses.fields(SamplingParams) if f.init and f.metadata.get("generated", True))
 
 
 def default(name: str) -> Any:

@@ -1,0 +1,164 @@
+"""Structured output in the engine (offline API) on the default model: every constrained
+output parses and validates, through batching, sampling, speculative decoding and
+preemption; bad constraints fail before anything is queued."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import pytest
+
+from tests.conftest import assert_engine_idle, sibling
+from tests.structured_schemas import SCHEMAS
+from tokenmill import LLM, SamplingParams, StructuredOutputsParams
+from tokenmill.spec_decode.ngram import NgramProposer
+from tokenmill.structured_output import StructuredOutputError, compiler_for
+
+FORMATS = jsonschema.Draft202012Validator.FORMAT_CHECKER
+
+
+def _prompt(llm: LLM, text: str) -> list[int]:
+    return llm.encode_chat([{"role": "user", "content": text}])
+
+
+def _schema_prompts(llm: LLM, names: list[str]) -> list[list[int]]:
+    return [_prompt(llm, f"Reply with JSON matching this schema: {json.dumps(SCHEMAS[n])}") for n in names]
+
+
+def _json_params(name: str, **kwargs) -> SamplingParams:
+    kwargs.setdefault("temperature", 0.0)
+    kwargs.setdefault("max_tokens", 256)
+    return SamplingParams(structured_outputs=StructuredOutputsParams(json=SCHEMAS[name]), **kwargs)
+
+
+def _assert_valid(name: str, output) -> None:
+    completion = output.outputs[0]
+    assert completion.finish_reason == "stop", (name, completion.text)
+    jsonschema.validate(json.loads(completion.text), SCHEMAS[name], format_checker=FORMATS)
+
+
+def test_at_least_30_schemas_all_validate(llm_f32) -> None:
+    names = list(SCHEMAS)
+    assert len(names) >= 30
+    outputs = llm_f32.generate(_schema_prompts(llm_f32, names), [_json_params(n) for n in names])
+    for name, output in zip(names, outputs):
+        _assert_valid(name, output)
+    assert_engine_idle(llm_f32)
+
+
+def test_sampled_outputs_validate_too(llm_f32) -> None:
+    names = ["flat_person", "order", "array_of_objects", "anyof_objects", "date_format", "ref_defs"]
+    params = [_json_params(n, temperature=1.0, seed=7 + i) for i, n in enumerate(names)]
+    for name, output in zip(names, llm_f32.generate(_schema_prompts(llm_f32, names), params)):
+        _assert_valid(name, output)
+
+
+def test_regex_choice_grammar_and_json_object(llm_f32) -> None:
+    prompt = _prompt(llm_f32, "Give me a product code, then say if you like it.")
+    constraints = [
+        StructuredOutputsParams(regex=r"[A-Z]{3}-\d{4}"),
+        StructuredOutputsParams(choice=["yes", "no", "it depends"]),
+        StructuredOutputsParams(grammar='root ::= "Hello, " name "!"\nname ::= "Alice" | "Bob"'),
+    ]
+    outputs = llm_f32.generate([prompt] * 3, [SamplingParams(temperature=0.0, max_tokens=120, structured_outputs=c)
+                                              for c in constraints])
+    texts = [o.outputs[0].text for o in outputs]
+    assert re.fullmatch(r"[A-Z]{3}-\d{4}", texts[0]), texts[0]
+    assert texts[1] in ("yes", "no", "it depends")
+    assert texts[2] in ("Hello, Alice!", "Hello, Bob!")
+    assert all(o.outputs[0].finish_reason == "stop" for o in outputs)
+
+
+def test_json_object_without_free_whitespace(llm_f32) -> None:
+    prompt = _prompt(llm_f32, 'Return a JSON object whose key "ok" is true.')
+    constraint = StructuredOutputsParams(json_object=True, disable_any_whitespace=True)
+    output = llm_f32.generate(prompt, SamplingParams(temperature=0.0, max_tokens=200,
+                                                     structured_outputs=constraint))[0].outputs[0]
+    assert output.finish_reason == "stop" and isinstance(json.loads(output.text), dict)
+    assert "\n" not in output.text and "  " not in output.text, output.text  # one-line separators only
+
+
+def test_unconstrained_output_differs_so_the_mask_is_doing_the_work(llm_f32) -> None:
+    prompt = _prompt(llm_f32, "Say yes or no.")
+    free = llm_f32.generate(prompt, SamplingParams(temperature=0.0, max_tokens=8))[0].outputs[0].text
+    forced = llm_f32.generate(prompt, SamplingParams(
+        temperature=0.0, max_tokens=8, structured_outputs=StructuredOutputsParams(choice=["zebra"])))[0]
+    assert free != "zebra" and forced.outputs[0].text == "zebra"
+
+
+def test_speculative_decoding_keeps_outputs_valid_and_greedy_identical(llm_f32) -> None:
+    names = ["order", "array_of_objects", "nested_address", "ref_defs", "matrix", "weather_tool_args"]
+    prompts = _schema_prompts(llm_f32, names)
+    params = [_json_params(n) for n in names]
+    reference = llm_f32.generate(prompts, params)
+    spec = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    speculative = LLM.from_engine(llm_f32.engine.sibling(proposer=NgramProposer(3, 1, 3), speculative_config=spec))
+    outputs = speculative.generate(prompts, params)
+    for name, output, ref in zip(names, outputs, reference):
+        _assert_valid(name, output)
+        assert output.outputs[0].token_ids == ref.outputs[0].token_ids, name
+    stats = speculative.engine.stats().spec_decode
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0  # proposals were verified
+    assert_engine_idle(speculative)
+
+
+def test_preempted_sequences_rebuild_their_matcher(llm_f32) -> None:
+    names = ["order", "array_of_objects", "nested_address", "ref_defs", "matrix", "weather_tool_args",
+             "flat_person", "uuid_format"]
+    prompts = _schema_prompts(llm_f32, names)
+    params = [_json_params(n, max_tokens=120) for n in names]
+    alone = [llm_f32.generate([p], q)[0].outputs[0].token_ids for p, q in zip(prompts, params)]
+    # 40 blocks of 16 tokens cannot hold 8 requests of ~250-350 tokens at once.
+    tight = sibling(llm_f32, num_blocks=40)
+    together = tight.generate(prompts, params)
+    assert tight.engine.stats().num_preemptions > 0
+    for name, output, ref in zip(names, together, alone):
+        _assert_valid(name, output)
+        assert output.outputs[0].token_ids == ref, name
+    assert_engine_idle(tight)
+
+
+@pytest.mark.parametrize("constraint, message", [
+    (dict(json={"type": "object", "properties": {"a": {"type": "strin"}}}), "invalid JSON schema"),
+    (dict(json='{"type": "object",'), "not JSON"),
+    (dict(json={"type": "object", "properties": {"a": {"$ref": "#/$defs/missing"}}}), "invalid JSON schema"),
+    (dict(regex="(ab"), "invalid regex"),
+    (dict(grammar='root ::= "a" | undefined_rule'), "invalid grammar"),
+])
+def test_bad_constraints_fail_before_queueing(llm_f32, constraint, message) -> None:
+    params = SamplingParams(max_tokens=4, structured_outputs=StructuredOutputsParams(**constraint))
+    with pytest.raises(StructuredOutputError, match=message):
+        llm_f32.generate("hi", params)
+    assert_engine_idle(llm_f32)
+
+
+def test_params_name_what_is_wrong() -> None:
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams(json={"type": "integer"}, regex="a+")
+    with pytest.raises(ValueError, match="exactly one of"):
+        StructuredOutputsParams()
+    with pytest.raises(ValueError, match="choice must be a non-empty list"):
+        StructuredOutputsParams(choice=[])
+
+
+def test_compiled_once_per_constraint(llm_f32) -> None:
+    compiler = compiler_for(llm_f32.tokenizer, llm_f32.engine.facts.vocab_size)
+    schema = {"type": "object", "properties": {"only_here": {"type": "integer"}}, "required": ["only_here"]}
+    before = compiler.num_compiled
+    constraint = StructuredOutputsParams(json=schema, disable_any_whitespace=True)
+    params = SamplingParams(temperature=0.0, max_tokens=40, structured_outputs=constraint)
+    first = llm_f32.generate(["a", "b"], params)
+    again = llm_f32.generate("c", params)
+    assert compiler.num_compiled == before + 1
+    for output in [*first, *again]:
+        assert isinstance(json.loads(output.outputs[0].text)["only_here"], int)
+
+
+def test_compile_with_timeout_refuses_a_slow_constraint(llm_f32) -> None:
+    compiler = compiler_for(llm_f32.tokenizer, llm_f32.engine.facts.vocab_size)
+    # Thousands of bounded repetitions: slow to expand (and never cached before).
+    slow = StructuredOutputsParams(regex="(a|b|c|d){1,3000}(e|f){1,3000}x")
+    with pytest.raises(StructuredOutputError, match="to compile"):
+        compiler.compile_with_timeout(slow, timeout=0.001)
