@@ -22,6 +22,7 @@ from pydantic_core import PydanticCustomError
 
 from tokenmill.sampling.params import SamplingParams
 from tokenmill.serve.limits import MAX_N
+from tokenmill.serve.structured import ResponseFormat, StructuredOutputsField
 
 TokenIds = list[StrictInt]
 
@@ -111,6 +112,13 @@ class SamplingFields(RequestBody):
     # vLLM's field: lower is served first under --scheduling-policy priority; anything but
     # 0 is refused (400) under fcfs, as vLLM does.
     priority: Annotated[int, Field(ge=-(2**63), lt=2**63)] = 0
+    # Output constraints (serve/structured.py): OpenAI's, vLLM's, and vLLM's older names.
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(SamplingFields):

@@ -55,6 +55,8 @@ from tokenmill.serve.protocol import (
     SamplingFields,
     Usage,
 )
+from tokenmill.serve.structured import compile_constraint, constraint_of
+from tokenmill.structured_output import compiler_for
 
 # Seconds a client told "queue full" or "queue wait too long" should wait before retrying.
 RETRY_AFTER_SECONDS = 1
@@ -177,6 +179,7 @@ class OpenAIServing:
         params = _sampling_params(body, max_tokens, body.logprobs, prompt_logprobs=echo_logprobs)
         for prompt in prompts:
             self._admit(len(prompt.token_ids), params, body.priority, "prompt")
+        await self.constrain(params, body)
         request_id = f"cmpl-{uuid.uuid4().hex}"
         stream = await self._submit(request_id, [p.token_ids for p in prompts], params, body.priority)
         renderer = _CompletionRenderer(request_id, model, prompts, body, core)
@@ -199,6 +202,7 @@ class OpenAIServing:
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = _sampling_params(body, max_tokens, num_logprobs)
         self._admit(len(prompt_ids), params, body.priority, "messages")
+        await self.constrain(params, body)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self._submit(request_id, [prompt_ids], params, body.priority)
         renderer = _ChatRenderer(request_id, model, len(prompt_ids), body, core)
@@ -217,6 +221,17 @@ class OpenAIServing:
                                    allow_special_tokens_in_content=self.allow_special_tokens_in_content)
 
     # ----- admission -----------------------------------------------------------------------
+
+    async def constrain(self, params: SamplingParams, body: Any) -> None:
+        """Set the request's output constraint (response_format, structured_outputs,
+        guided_*), compiled now on the prompt threads so a bad one is a 400 here."""
+        constraint, param = constraint_of(body)
+        if constraint is None:
+            return
+        core = self.core
+        compiler = compiler_for(core.tokenizer, core.vocab_size, core.config.model.structured_outputs_backend)
+        await self.off_loop(compile_constraint, compiler, constraint, param)
+        params.structured_outputs = constraint
 
     def _check_limits(self, body: SamplingFields, num_prompts: int) -> None:
         self.limits.check_sequences(num_prompts, body.n)

@@ -1,0 +1,117 @@
+"""Structured output through `tokenmill serve` with the official openai client:
+response_format (json_schema, json_object), the pydantic `parse` helper, vLLM's
+structured_outputs and guided_* fields, streaming, and bad constraints as 400s."""
+
+from __future__ import annotations
+
+import json
+from typing import Literal
+
+import jsonschema
+import openai
+import pytest
+from openai import OpenAI
+from pydantic import BaseModel, Field
+
+from tests.server_utils import ServerProcess
+from tests.structured_schemas import SCHEMAS
+
+FORMATS = jsonschema.Draft202012Validator.FORMAT_CHECKER
+
+
+@pytest.fixture(scope="module")
+def server():
+    process = ServerProcess().start()
+    yield process
+    assert process.stop() == 0, process.log_tail()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> OpenAI:
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+
+
+class City(BaseModel):
+    name: str = Field(max_length=30)
+    country: str = Field(max_length=30)
+    population_millions: float = Field(ge=0, le=50)
+    climate: Literal["hot", "mild", "cold"]
+
+
+def _ask(text: str) -> list[dict[str, str]]:
+    return [{"role": "user", "content": text}]
+
+
+def test_parse_with_a_pydantic_model(server, client) -> None:
+    completion = client.beta.chat.completions.parse(
+        model=server.model, messages=_ask("Describe Paris as JSON."), response_format=City, temperature=0,
+        max_tokens=200)
+    message = completion.choices[0].message
+    assert completion.choices[0].finish_reason == "stop"
+    assert isinstance(message.parsed, City), message.content
+    assert message.parsed.climate in ("hot", "mild", "cold")
+
+
+@pytest.mark.parametrize("name", ["order", "array_of_objects", "anyof_objects", "date_format", "ref_defs",
+                                  "enum_in_object"])
+def test_json_schema_response_format_streamed_and_not(server, client, name) -> None:
+    schema = SCHEMAS[name]
+    kwargs = dict(model=server.model, messages=_ask(f"Reply with JSON matching: {json.dumps(schema)}"),
+                  temperature=0, max_tokens=256,
+                  response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema,
+                                                                           "strict": True}})
+    whole = client.chat.completions.create(**kwargs).choices[0]
+    assert whole.finish_reason == "stop"
+    jsonschema.validate(json.loads(whole.message.content), schema, format_checker=FORMATS)
+    pieces, finish = [], None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            pieces.append(choice.delta.content or "")
+            finish = choice.finish_reason or finish
+    assert "".join(pieces) == whole.message.content and finish == "stop"
+
+
+def test_json_object_and_vllm_fields(server, client) -> None:
+    prompt = _ask("Give a product code and a yes/no answer.")
+    as_object = client.chat.completions.create(model=server.model, messages=_ask('Return {"ok": true} as JSON.'),
+                                               temperature=0, max_tokens=100,
+                                               response_format={"type": "json_object"})
+    assert isinstance(json.loads(as_object.choices[0].message.content), dict)
+    cases = [
+        ({"structured_outputs": {"regex": r"[A-Z]{2}-\d{3}"}}, lambda t: len(t) == 6 and t[2] == "-"),
+        ({"structured_outputs": {"choice": ["yes", "no"]}}, lambda t: t in ("yes", "no")),
+        ({"guided_choice": ["left", "right"]}, lambda t: t in ("left", "right")),
+        ({"guided_regex": r"\d{4}"}, lambda t: len(t) == 4 and t.isdigit()),
+        ({"guided_json": SCHEMAS["flat_person"]}, lambda t: jsonschema.validate(json.loads(t), SCHEMAS["flat_person"])
+         is None),
+        ({"guided_grammar": 'root ::= "up" | "down"'}, lambda t: t in ("up", "down")),
+    ]
+    for extra, check in cases:
+        text = client.chat.completions.create(model=server.model, messages=prompt, temperature=0, max_tokens=100,
+                                              extra_body=extra).choices[0].message.content
+        assert check(text), (extra, text)
+    # /v1/completions takes the same fields.
+    completion = client.completions.create(model=server.model, prompt="The answer is", max_tokens=10,
+                                           temperature=0, extra_body={"guided_choice": ["alpha", "beta"]})
+    assert completion.choices[0].text in ("alpha", "beta")
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
+     "invalid JSON schema"),
+    ({"guided_regex": "(unclosed"}, "invalid regex"),
+    ({"guided_grammar": "root ::= missing"}, "invalid grammar"),
+    ({"guided_choice": []}, "non-empty list"),
+    ({"guided_regex": "a+", "guided_choice": ["a"]}, "at most one output constraint"),
+    ({"response_format": {"type": "json_schema"}}, "json_schema.schema"),
+])
+def test_bad_constraints_are_400s_naming_the_field(server, client, extra, message) -> None:
+    with pytest.raises(openai.BadRequestError) as raised:
+        client.chat.completions.create(model=server.model, messages=_ask("hi"), max_tokens=5, extra_body=extra)
+    assert message in raised.value.message
+    assert raised.value.body["param"] in ("response_format", "guided_regex", "guided_grammar", "guided_choice")
+    # The server is unharmed and nothing leaked.
+    ok = client.chat.completions.create(model=server.model, messages=_ask("hi"), max_tokens=3)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+    metrics = server.wait_idle()
+    assert metrics["tokenmill:kv_cache_usage_perc"] == 0
