@@ -4,8 +4,11 @@ caching and preemption), on a tiny random checkpoint whose worker ranks load it 
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -261,3 +264,34 @@ def test_gguf_parts_are_read_without_the_rest() -> None:
             part = gguf_file.dequantize(info, (dim, start, length))
             expected = whole[start : start + length] if dim == 0 else whole[:, start : start + length]
             assert np.array_equal(part, expected), (name, dim, start, length)
+
+
+# ----- parallel engines as ordinary objects ---------------------------------------------------
+
+NO_GUARD_SCRIPT = """
+import json, sys
+from tokenmill import LLM, SamplingParams
+
+params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+runs = []
+for settings in json.loads(sys.argv[1]):  # no __main__ guard: a rank must not import this file again
+    llm = LLM(**settings)
+    runs.append([o.outputs[0].token_ids for o in llm.generate([[5, 6, 7, 8, 9], [10, 11, 12]], params)])
+    del llm  # no close(): deleting the engine stops its ranks and leaves the process group
+print("RESULT " + json.dumps(runs))
+"""
+
+
+def test_a_script_without_main_guard_makes_and_deletes_parallel_engines(tiny: Path, tmp_path: Path) -> None:
+    """Ranks are fresh interpreters (not multiprocessing's spawn, which re-imports the
+    user's script), and a deleted engine leaves torch.distributed's process group: one
+    process, one engine and two tensor-parallel ones in a row, the same greedy tokens."""
+    script = tmp_path / "no_guard.py"
+    script.write_text(NO_GUARD_SCRIPT)
+    settings = [engine_settings(tiny), engine_settings(tiny, 2), engine_settings(tiny, 2)]
+    done = subprocess.run([sys.executable, str(script), json.dumps(settings)], capture_output=True, text=True,
+                          timeout=900, cwd=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.count("RESULT ") == 1, done.stdout[-2000:]  # the script ran once
+    runs = json.loads(done.stdout.split("RESULT ", 1)[1])
+    assert runs[0] == runs[1] == runs[2] and all(len(tokens) == 12 for tokens in runs[0])

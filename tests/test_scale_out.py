@@ -132,6 +132,21 @@ def test_server_with_a_dead_rank_fails_the_request_and_exits(tiny: Path) -> None
         server.stop()
 
 
+def test_a_rank_that_dies_while_idle_fails_health_and_the_server_exits(tiny: Path) -> None:
+    server = ServerProcess("--model", str(tiny), "--tensor-parallel-size", "2", "--distributed-timeout", "30").start()
+    try:
+        assert server.get("/health").status_code == 200
+        pid = int(re.search(r"rank 1 \(pid (\d+)\) ready", server.log_tail(100_000)).group(1))
+        killed = time.monotonic()
+        subprocess.run(["kill", "-9", str(pid)], check=True)
+        server.proc.wait(timeout=30)  # no request needed: the idle engine notices
+        assert time.monotonic() - killed < 30
+        assert server.proc.returncode != 0
+        assert "rank 1 (pid" in server.log_tail()
+    finally:
+        server.stop()
+
+
 # ----- data parallelism in one server ---------------------------------------------------
 
 

@@ -15,11 +15,11 @@ non-zero exit.
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
 import logging
 import socket
 import threading
+import weakref
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -47,18 +47,24 @@ def with_rendezvous_port(config: EngineConfig) -> EngineConfig:
 
 
 class ParallelExecutor:
+    """Closed by `close()`, or when it is garbage-collected (an `LLM` deleted) or the
+    interpreter exits: the ranks are stopped and the process group destroyed, so another
+    parallel engine can be made in the same process."""
+
     def __init__(self, config: EngineConfig) -> None:
         from tokenmill.distributed.worker import spawn_ranks, threads_per_rank
+        from tokenmill.parallel.group import check_no_group
 
         if config.parallel.node_rank != 0:
             raise ValueError("the engine runs on node 0; other hosts run `tokenmill serve --headless --node-rank N`")
+        check_no_group()
         self.config = config = with_rendezvous_port(config)
         parallel = config.parallel
         self.workers = spawn_ranks(config, list(range(1, parallel.ranks_per_node)))
         self.ctx = self.server = None
-        self._closed = False
+        self._parts = _Parts(self.workers)
+        self._finalizer = weakref.finalize(self, self._parts.close)  # holds the parts, not the executor
         self._step_thread: int | None = None
-        atexit.register(self.close)
         try:
             self._start(config, threads_per_rank(config))
         except BaseException as exc:
@@ -77,12 +83,12 @@ class ParallelExecutor:
                     "%d thread(s) per rank", parallel.world_size, parallel.tensor_parallel_size,
                     parallel.pipeline_parallel_size, parallel.nnodes, parallel.master_addr, parallel.master_port,
                     threads)
-        self.ctx = self._watching(lambda: DistributedContext(config, 0))
+        self.ctx = self._parts.ctx = self._watching(lambda: DistributedContext(config, 0))
         built = build_rank(config, rank_setup(self.ctx, config, threads))  # in this thread: torch's thread count
         self.runner = built.runner
         self.tokenizer = built.tokenizer
         self.facts = dataclasses.replace(built.facts, execution_plan=built.facts.execution_plan + self._describe())
-        self.server = StepServer(self.ctx.store, parallel.master_addr, parallel.world_size - 1)
+        self.server = self._parts.server = StepServer(self.ctx.store, parallel.master_addr, parallel.world_size - 1)
         self._watching(self.server.accept)
         self.output_rank = self.ctx.place.output_rank
         logger.info("all %d ranks ready%s", parallel.world_size, self._describe())
@@ -95,7 +101,7 @@ class ParallelExecutor:
     # ----- the step ---------------------------------------------------------------------
 
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
-        if self._closed:
+        if not self._finalizer.alive:
             raise DistributedError("the parallel executor is closed")
         if self._step_thread != threading.get_ident():  # the timer slack is per thread
             from tokenmill.parallel.shm import lower_timer_slack
@@ -116,6 +122,14 @@ class ParallelExecutor:
             raise DistributedError(self._describe_failure(exc)) from exc
 
     # ----- liveness ---------------------------------------------------------------------
+
+    def check_health(self) -> None:
+        """Raise DistributedError when a rank's process on this host has exited (vLLM's
+        `check_health`): the server's engine thread asks while idle, so a rank that dies
+        between requests fails the engine at once, not at the next request. Call it from
+        the thread that runs the steps (it reads the step channel for the rank's report)."""
+        if self._finalizer.alive:  # closed on purpose: nothing to report
+            self._check_workers()
 
     def _check_workers(self) -> None:
         dead = [p for p in self.workers if p.exitcode is not None]
@@ -164,11 +178,21 @@ class ParallelExecutor:
     # ----- shutdown ---------------------------------------------------------------------
 
     def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
+        self._finalizer()  # once: later calls do nothing
+
+
+class _Parts:
+    """What closing a ParallelExecutor stops: its step channel, worker processes and
+    process group (apart from the executor, so a finalizer can hold them)."""
+
+    def __init__(self, workers: list) -> None:
+        self.workers = workers
+        self.server = None
+        self.ctx = None
+
+    def close(self) -> None:
         if self.server is not None:
-            self.server.close()
+            self.server.close()  # tells the ranks to stop
         for process in self.workers:
             process.join(5.0)
             if process.is_alive():

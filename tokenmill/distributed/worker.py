@@ -1,6 +1,11 @@
 """Worker ranks: processes that hold a part of the model and run each step the engine
 sends them, and the `serve --headless` body that starts a host's ranks.
 
+A rank's process is a fresh interpreter that runs this module's `main` with its settings
+pickled on its stdin (as torchrun starts its workers), not multiprocessing's spawn, which
+imports the parent's `__main__` again: a user's script that makes
+`LLM(tensor_parallel_size=2)` needs no `if __name__ == "__main__":` guard.
+
 A worker runs the same `ModelRunner` code as rank 0 on its part of the model: it
 rebuilds every request's view from the step diffs (`RequestTable`), computes its share
 (all-reducing with its TP group, receiving from and sending to its pipeline
@@ -14,12 +19,14 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import multiprocessing
 import os
+import pickle
 import signal
+import subprocess
 import sys
 import time
 import traceback
+from pathlib import Path
 
 from tokenmill.config import EngineConfig
 
@@ -90,16 +97,48 @@ def _die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
-def spawn_ranks(config: EngineConfig, ranks: list[int]) -> list[multiprocessing.Process]:
-    context = multiprocessing.get_context("spawn")
+class RankProcess:
+    """A worker rank's process (the parts of `multiprocessing.Process` the executor and
+    `run_node` use: name, pid, exitcode, is_alive, join, terminate, kill)."""
+
+    def __init__(self, config: EngineConfig, rank: int, num_threads: int, parent_pid: int | None) -> None:
+        self.name = f"tokenmill-rank{rank}"
+        # A fresh interpreter that imports the same tokenmill as this process (first on its path).
+        root = str(Path(__file__).resolve().parents[2])
+        code = f"import sys; sys.path.insert(0, {root!r}); from tokenmill.distributed.worker import main; main()"
+        self._popen = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE)
+        self.pid = self._popen.pid
+        try:
+            with self._popen.stdin as pipe:
+                pickle.dump((config, rank, num_threads, parent_pid), pipe, protocol=pickle.HIGHEST_PROTOCOL)
+        except BrokenPipeError:  # it died before reading: its exit code tells the executor
+            pass
+
+    @property
+    def exitcode(self) -> int | None:
+        return self._popen.poll()
+
+    def is_alive(self) -> bool:
+        return self._popen.poll() is None
+
+    def join(self, timeout: float | None = None) -> None:
+        try:
+            self._popen.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def terminate(self) -> None:
+        if self.is_alive():
+            self._popen.terminate()
+
+    def kill(self) -> None:
+        if self.is_alive():
+            self._popen.kill()
+
+
+def spawn_ranks(config: EngineConfig, ranks: list[int]) -> list[RankProcess]:
     threads = threads_per_rank(config)
-    processes = []
-    for rank in ranks:
-        process = context.Process(target=worker_main, args=(config, rank, threads, os.getpid()),
-                                  name=f"tokenmill-rank{rank}", daemon=True)
-        process.start()
-        processes.append(process)
-    return processes
+    return [RankProcess(config, rank, threads, os.getpid()) for rank in ranks]
 
 
 def run_node(config: EngineConfig) -> int:
@@ -144,3 +183,9 @@ def run_node(config: EngineConfig) -> int:
     if signalled:
         return 0
     return 0 if all(code == 0 for code in codes) else 1
+
+
+def main() -> None:
+    """A rank's process: its settings on stdin (`RankProcess`)."""
+    config, rank, num_threads, parent_pid = pickle.load(sys.stdin.buffer)
+    worker_main(config, rank, num_threads, parent_pid)

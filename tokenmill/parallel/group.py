@@ -13,6 +13,7 @@ Neighbouring stages exchange hidden states with gloo point-to-point messages.
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import time
@@ -223,6 +224,19 @@ class DistributedContext:
             self.tp.close()
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def check_no_group() -> None:
+    """Raise when this process still belongs to a split (a parallel engine is alive):
+    torch.distributed allows one default process group per process. A deleted engine
+    that only the garbage collector can reach is collected first (its finalizer leaves
+    the group)."""
+    if dist.is_initialized():
+        gc.collect()
+    if dist.is_initialized():
+        raise RuntimeError("another tensor/pipeline-parallel engine is running in this process (torch.distributed "
+                           "has one process group per process): close it (llm.engine.executor.close()) or delete "
+                           "it first")
 
 
 def pid_alive(pid: int) -> bool:

@@ -56,6 +56,8 @@ from tokenmill.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
+IDLE_CHECK_S = 1.0  # how often an idle engine thread asks its executor whether its ranks are alive
+
 
 class EngineUnavailableError(RuntimeError):
     """The engine is loading, shutting down, or dead: retry elsewhere or later (503)."""
@@ -347,13 +349,22 @@ class AsyncEngine:
         with self._cond:
             while not self._commands and not self.engine.has_unfinished_requests() and not self._stop_requested:
                 self._busy = False
-                self._cond.wait()
+                self._cond.wait(IDLE_CHECK_S)
+                self._check_executor()
             self._heartbeat = time.monotonic()  # waking from idle is not a stall
             self._busy = True
             if self._stop_requested:
                 return None
             commands, self._commands = self._commands, []
         return commands
+
+    def _check_executor(self) -> None:
+        """An executor of other processes (tensor/pipeline-parallel ranks) raises here when
+        one is gone: checked while idle too, so /health fails and the server exits as when a
+        rank dies under load, instead of answering 200 until the next request."""
+        check_health = getattr(getattr(self.engine, "executor", None), "check_health", None)
+        if check_health is not None:
+            check_health()
 
     def _apply(self, commands: list[_Add | _Abort]) -> None:
         for command in commands:
