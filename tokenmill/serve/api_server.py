@@ -58,6 +58,7 @@ from tokenmill.serve.serving import (
     OpenAIServing,
     abort_connection,
 )
+from tokenmill.serve.tools import AgentSettings
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +88,7 @@ class ServerSettings:
     health_stall_timeout: float = 60.0  # /health fails when work sits this long without a step
     limits: RequestLimits = field(default_factory=RequestLimits)
     trust_request_chat_template: bool = False
+    agent: AgentSettings = field(default_factory=AgentSettings)  # tool calling, reasoning (serve/tools.py)
     enable_dashboard: bool = True  # /dashboard, a live view of the engine (serve/dashboard/)
     allow_special_tokens_in_content: bool = False  # special-token text in messages becomes control tokens
     stream_send_timeout: float = DEFAULT_STREAM_SEND_TIMEOUT  # a stream's client that reads nothing this long
@@ -132,7 +134,7 @@ def create_server(build_engine: Callable[[], LLMEngine], settings: ServerSetting
     serving = OpenAIServing(engine, settings.served_model_names, settings.limits,
                             settings.trust_request_chat_template, settings.stream_send_timeout,
                             settings.chat_template, settings.enable_log_requests,
-                            settings.allow_special_tokens_in_content)
+                            settings.allow_special_tokens_in_content, agent=settings.agent)
     app = _build_app(engine, serving, metrics, settings, dashboard)
     return Server(app, engine, serving, metrics, settings)
 

@@ -113,6 +113,9 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
     cors.add_argument("--allowed-methods", type=_string_list, default=["*"], help="default: any")
     cors.add_argument("--allowed-headers", type=_string_list, default=["*"], help="default: any")
     cors.add_argument("--allow-credentials", action="store_true", help="allow cookies and auth headers")
+    from tokenmill.serve.tools import add_agent_args
+
+    add_agent_args(parser)
     scale = parser.add_argument_group("scale-out")
     scale.add_argument("--headless", action="store_true",
                        help="serve no HTTP: run this host's ranks of a multi-host split (--nnodes, --node-rank >= 1, "
@@ -266,6 +269,7 @@ def serve(settings: argparse.Namespace) -> int:
     from tokenmill.serve.draining import DrainingServer
     from tokenmill.serve.http_protocol import header_timeout_protocol
     from tokenmill.serve.limits import RequestLimits
+    from tokenmill.serve.tools import agent_settings_from_args
 
     logging.getLogger().setLevel(settings.log_level.upper())
     engine_config = config_from_args(settings)
@@ -304,7 +308,7 @@ def serve(settings: argparse.Namespace) -> int:
             cors=CORSSettings(settings.allowed_origins, settings.allowed_methods, settings.allowed_headers,
                               settings.allow_credentials) if settings.allowed_origins else None,
             on_fatal=on_fatal,
-            enable_dashboard=not settings.disable_dashboard,
+            enable_dashboard=not settings.disable_dashboard, agent=agent_settings_from_args(settings),
         ),
     )
     config = uvicorn.Config(

@@ -23,6 +23,7 @@ from pydantic_core import PydanticCustomError
 from tokenmill.sampling.params import SamplingParams
 from tokenmill.serve.limits import MAX_N
 from tokenmill.serve.structured import ResponseFormat, StructuredOutputsField
+from tokenmill.serve.tools import ToolChoice, ToolDef
 
 TokenIds = list[StrictInt]
 
@@ -172,6 +173,10 @@ class ChatCompletionRequest(SamplingFields):
     # vLLM's fields; a request's own template is refused unless --trust-request-chat-template.
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # Tool calling (serve/tools.py).
+    tools: list[ToolDef] | None = None
+    tool_choice: ToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 class TokenizeRequest(RequestBody):
@@ -257,16 +262,29 @@ class ChatLogprobs(BaseModel):
     content: list[ChatLogprob] | None
 
 
+class ToolCallFunction(BaseModel):
+    name: str
+    arguments: str
+
+
+class ToolCallBody(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: ToolCallFunction
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"]
     content: str | None
+    tool_calls: list[ToolCallBody] | None = None
+    reasoning_content: str | None = None
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ChatResponseMessage
     logprobs: ChatLogprobs | None
-    finish_reason: Literal["stop", "length", "abort"] | None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
     stop_reason: int | str | None = None
 
 

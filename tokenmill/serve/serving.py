@@ -55,7 +55,16 @@ from tokenmill.serve.protocol import (
     SamplingFields,
     Usage,
 )
+from tokenmill.serve.reasoning import get_reasoning_parser
 from tokenmill.serve.structured import compile_constraint, constraint_of
+from tokenmill.serve.tools import (
+    AgentSettings,
+    ChoiceOutput,
+    ToolPlan,
+    plan_tools,
+    shipped_tool_template,
+    template_handles_tools,
+)
 from tokenmill.structured_output import compiler_for
 
 # Seconds a client told "queue full" or "queue wait too long" should wait before retrying.
@@ -93,9 +102,11 @@ class OpenAIServing:
     def __init__(self, engine: AsyncEngine, served_model_names: list[str] | None = None,
                  limits: RequestLimits | None = None, trust_request_chat_template: bool = False,
                  stream_send_timeout: float = DEFAULT_STREAM_SEND_TIMEOUT, chat_template: str | None = None,
-                 log_requests: bool = False, allow_special_tokens_in_content: bool = False) -> None:
+                 log_requests: bool = False, allow_special_tokens_in_content: bool = False,
+                 agent: AgentSettings | None = None) -> None:
         """`chat_template`: the operator's (--chat-template), used instead of the model's."""
         self.engine = engine
+        self.agent = agent or AgentSettings()
         self._served_names = served_model_names
         self.limits = limits or RequestLimits()
         self.trust_request_chat_template = trust_request_chat_template
@@ -196,36 +207,73 @@ class OpenAIServing:
         self._check_limits(body, 1)
         self.limits.check_logprobs(body.top_logprobs, "top_logprobs")
         core = self.core
+        plan = plan_tools(body.tools, body.tool_choice, body.parallel_tool_calls, self.agent)
         prompt_ids = await self.encode_chat(body.messages, body.add_generation_prompt, body.chat_template,
-                                            body.chat_template_kwargs)
+                                            body.chat_template_kwargs, tools=plan)
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = _sampling_params(body, max_tokens, num_logprobs)
         self._admit(len(prompt_ids), params, body.priority, "messages")
-        await self.constrain(params, body)
+        await self.constrain(params, body, plan)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
         stream = await self._submit(request_id, [prompt_ids], params, body.priority)
-        renderer = _ChatRenderer(request_id, model, len(prompt_ids), body, core)
+        reasoning = get_reasoning_parser(self.agent.reasoning_parser) if self.agent.reasoning_parser else None
+        renderer = _ChatRenderer(request_id, model, len(prompt_ids), body, core, plan, reasoning)
         return await _respond(stream, renderer, body, raw, self.stream_send_timeout)
 
     async def encode_chat(self, messages: list[ChatMessage], add_generation_prompt: bool = True,
                           chat_template: str | None = None,
-                          template_kwargs: dict[str, Any] | None = None) -> list[int]:
+                          template_kwargs: dict[str, Any] | None = None, tools: ToolPlan | None = None) -> list[int]:
         """Render and tokenize a conversation on the prompt threads."""
         if chat_template is not None and not self.trust_request_chat_template:
             raise bad_request("this server does not accept chat templates in requests (the operator can allow "
                               "them with --trust-request-chat-template)", param="chat_template")
         dicts = [m.to_template_dict() for m in messages]
+        tool_template = self._template_for(dicts, tools)
+        if tool_template is not None and chat_template is None:
+            # Tools or tool messages, and a template that ignores them: the shipped one.
+            tool_dicts = tools.tools if tools is not None and tools.shows_tools else None
+            try:
+                return await self.off_loop(self._render_and_encode, dicts, add_generation_prompt, tool_template,
+                                           template_kwargs, tool_dicts)
+            except APIError as error:
+                error.param = error.param or "messages"
+                raise
         return await self.off_loop(self.processor.render_chat, dicts, add_generation_prompt,
                                    chat_template=chat_template or self.chat_template, template_kwargs=template_kwargs,
                                    allow_special_tokens_in_content=self.allow_special_tokens_in_content)
+    def _template_for(self, messages: list[dict[str, Any]], tools: ToolPlan | None) -> str | None:
+        """The shipped tool template when the request has tools or tool messages and the
+        template in use (--chat-template, else the model's) ignores them; else None."""
+        if self.chat_template:  # --chat-template: the operator's choice stands
+            return None
+        uses_tools = (tools is not None and tools.shows_tools) or any(
+            m.get("role") == "tool" or m.get("tool_calls") for m in messages)
+        if uses_tools and not template_handles_tools(self.core.tokenizer.chat_template):
+            return shipped_tool_template()
+        return None
+
+    def _render_and_encode(self, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                           chat_template: str | None, template_kwargs: dict[str, Any] | None,
+                           tools: list[dict[str, Any]] | None = None) -> list[int]:
+        tokenizer = self.core.tokenizer
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                             chat_template=chat_template, template_kwargs=template_kwargs)
+        self.processor.check_chars(len(text), "messages")
+        # The template writes its own special tokens (BOS included), as LLM.encode_chat does.
+        return tokenizer.encode(text, add_special_tokens=False)
 
     # ----- admission -----------------------------------------------------------------------
 
-    async def constrain(self, params: SamplingParams, body: Any) -> None:
+    async def constrain(self, params: SamplingParams, body: Any, tools: ToolPlan | None = None) -> None:
         """Set the request's output constraint (response_format, structured_outputs,
-        guided_*), compiled now on the prompt threads so a bad one is a 400 here."""
+        guided_*, or the grammar of a required / named tool choice), compiled now on the
+        prompt threads so a bad one is a 400 here."""
         constraint, param = constraint_of(body)
+        if tools is not None and tools.constraint is not None:
+            if constraint is not None:
+                raise bad_request(f"{param} cannot be combined with tool_choice {tools.mode!r}", param=param)
+            constraint, param = tools.constraint, "tools"
         if constraint is None:
             return
         core = self.core
@@ -451,7 +499,9 @@ class _Renderer:
             choice = prompt_index * self.n + comp.index
             self.completion_tokens[choice] = len(comp.token_ids)
             chunk = self.choice_chunk(choice, output, comp)
-            if chunk is not None:
+            if isinstance(chunk, list):
+                chunks.extend(chunk)
+            elif chunk is not None:
                 chunks.append(chunk)
         return chunks
 
@@ -553,10 +603,14 @@ class _CompletionRenderer(_Renderer):
 
 class _ChatRenderer(_Renderer):
     def __init__(self, request_id: str, model: str, num_prompt_tokens: int, body: ChatCompletionRequest,
-                 core: LLMEngine) -> None:
+                 core: LLMEngine, tools: ToolPlan | None = None, reasoning: Any = None) -> None:
         super().__init__(request_id, model, body.n, body.n, core)
         self.num_prompt_tokens = num_prompt_tokens
         self.num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
+        # Tool calls and reasoning reshape the message: one ChoiceOutput per choice.
+        tools = tools or ToolPlan("none")
+        self.outputs = ([ChoiceOutput(tools, reasoning) for _ in range(body.n)]
+                        if tools.mode != "none" or reasoning is not None else None)
 
     def prompt_tokens(self) -> int:
         return self.num_prompt_tokens
@@ -565,13 +619,30 @@ class _ChatRenderer(_Renderer):
         """The assistant role goes first, in a delta of its own for each choice."""
         return [self._chunk(i, {"role": "assistant", "content": ""}, None, None) for i in range(self.n)]
 
-    def choice_chunk(self, choice: int, output: RequestOutput, comp: CompletionOutput) -> dict[str, Any] | None:
+    def choice_chunk(self, choice: int, output: RequestOutput,
+                     comp: CompletionOutput) -> dict[str, Any] | list[dict[str, Any]] | None:
         text, first_new, finish = self._news(choice, comp)
         new_tokens = len(comp.token_ids) > first_new
         if not (text or new_tokens or finish):
             return None
+        if self.outputs is not None:
+            return self._shaped_chunks(choice, comp, text, first_new, finish)
         delta = {"content": text} if text or not finish else {}
         return self._chunk(choice, delta, self._logprobs(comp, first_new), finish)
+
+    def _shaped_chunks(self, choice: int, comp: CompletionOutput, text: str, first_new: int,
+                       finish: str | None) -> list[dict[str, Any]]:
+        """Reasoning / content / tool-call deltas, one chunk each (as OpenAI sends them);
+        logprobs ride on the first, the finish reason on the last."""
+        shaper = self.outputs[choice]
+        deltas = shaper.feed(text, final=finish is not None)
+        if finish is not None:
+            finish = shaper.finish_reason(finish)
+        if not deltas:
+            deltas = [{}] if finish is not None or len(comp.token_ids) > first_new else []
+        logprobs = self._logprobs(comp, first_new)
+        return [self._chunk(choice, delta, logprobs if i == 0 else None, finish if i == len(deltas) - 1 else None)
+                for i, delta in enumerate(deltas)]
 
     def _logprobs(self, comp: CompletionOutput, first_new: int) -> dict[str, Any] | None:
         if self.num_logprobs is None or comp.logprobs is None:
@@ -592,11 +663,17 @@ class _ChatRenderer(_Renderer):
         choices = []
         for comp in output.outputs:
             self.completion_tokens[comp.index] = len(comp.token_ids)
+            message = {"role": "assistant", "content": comp.text}
+            finish = comp.finish_reason
+            if self.outputs is not None:
+                shaper = self.outputs[comp.index]
+                message = shaper.message(comp.text)
+                finish = shaper.finish_reason(finish)
             choices.append({
                 "index": comp.index,
-                "message": {"role": "assistant", "content": comp.text},
+                "message": message,
                 "logprobs": self._logprobs(comp, 0),
-                "finish_reason": comp.finish_reason,
+                "finish_reason": finish,
                 "stop_reason": comp.stop_reason,
             })
         return {"id": self.request_id, "object": "chat.completion", "created": self.created,
