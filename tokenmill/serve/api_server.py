@@ -58,6 +58,7 @@ from tokenmill.serve.serving import (
     OpenAIServing,
     abort_connection,
 )
+from tokenmill.serve.responses import add_responses_routes
 from tokenmill.serve.tools import AgentSettings
 
 logger = logging.getLogger(__name__)
@@ -166,6 +167,7 @@ def _build_app(engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetri
                            allow_methods=settings.cors.allowed_methods, allow_headers=settings.cors.allowed_headers,
                            allow_credentials=settings.cors.allow_credentials)
     _add_routes(app, engine, serving, metrics)
+    add_responses_routes(app, serving, _ERRORS)
     if dashboard is not None:
         dashboard.add_routes(app)
     return app

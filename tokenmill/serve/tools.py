@@ -197,8 +197,10 @@ def calls_of(plan: ToolPlan, text: str) -> tuple[str | None, list[ToolCall]]:
     if plan.mode == "required":
         try:
             items = json.loads(text)
-        except json.JSONDecodeError:  # cut by max_tokens
-            return text, []
+        except json.JSONDecodeError:  # cut by max_tokens: the calls that were completed
+            items = _complete_items(text)
+            if not items:
+                return text, []
         return None, [ToolCall(item["name"], arguments_text(item["parameters"])) for item in items]
     if plan.mode == "auto":
         return plan.parser.extract(text)
