@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, Field
 
 from tokenmill.outputs import RequestOutput
+from tokenmill.serve.async_engine import EngineUnavailableError
 from tokenmill.serve.errors import APIError, bad_request, error_body
 from tokenmill.serve.protocol import ChatCompletionRequest, ChatMessage
 from tokenmill.serve.reasoning import get_reasoning_parser
@@ -311,9 +312,8 @@ class ResponsesServing:
             self._remember(body, response, history, message)
             yield events.emit("response.completed" if response["status"] == "completed" else "response.incomplete",
                               response=response)
-        except Exception as error:  # noqa: BLE001 - headers are sent: the error travels as an event
-            api_error = unavailable(error) if hasattr(error, "args") and type(error).__name__.endswith(
-                "UnavailableError") else APIError(500, str(error))
+        except EngineUnavailableError as error:  # headers are sent: the error travels as an event
+            api_error = unavailable(error)
             yield events.emit("error", **error_body(api_error.status, api_error.message, code=api_error.code)["error"])
         finally:
             stream.abort()
