@@ -28,4 +28,5 @@ def test_the_doc_has_its_three_examples() -> None:
 @pytest.mark.parametrize("index", range(len(EXAMPLES)))
 def test_example_runs(server, index) -> None:
     code = EXAMPLES[index].replace("http://localhost:8000/v1", server.url + "/v1")
-    exec(compile(code, f"{DOC.name} example {index + 1}", "exec"), {"__name__": "__doc_example__"})
+    # dont_inherit: this file's `from __future__ import annotations` must not leak into the example.
+    exec(compile(code, f"{DOC.name} example {index + 1}", "exec", dont_inherit=True), {"__name__": "__doc_example__"})
