@@ -34,7 +34,7 @@ from tokenmill.serve.serving import (
     OpenAIServing,
     _collect,
     _sampling_params,
-    _sse,
+    _SSEResponse,
     _unless_disconnected,
     unavailable,
 )
@@ -218,7 +218,7 @@ class ResponsesServing:
         plan = plan_tools(chat.tools, chat.tool_choice, chat.parallel_tool_calls, serving.agent)
         prompt_ids = await serving.encode_chat(chat.messages, True, None, None, tools=plan)
         params = _sampling_params(chat, chat.max_tokens, None)
-        serving._check_fits(len(prompt_ids), chat.max_tokens)
+        serving._admit(len(prompt_ids), params, 0, "input")
         await serving.constrain(params, chat, plan)
         response_id = _id("resp")
         stream = await serving._submit(response_id, [prompt_ids], params)
@@ -227,7 +227,8 @@ class ResponsesServing:
         base = self._base(response_id, model, body)
         if body.stream:
             first = await _unless_disconnected(stream.get(), stream, raw)
-            return _sse(self._events(stream, first, shaper, base, body, history, len(prompt_ids)))
+            return _SSEResponse(self._events(stream, first, shaper, base, body, history, len(prompt_ids)),
+                                serving.stream_send_timeout)
         finals = await _unless_disconnected(_collect(stream), stream, raw)
         output = finals[0]
         comp = output.outputs[0]
