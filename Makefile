@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 
 .PHONY: setup serve test bench chromium
 
-setup: $(STAMP) chromium
+setup: $(STAMP)
 
 # Debian's Chromium and its driver, for the dashboard's browser test (tests/test_dashboard.py).
 # Best effort, as root on Debian only: elsewhere that test skips and names this command.
@@ -36,7 +36,7 @@ $(STAMP): pyproject.toml
 serve: setup
 	$(VENV)/bin/tokenmill serve $(ARGS)
 
-test: setup
+test: setup chromium
 	$(PY) -m pytest $(ARGS)
 
 bench: setup
