@@ -1,9 +1,12 @@
-"""Shared fixtures: the default model loaded once per test session."""
+"""Shared fixtures: the default model loaded once per test session, and a default-model
+`tokenmill serve` (with an official `openai` client for it) once per test module."""
 
 from __future__ import annotations
 
 import pytest
+from openai import OpenAI
 
+from tests.server_utils import ServerProcess
 from tokenmill.llm import LLM
 
 
@@ -32,3 +35,17 @@ def assert_engine_idle(llm: LLM) -> None:
     assert not llm.engine.has_unfinished_requests()
     assert kv.num_free_blocks == kv.num_blocks
     assert not kv.req_blocks
+
+
+@pytest.fixture(scope="module")
+def server():
+    """`tokenmill serve` with the default model and default flags, one per test module (a
+    module that needs other flags defines its own `server`)."""
+    process = ServerProcess().start()
+    yield process
+    assert process.stop() == 0, process.log_tail()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> OpenAI:
+    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)

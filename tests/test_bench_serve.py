@@ -355,13 +355,6 @@ def test_cli_rejects_bad_arguments(capsys):
 # ----- a real tokenmill server -------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def server():
-    process = ServerProcess().start()
-    yield process
-    assert process.stop() == 0, process.log_tail()
-
-
 def run_real(server, tmp_path: Path, name: str, *flags: str) -> dict:
     path = tmp_path / f"{name}.json"
     status = serve_cli.main(["serve", "--base-url", server.url, "--save-result", str(path), "--disable-tqdm", *flags])

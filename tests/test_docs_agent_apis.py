@@ -7,17 +7,10 @@ import re
 
 import pytest
 
-from tests.server_utils import REPO, ServerProcess
+from tests.server_utils import REPO
 
 DOC = REPO / "docs" / "agent-apis.md"
 EXAMPLES = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.DOTALL)
-
-
-@pytest.fixture(scope="module")
-def server():
-    process = ServerProcess().start()
-    yield process
-    assert process.stop() == 0, process.log_tail()
 
 
 def test_the_doc_has_its_three_examples() -> None:

@@ -14,23 +14,11 @@ import httpx
 import pytest
 from openai import AsyncOpenAI, OpenAI
 
-from tests.server_utils import ServerProcess, sse_json
+from tests.server_utils import sse_json
 
 LENGTH_SUCCESS = 'tokenmill:request_success_total{finished_reason="length"}'
 ABORT_SUCCESS = 'tokenmill:request_success_total{finished_reason="abort"}'
 GENERATED = "tokenmill:generation_tokens_total"
-
-
-@pytest.fixture(scope="module")
-def server():
-    process = ServerProcess().start()
-    yield process
-    assert process.stop() == 0, process.log_tail()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def test_health_is_503_while_loading_and_200_once_loaded(server):

@@ -9,9 +9,7 @@ import json
 import jsonschema
 import openai
 import pytest
-from openai import OpenAI
 
-from tests.server_utils import ServerProcess
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
@@ -19,18 +17,6 @@ PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength
 WEATHER_TOOL = {"type": "function", "name": "get_weather", "description": "Current weather in a city",
                 "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20}},
                                "required": ["city"], "additionalProperties": False}}
-
-
-@pytest.fixture(scope="module")
-def server():
-    process = ServerProcess().start()
-    yield process
-    assert process.stop() == 0, process.log_tail()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def test_plain_response_retrieve_and_delete(server, client) -> None:

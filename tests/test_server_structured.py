@@ -10,25 +10,11 @@ from typing import Literal
 import jsonschema
 import openai
 import pytest
-from openai import OpenAI
 from pydantic import BaseModel, Field
 
-from tests.server_utils import ServerProcess
 from tests.structured_schemas import SCHEMAS
 
 FORMATS = jsonschema.Draft202012Validator.FORMAT_CHECKER
-
-
-@pytest.fixture(scope="module")
-def server():
-    process = ServerProcess().start()
-    yield process
-    assert process.stop() == 0, process.log_tail()
-
-
-@pytest.fixture(scope="module")
-def client(server) -> OpenAI:
-    return OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 class City(BaseModel):
