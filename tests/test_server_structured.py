@@ -66,6 +66,9 @@ def test_json_object_and_vllm_fields(server, client) -> None:
     cases = [
         ({"structured_outputs": {"regex": r"[A-Z]{2}-\d{3}"}}, lambda t: len(t) == 6 and t[2] == "-"),
         ({"structured_outputs": {"choice": ["yes", "no"]}}, lambda t: t in ("yes", "no")),
+        ({"structured_outputs": {"json": SCHEMAS["flat_person"], "disable_any_whitespace": True,
+                                 "json_object": False}},
+         lambda t: t == json.dumps(json.loads(t))),  # xgrammar's (and vLLM's) fixed ", " and ": " only
         ({"guided_choice": ["left", "right"]}, lambda t: t in ("left", "right")),
         ({"guided_regex": r"\d{4}"}, lambda t: len(t) == 4 and t.isdigit()),
         ({"guided_json": SCHEMAS["flat_person"]}, lambda t: jsonschema.validate(json.loads(t), SCHEMAS["flat_person"])
@@ -82,6 +85,27 @@ def test_json_object_and_vllm_fields(server, client) -> None:
     assert completion.choices[0].text in ("alpha", "beta")
 
 
+def test_structured_outputs_request_object_is_built_from_the_dataclass() -> None:
+    """A field added to StructuredOutputsParams is a request field with no other edit."""
+    import dataclasses
+
+    from tokenmill.sampling.structured_outputs import StructuredOutputsParams
+    from tokenmill.serve.structured import StructuredOutputsField, _request_model_of
+
+    names = {f.alias or name for name, f in StructuredOutputsField.model_fields.items()}
+    assert names == {f.name for f in dataclasses.fields(StructuredOutputsParams)}
+
+    @dataclasses.dataclass(frozen=True)
+    class WithPattern(StructuredOutputsParams):
+        whitespace_pattern: str | None = None
+
+    model = _request_model_of(WithPattern)
+    body = model.model_validate({"json": {"type": "object"}, "whitespace_pattern": " ?", "unknown": 1})
+    values = body.model_dump(by_alias=True, exclude_unset=True)
+    assert values == {"json": {"type": "object"}, "whitespace_pattern": " ?"}
+    assert WithPattern(**values).kind == "json"
+
+
 @pytest.mark.parametrize("extra, message", [
     ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "objekt"}}}},
      "invalid JSON schema"),
@@ -90,12 +114,16 @@ def test_json_object_and_vllm_fields(server, client) -> None:
     ({"guided_choice": []}, "non-empty list"),
     ({"guided_regex": "a+", "guided_choice": ["a"]}, "at most one output constraint"),
     ({"response_format": {"type": "json_schema"}}, "json_schema.schema"),
+    ({"structured_outputs": {"disable_any_whitespace": True}}, "exactly one of json, regex"),
+    ({"structured_outputs": {"regex": 5}}, "valid string"),
+    ({"structured_outputs": {"json": {"type": "objekt"}}}, "invalid JSON schema"),
 ])
 def test_bad_constraints_are_400s_naming_the_field(server, client, extra, message) -> None:
     with pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(model=server.model, messages=_ask("hi"), max_tokens=5, extra_body=extra)
     assert message in raised.value.message
-    assert raised.value.body["param"] in ("response_format", "guided_regex", "guided_grammar", "guided_choice")
+    assert raised.value.body["param"] in ("response_format", "guided_regex", "guided_grammar", "guided_choice",
+                                          "structured_outputs", "structured_outputs.regex")
     # The server is unharmed and nothing leaked.
     ok = client.chat.completions.create(model=server.model, messages=_ask("hi"), max_tokens=3)
     assert ok.choices[0].finish_reason in ("stop", "length")

@@ -28,6 +28,9 @@ class StructuredOutputsParams:
 
     `disable_any_whitespace` makes JSON output compact (no whitespace between tokens);
     by default up to a few spaces or newlines may go between JSON tokens.
+
+    The server's `structured_outputs` request object is built from these fields
+    (serve/structured.py): a field added here is a request field too.
     """
 
     json: str | dict[str, Any] | None = None
@@ -39,6 +42,8 @@ class StructuredOutputsParams:
     disable_any_whitespace: bool = False
 
     def __post_init__(self) -> None:
+        if self.json_object is False:  # clients send `false` for "not this kind"
+            object.__setattr__(self, "json_object", None)
         kinds = self.kinds()
         if len(kinds) != 1:
             raise ValueError("structured_outputs must set exactly one of "
@@ -55,7 +60,7 @@ class StructuredOutputsParams:
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise ValueError("structured_outputs.json must be a JSON schema (an object or its JSON text)")
         if self.json_object is not None and self.json_object is not True:
-            raise ValueError("structured_outputs.json_object must be true when set")
+            raise ValueError("structured_outputs.json_object must be true or false")
 
     def kinds(self) -> list[str]:
         return [kind for kind in CONSTRAINT_KINDS if getattr(self, kind) not in (None, False)]

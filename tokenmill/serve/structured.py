@@ -11,9 +11,11 @@ engine thread only ever finds grammars cached.
 
 from __future__ import annotations
 
+import dataclasses
+import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, create_model
 
 from tokenmill.sampling.structured_outputs import StructuredOutputsParams
 from tokenmill.serve.errors import APIError, bad_request
@@ -35,16 +37,24 @@ class ResponseFormat(_Lenient):
     json_schema: JsonSchemaFormat | None = None
 
 
-class StructuredOutputsField(_Lenient):
-    """vLLM's `structured_outputs` request object."""
+def _request_model_of(params_class: type) -> type[BaseModel]:
+    """The request object for a constraint dataclass, built from its fields: their names
+    (vLLM's), types and defaults, so a field is declared once, in `StructuredOutputsParams`.
+    The request model checks the types; the dataclass's own checks (exactly one
+    constraint, non-empty choices, ...) run when `constraint_of` builds it, as a 400
+    naming the field."""
+    hints = typing.get_type_hints(params_class)
+    fields: dict[str, Any] = {}
+    for declared in dataclasses.fields(params_class):
+        # `json` would shadow BaseModel.json: stored as `json_`, read and written as `json`.
+        attribute = declared.name + "_" if hasattr(BaseModel, declared.name) else declared.name
+        fields[attribute] = (hints[declared.name], Field(declared.default, alias=declared.name))
+    return create_model(params_class.__name__ + "Field", __base__=_Lenient, __doc__=params_class.__doc__,
+                        **fields)
 
-    json_: dict[str, Any] | str | None = Field(default=None, alias="json")
-    regex: str | None = None
-    choice: list[str] | None = None
-    grammar: str | None = None
-    json_object: bool | None = None
-    structural_tag: str | None = None
-    disable_any_whitespace: bool = False
+
+# vLLM's `structured_outputs` request object.
+StructuredOutputsField = _request_model_of(StructuredOutputsParams)
 
 
 def constraint_of(body: Any) -> tuple[StructuredOutputsParams | None, str | None]:
@@ -61,12 +71,9 @@ def constraint_of(body: Any) -> tuple[StructuredOutputsParams | None, str | None
                 raise bad_request("response_format of type json_schema needs json_schema.schema",
                                   param="response_format")
             found.append(("response_format", {"json": spec.schema_}))
-    field: StructuredOutputsField | None = getattr(body, "structured_outputs", None)
+    field: BaseModel | None = getattr(body, "structured_outputs", None)
     if field is not None:
-        values = field.model_dump(by_alias=True, exclude_none=True)
-        found.append(("structured_outputs", {k: v for k, v in values.items() if v is not False}))
-        if field.disable_any_whitespace:
-            found[-1][1]["disable_any_whitespace"] = True
+        found.append(("structured_outputs", field.model_dump(by_alias=True, exclude_unset=True)))
     for name, key in (("guided_json", "json"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                       ("guided_grammar", "grammar")):
         value = getattr(body, name, None)
