@@ -40,9 +40,12 @@ def make_request(
     cache_salt: str | None = None,
     priority: int = 0,
     arrival_time: float | None = None,
+    slo_ttft: float | None = None,
+    slo_tpot: float | None = None,
     **params: object,
 ) -> Request:
-    """A request as the engine builds it (EOS id, max_model_len cap)."""
+    """A request as the engine builds it (EOS id, max_model_len cap); SLO targets in
+    seconds, as the scheduler aims at them."""
     request = Request(
         request_id=request_id,
         prompt_token_ids=list(prompt),
@@ -51,6 +54,8 @@ def make_request(
         max_total_tokens=max_model_len,
         cache_salt=cache_salt,
         priority=priority,
+        slo_ttft=slo_ttft,
+        slo_tpot=slo_tpot,
     )
     if arrival_time is not None:
         request.arrival_time = arrival_time
@@ -203,9 +208,10 @@ class Harness:
         self.high_water: dict[str, int] = {}
 
     def add(self, request_id: str, prompt: Sequence[int], cache_salt: str | None = None, priority: int = 0,
-            arrival_time: float | None = None, **params: object) -> Request:
+            arrival_time: float | None = None, slo_ttft: float | None = None, slo_tpot: float | None = None,
+            **params: object) -> Request:
         request = make_request(request_id, prompt, self.config.max_model_len, cache_salt, priority, arrival_time,
-                               **params)
+                               slo_ttft, slo_tpot, **params)
         self.processor.check(request.num_prompt_tokens, request.params)
         self.processor.check_priority(priority)
         self.sched.add_request(request)
@@ -241,7 +247,8 @@ class Harness:
         old = [rid for rid in ids if rid in running_before]
         new = [rid for rid in ids if rid not in running_before]
         assert old == [rid for rid in running_before if rid in old], "running requests keep their order"
-        if cfg.slo_ttft is None:  # (SLO mode moves requests that missed the TTFT target back first)
+        # (SLO mode moves requests that missed their TTFT target back first)
+        if cfg.slo_ttft is None and all(self.sched.requests[rid].slo_ttft is None for rid in waiting_before):
             assert new == waiting_before[: len(new)], f"admissions must come from the head of waiting: {new}"
         assert set(new) <= set(waiting_before)
         assert set(out.preempted_ids) <= set(running_before)

@@ -82,10 +82,11 @@ def test_scheduling_policy_flags_and_checks() -> None:
         EngineConfig.from_kwargs(priority_aging=5)
 
 
-def test_slo_targets_are_settings_of_the_fcfs_policy() -> None:
-    config = config_from_args(parser().parse_args(["--slo-ttft-ms", "1000", "--slo-tpot-ms", "100"]))
+def test_slo_targets_are_settings_of_either_policy() -> None:
+    config = config_from_args(parser().parse_args(["--slo-ttft-ms", "1000", "--slo-tpot-ms", "100", "--slo-reject"]))
     assert (config.scheduler.slo_ttft_ms, config.scheduler.slo_tpot_ms) == (1000.0, 100.0)
+    assert config.scheduler.slo_reject and not EngineConfig.from_kwargs().scheduler.slo_reject
     with pytest.raises(ValueError, match="slo_tpot_ms must be a positive number of milliseconds"):
         EngineConfig.from_kwargs(slo_tpot_ms=0)
-    with pytest.raises(ValueError, match="slo_ttft_ms: SLO mode works with --scheduling-policy fcfs only"):
-        EngineConfig.from_kwargs(slo_ttft_ms=500, scheduling_policy="priority")
+    config = EngineConfig.from_kwargs(slo_ttft_ms=500, scheduling_policy="priority")
+    assert config.scheduler.slo_ttft_ms == 500

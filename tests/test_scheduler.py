@@ -12,10 +12,11 @@ from __future__ import annotations
 import random
 
 import pytest
-from fakes import EOS, Harness, reference_outputs
+from fakes import EOS, Harness, make_request, reference_outputs
 
 from tokenmill.engine.request import RequestStatus
 from tokenmill.engine.step_cost import StepCostEstimator
+from tokenmill.sampling.params import SamplingParams
 
 
 def tokens(start: int, n: int) -> list[int]:
@@ -1078,3 +1079,115 @@ def test_slo_ttft_serves_requests_still_on_time_before_those_that_missed() -> No
     h.run()
     assert list(h.finished) == ["on-time", "later", "fresh", "late"]
     h.assert_idle()
+
+
+# ----- per-request SLO targets and early rejection -------------------------------------
+
+
+@pytest.mark.parametrize("target", [0.3, None])
+def test_a_streams_own_tpot_target_caps_prefill_without_an_engine_target(target: float | None) -> None:
+    """As test_slo_tpot_caps_prefill_by_what_the_decoding_stream_can_spend, with A's target
+    its own (the engine has none): 34 prefill tokens beside A's decode. A stream without a
+    target protects nothing: B's prompt is computed whole."""
+    h = Harness(num_blocks=32, max_num_batched_tokens=64, step_cost=linear_cost(), clock=lambda: 0.0)
+    h.add("A", tokens(0, 4), max_tokens=3, slo_tpot=target)
+    h.step()
+    h.add("B", tokens(100, 50), max_tokens=1)
+    assert trace(h.step()) == [("A", 4, 1, True), ("B", 0, 34 if target else 50, target is None)]
+    h.run()
+    h.assert_idle()
+
+
+def test_a_requests_own_ttft_target_sends_it_back_once_missed_and_no_target_never_is() -> None:
+    now = [0.0]
+    h = Harness(num_blocks=32, max_num_seqs=2, clock=lambda: now[0])
+    h.add("patient", tokens(0, 3), arrival_time=0.0, max_tokens=2)  # no target: never late
+    h.add("late", tokens(100, 3), arrival_time=0.1, max_tokens=2, slo_ttft=1.0)
+    h.add("on-time", tokens(200, 3), arrival_time=0.9, max_tokens=2, slo_ttft=1.0)
+    now[0] = 1.5
+    assert [i[0] for i in trace(h.step())] == ["patient", "on-time"]
+    assert [r.request_id for r in h.sched.waiting] == ["late"]
+    h.run()
+    assert list(h.finished) == ["patient", "on-time", "late"]
+    h.assert_idle()
+
+
+def test_priority_protects_the_tpot_of_better_ranked_streams_only() -> None:
+    """Under priority a prompt's prefill is capped by the TPOT targets of decoding
+    streams ranked no worse than it: a better-ranked prompt runs whole beside a
+    worse-ranked stream with a target, a worse-ranked one is cut to what the better-ranked
+    stream can spend (34 tokens, as in the fcfs case)."""
+    for stream_priority, prompt_priority, chunk in ((1, 0, 50), (0, 1, 34)):
+        h = Harness(num_blocks=32, max_num_batched_tokens=64, scheduling_policy="priority",
+                    step_cost=linear_cost(), clock=lambda: 0.0)
+        h.add("stream", tokens(0, 4), max_tokens=3, priority=stream_priority, slo_tpot=0.3)
+        h.step()
+        h.add("prompt", tokens(100, 50), max_tokens=1, priority=prompt_priority)
+        step = sorted(trace(h.step()))
+        assert step == [("prompt", 0, chunk, chunk == 50), ("stream", 4, 1, True)]
+        h.run()
+        h.assert_idle()
+
+
+def test_priority_admission_counts_only_better_ranked_streams_against_a_tpot_target() -> None:
+    """0.1 + 0.02 x rows <= 0.15 allows 2 streams. Two priority-1 streams with targets run;
+    a priority-0 request with a target is still admitted (the worse-ranked rows do not
+    count against it), a third priority-1 one is not."""
+    h = Harness(num_blocks=32, scheduling_policy="priority", step_cost=linear_cost(), clock=lambda: 0.0)
+    for rid in "ab":
+        h.add(rid, tokens(10 * ord(rid), 2), max_tokens=4, priority=1, slo_tpot=0.15)
+    h.step()
+    h.add("c", tokens(300, 2), max_tokens=4, priority=1, slo_tpot=0.15)
+    h.add("vip", tokens(400, 2), max_tokens=4, priority=0, slo_tpot=0.15)
+    assert [i[0] for i in trace(h.step())] == ["vip", "a", "b"]
+    assert [r.request_id for r in h.sched.waiting] == ["c"]
+    h.run()
+    h.assert_idle()
+
+
+def test_predict_ttft_counts_the_prompts_queued_ahead() -> None:
+    """Step = 0.1 + 0.01 x prefill + 0.02 x decode s, 32 tokens a step. Alone, a 20-token
+    prompt is one step: 0.3 s. Behind three 20-token prompts, 80 tokens in 3 steps:
+    0.3 + 0.8 = 1.1 s. Under priority only the prompts ranked no worse count."""
+    h = Harness(num_blocks=64, step_cost=linear_cost(), clock=lambda: 0.0)
+    probe = make_request("probe", tokens(500, 20), 64)
+    assert h.sched.predict_ttft(probe) == pytest.approx(0.3)
+    for i in range(3):
+        h.add(f"q{i}", tokens(100 * i, 20), max_tokens=2)
+    assert h.sched.predict_ttft(probe) == pytest.approx(1.1)
+    assert Harness().sched.predict_ttft(probe) is None  # no step cost known: nothing predicted
+    p = Harness(num_blocks=64, scheduling_policy="priority", step_cost=linear_cost(), clock=lambda: 0.0)
+    for i in range(3):
+        p.add(f"q{i}", tokens(100 * i, 20), max_tokens=2, priority=1)
+    assert p.sched.predict_ttft(make_request("vip", tokens(500, 20), 64, priority=0)) == pytest.approx(0.3)
+    assert p.sched.predict_ttft(make_request("low", tokens(500, 20), 64, priority=1)) == pytest.approx(1.1)
+
+
+def test_engine_rejects_early_only_what_asked_and_cannot_meet_its_ttft() -> None:
+    """--slo-reject: a request whose TTFT target is predicted missed raises
+    SLOUnattainableError and leaves nothing behind; one without a target, or with one it
+    can meet, is queued; without --slo-reject nothing is refused."""
+    from fakes import make_engine
+
+    from tokenmill.engine.engine import SLOUnattainableError
+
+    for reject in (True, False):
+        engine = make_engine(num_blocks=64, max_num_batched_tokens=32, slo_reject=reject)
+        engine.step_cost = engine.scheduler.step_cost = linear_cost()
+        for i in range(3):
+            engine.add_request(f"q{i}", tokens(100 * i + 10, 20), SamplingParams(max_tokens=2))
+        if reject:
+            with pytest.raises(SLOUnattainableError, match="time-to-first-token target of 500 ms") as info:
+                engine.add_request("tight", tokens(600, 20), SamplingParams(max_tokens=2), slo_ttft_ms=500)
+            assert info.value.predicted_ttft == pytest.approx(1.1) and info.value.retry_after > 0.5
+            assert "tight" not in engine.scheduler.requests and "tight" not in engine.output_processor.user_requests
+        else:
+            engine.add_request("tight", tokens(600, 20), SamplingParams(max_tokens=2), slo_ttft_ms=500)
+        engine.add_request("loose", tokens(700, 20), SamplingParams(max_tokens=2), slo_ttft_ms=5000)
+        engine.add_request("none", tokens(800, 20), SamplingParams(max_tokens=2))
+        assert len(engine.scheduler.requests) == (5 if reject else 6)
+        with pytest.raises(ValueError, match="slo_tpot_ms must be a positive number of milliseconds"):
+            engine.add_request("bad", tokens(900, 4), slo_tpot_ms=-1)
+        while engine.has_unfinished_requests():
+            engine.step()
+        assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks

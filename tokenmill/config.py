@@ -192,15 +192,24 @@ class SchedulingConfig:
                                                 "(its priority - the best priority) x SECONDS after it. "
                                                 "Default: strict priority, as vLLM")
     slo_ttft_ms: float | None = setting(None, metavar="MS",
-                                        help="SLO mode (fcfs): a time-to-first-token target. Requests that can still "
+                                        help="SLO mode: a time-to-first-token target for every request (a request's "
+                                             "own slo_ttft_ms field wins). Under fcfs, requests that can still "
                                              "meet it are admitted before those that already missed it (which run "
                                              "when nothing on time waits), so an overload costs some requests their "
-                                             "target instead of all")
+                                             "target instead of all; with --slo-reject, a request predicted to miss "
+                                             "it is refused at once")
     slo_tpot_ms: float | None = setting(None, metavar="MS",
-                                        help="SLO mode (fcfs): a time-per-output-token target. Each step's prefill "
+                                        help="SLO mode: a time-per-output-token target for every request (a "
+                                             "request's own slo_tpot_ms field wins). Each step's prefill "
                                              "tokens and new admissions are limited so the step's predicted time "
                                              "stays within it while streams are decoding (the step cost is learned "
-                                             "from the engine's own steps); more requests queue instead")
+                                             "from the engine's own steps); more requests queue instead. Under "
+                                             "priority only the streams ranked no worse than a prompt are protected "
+                                             "from it")
+    slo_reject: bool = setting(False, help="early rejection: refuse a request with a TTFT target (its own or "
+                                           "--slo-ttft-ms) when the step cost learned so far predicts it cannot be "
+                                           "met at the current load (the server answers 429 with Retry-After; "
+                                           "LLMEngine.add_request raises SLOUnattainableError)")
 
     def __post_init__(self) -> None:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
@@ -214,11 +223,8 @@ class SchedulingConfig:
                 raise ValueError("priority_aging applies to --scheduling-policy priority only")
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
             value = getattr(self, name)
-            if value is not None:
-                if not 0 < value < float("inf"):
-                    raise ValueError(f"{name} must be a positive number of milliseconds, got {value}")
-                if self.scheduling_policy != "fcfs":
-                    raise ValueError(f"{name}: SLO mode works with --scheduling-policy fcfs only (for now)")
+            if value is not None and not 0 < value < float("inf"):
+                raise ValueError(f"{name} must be a positive number of milliseconds, got {value}")
 
 
 @dataclass(frozen=True)

@@ -25,15 +25,21 @@ from tokenmill.engine.batch import RunnerOutput, SchedulerOutput
 from tokenmill.engine.block_manager import HybridKVBlockManager, KVBlockManager
 from tokenmill.engine.input_processor import AdmissionLimits, InputProcessor, ProcessedRequest
 from tokenmill.engine.output_processor import OutputProcessor
-from tokenmill.engine.request import Request, RequestStatus
+from tokenmill.engine.request import SLO_HEADROOM, Request, RequestStatus, slo_aim
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from tokenmill.engine.step_cost import StepCostEstimator
 from tokenmill.outputs import RequestOutput
 from tokenmill.sampling.params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
+class SLOUnattainableError(RuntimeError):
+    """Early rejection (--slo-reject): the request's TTFT target cannot be met at the
+    current load, as predicted from the learned step cost (a server answers 429)."""
 
-SLO_HEADROOM = 0.95
+    def __init__(self, message: str, predicted_ttft: float, retry_after: float) -> None:
+        super().__init__(message)
+        self.predicted_ttft = predicted_ttft
+        self.retry_after = retry_after  # seconds after which the queue ahead is predicted gone
 
 
 class Executor(Protocol):
@@ -177,12 +183,12 @@ class LLMEngine:
         kv = make_block_manager(facts, config.cache.enable_prefix_caching)
         sched = config.scheduler
         # SLO mode aims a little under the targets: its step costs are predictions.
-        slo_ttft, slo_tpot = (None if ms is None else SLO_HEADROOM * ms / 1e3
-                              for ms in (sched.slo_ttft_ms, sched.slo_tpot_ms))
         limits = SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, facts.max_model_len,
-                                 sched.scheduling_policy, sched.priority_aging, slo_ttft, slo_tpot)
-        # SLO mode predicts steps from the engine's own: every step's time is fed back.
-        self.step_cost = StepCostEstimator() if slo_ttft is not None or slo_tpot is not None else None
+                                 sched.scheduling_policy, sched.priority_aging, slo_aim(sched.slo_ttft_ms),
+                                 slo_aim(sched.slo_tpot_ms))
+        # SLO mode (the engine's targets or a request's own) predicts steps from the
+        # engine's own: every step's time is fed back, whether or not targets are set yet.
+        self.step_cost = StepCostEstimator()
         self.scheduler = Scheduler(limits, kv, clock, self.step_cost)
         self.input_processor = InputProcessor(
             tokenizer, AdmissionLimits(facts.max_model_len, facts.vocab_size, facts.num_blocks, facts.block_size),
@@ -239,12 +245,17 @@ class LLMEngine:
         final_only: bool = False,
         cache_salt: str | None = None,
         priority: int = 0,
+        slo_ttft_ms: float | None = None,
+        slo_tpot_ms: float | None = None,
     ) -> None:
         """Validate and queue a request; raises ValueError (an AdmissionError naming the
         problem and the limit) before anything is allocated. `priority` (lower first) needs
-        --scheduling-policy priority unless it is 0, as in vLLM."""
+        --scheduling-policy priority unless it is 0, as in vLLM. `slo_ttft_ms` /
+        `slo_tpot_ms`: this request's latency targets (SLO mode; default: the engine's);
+        with --slo-reject, SLOUnattainableError when its TTFT target is predicted missed."""
         request = self.input_processor.process(request_id, prompt, params, arrival_time=arrival_time or self.clock(),
-                                               cache_salt=cache_salt, priority=priority)
+                                               cache_salt=cache_salt, priority=priority, slo_ttft_ms=slo_ttft_ms,
+                                               slo_tpot_ms=slo_tpot_ms)
         self.add_processed(request, final_only)
 
     def add_processed(self, request: ProcessedRequest, final_only: bool = False) -> None:
@@ -252,9 +263,26 @@ class LLMEngine:
         for rid in [request.request_id, *(s.request_id for s in request.samples)]:
             if rid in self.output_processor.user_requests or rid in self.scheduler.requests:
                 raise ValueError(f"request id {rid!r} is already in use")
+        if self.config.scheduler.slo_reject and request.samples:
+            self._check_attainable(request.samples[0])
         for sample in request.samples:
             self.scheduler.add_request(sample)
         self.output_processor.add(request.request_id, request.prompt_text, request.samples, final_only)
+
+    def _check_attainable(self, request: Request) -> None:
+        """Early rejection: raise SLOUnattainableError when the request has a TTFT target
+        (its own or the engine's) and the scheduler predicts it missed at the current
+        load. Admitted when nothing can be predicted yet."""
+        target = request.slo_ttft if request.slo_ttft is not None else self.scheduler.config.slo_ttft
+        if target is None:
+            return
+        predicted = self.scheduler.predict_ttft(request)
+        if predicted is not None and predicted > target:
+            goal = target / SLO_HEADROOM
+            raise SLOUnattainableError(
+                f"the server is too loaded to meet this request's time-to-first-token target of {goal * 1e3:.0f} ms "
+                f"(predicted {predicted * 1e3:.0f} ms); retry later, or send it without a target",
+                predicted, max(predicted - target, 0.0))
 
     def abort_request(self, request_id: str) -> RequestOutput | None:
         """Stop a request and free its blocks at once; returns its final output."""

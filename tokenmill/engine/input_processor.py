@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from tokenmill.engine.request import Request
+from tokenmill.engine.request import Request, slo_aim
 from tokenmill.sampling.params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -167,6 +167,15 @@ class InputProcessor:
             raise AdmissionError(f"priority must be 0 unless priority scheduling is enabled (got {priority}; start "
                                  "the engine with --scheduling-policy priority)", "priority")
 
+    @staticmethod
+    def check_slo(slo_ttft_ms: object, slo_tpot_ms: object) -> None:
+        """Per-request latency targets: positive, finite milliseconds (or None)."""
+        for name, value in (("slo_ttft_ms", slo_ttft_ms), ("slo_tpot_ms", slo_tpot_ms)):
+            if value is None:
+                continue
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < float("inf"):
+                raise AdmissionError(f"{name} must be a positive number of milliseconds, got {value!r}", name)
+
     def _check_kv_capacity(self, num_prompt_tokens: int, params: SamplingParams) -> None:
         max_tokens = self.output_room(num_prompt_tokens, params.max_tokens)
         # The last sampled token is never fed back, so it needs no KV slot.
@@ -196,10 +205,13 @@ class InputProcessor:
 
     def process(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
                 arrival_time: float, cache_salt: str | None = None, priority: int = 0,
-                strict_max_tokens: bool = False, prompt_param: str = "prompt") -> ProcessedRequest:
-        """Tokenize and check a prompt and make its requests (one per sample)."""
+                strict_max_tokens: bool = False, prompt_param: str = "prompt",
+                slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None) -> ProcessedRequest:
+        """Tokenize and check a prompt and make its requests (one per sample).
+        `slo_ttft_ms` / `slo_tpot_ms`: this request's latency targets (SLO mode)."""
         params = params or SamplingParams()
         self.check_priority(priority)
+        self.check_slo(slo_ttft_ms, slo_tpot_ms)
         prompt_text, prompt_ids = self.tokenize(prompt, prompt_param)
         self.check(len(prompt_ids), params, strict_max_tokens=strict_max_tokens, prompt_param=prompt_param)
         samples = [
@@ -212,6 +224,8 @@ class InputProcessor:
                 arrival_time=arrival_time,
                 cache_salt=cache_salt,
                 priority=priority,
+                slo_ttft=slo_aim(slo_ttft_ms),
+                slo_tpot=slo_aim(slo_tpot_ms),
             )
             for i in range(params.n)
         ]

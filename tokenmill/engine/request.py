@@ -8,6 +8,14 @@ from dataclasses import dataclass, field
 
 from tokenmill.sampling.params import SamplingParams
 
+# SLO mode aims a little under the targets given: its step costs are predictions.
+SLO_HEADROOM = 0.95
+
+
+def slo_aim(ms: float | None) -> float | None:
+    """The seconds SLO mode aims at for a target of `ms` milliseconds (None: no target)."""
+    return None if ms is None else SLO_HEADROOM * ms / 1e3
+
 
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
@@ -40,6 +48,10 @@ class Request:
     num_preemptions: int = 0
     cache_salt: str | None = None  # isolates this request's prefix cache entries
     priority: int = 0  # under the priority policy: lower first (vLLM's meaning)
+    # This request's latency targets in seconds, as SLO mode aims at them (the engine's
+    # headroom applied); None: the engine's --slo-ttft-ms / --slo-tpot-ms, if any.
+    slo_ttft: float | None = None
+    slo_tpot: float | None = None
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None  # the scheduler's clock when its first output token was appended

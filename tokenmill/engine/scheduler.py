@@ -22,11 +22,13 @@ order: a running request gets its next tokens, a waiting one is admitted. Whoeve
 a sequence slot or KV memory preempts the worst-ranked running request, if that one
 ranks strictly worse (docs/scheduling.md).
 
-SLO mode (fcfs, `slo_ttft` / `slo_tpot`, docs/scheduling.md): with a TPOT target, while
-streams are decoding each step's prefill tokens are capped so the step's predicted time
-(a `StepCostEstimator` the engine feeds with its own step times) stays within the target,
-and a request is admitted only if one more decoding stream keeps a decode step within it.
-With a TTFT target, waiting requests that can no longer meet it go behind those that can.
+SLO mode (`slo_ttft` / `slo_tpot`, or a request's own targets, docs/scheduling.md): with
+a TPOT target, while streams are decoding each step's prefill tokens are capped so the
+step's predicted time (a `StepCostEstimator` the engine feeds with its own step times)
+stays within the target, and a request is admitted only if one more decoding stream keeps
+a decode step within it (under priority, only the streams ranked no worse count). Under
+fcfs, with a TTFT target, waiting requests that can no longer meet it go behind those
+that can. `predict_ttft` estimates a new request's TTFT (early rejection).
 """
 
 from __future__ import annotations
@@ -117,7 +119,8 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
 
-        prefill_left = self._prefill_cap()  # SLO mode's limit on this step's prefill tokens (None: none)
+        # SLO mode's limit on this step's prefill tokens (None: none)
+        prefill_left = self._prefill_cap(*self._allowances())
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
@@ -135,12 +138,12 @@ class Scheduler:
             budget -= num_new
             i += 1
 
-        late = self._late_to_the_back() if self.config.slo_ttft is not None else set()
+        late = self._late_to_the_back() if self._any_ttft_target() else set()
         # A step that had to preempt is short of memory: admitting would only thrash.
         while not preempted and self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            if prefill_left == 0 or not self._slo_may_admit():
-                break
             request = self.waiting[0]
+            if prefill_left == 0 or not self._slo_may_admit(request, self.running):
+                break
             if request.request_id in late and self.running:
                 break  # SLO mode: what missed its TTFT target runs only when nothing else does
             hits, num_hit_tokens = self.kv.get_computed_blocks(request)
@@ -159,27 +162,42 @@ class Scheduler:
 
     # ----- SLO mode ------------------------------------------------------------------
 
+    def _ttft(self, request: Request) -> float | None:
+        """The request's TTFT aim: its own target, else the engine's (None: none)."""
+        return request.slo_ttft if request.slo_ttft is not None else self.config.slo_ttft
+
+    def _tpot(self, request: Request) -> float | None:
+        return request.slo_tpot if request.slo_tpot is not None else self.config.slo_tpot
+
+    def _any_ttft_target(self) -> bool:
+        return self.config.slo_ttft is not None or any(r.slo_ttft is not None for r in self.waiting)
+
     def _decode_rows(self) -> int:
         return sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
 
-    def _prefill_cap(self) -> int | None:
-        """The prefill tokens this step may take so that every decoding stream keeps its
-        mean time per output token (what TPOT measures) within the target, counting the
-        time it has saved so far and will save on its remaining decode steps (each
+    def _allowances(self) -> tuple[int, list[tuple[Request, float]]]:
+        """(decode rows, [(stream, the longest step it allows)]) over the decoding streams
+        with a TPOT target; no allowances while the step cost is unknown."""
+        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
+        targeted = [(r, t) for r in decoding if (t := self._tpot(r)) is not None]
+        cost = self.step_cost
+        if cost is None or not targeted or cost.coefficients is None:
+            return len(decoding), []
+        now = self.clock()
+        decode_step = cost.predict(0, len(decoding) + 1)
+        return len(decoding), [(r, self._step_allowance(r, now, t, decode_step)) for r, t in targeted]
+
+    def _prefill_cap(self, rows: int, allowances: list[tuple[Request, float]]) -> int | None:
+        """The prefill tokens a step may take so that every stream in `allowances` keeps
+        its mean time per output token (what TPOT measures) within its target, counting
+        the time it has saved so far and will save on its remaining decode steps (each
         predicted at the decode step of the running streams plus one) when those are
         shorter than the target. 0 when there is nothing to spend: prompts in progress
-        wait for decode steps to save some. None: no limit (no target, nothing decoding,
-        or no cost known yet)."""
-        tpot, cost = self.config.slo_tpot, self.step_cost
-        if tpot is None or cost is None:
+        wait for decode steps to save some. None: no limit (no stream to protect, or no
+        cost known yet)."""
+        if not allowances or self.step_cost is None:
             return None
-        decoding = [r for r in self.running if r.num_tokens - r.num_computed_tokens == 1]
-        if not decoding:
-            return None
-        now = self.clock()
-        decode_step = cost.predict(0, len(decoding) + 1) or tpot
-        step = min((self._step_allowance(r, now, tpot, decode_step) for r in decoding), default=tpot)
-        return cost.max_prefill_tokens(len(decoding), step)
+        return self.step_cost.max_prefill_tokens(rows, min(a for _, a in allowances))
 
     @staticmethod
     def _step_allowance(request: Request, now: float, tpot: float, decode_step: float) -> float:
@@ -192,26 +210,29 @@ class Scheduler:
         remaining = total - request.num_output_tokens
         return tpot * (total - 1) - (now - request.first_token_time) - max(remaining - 1, 0) * decode_step
 
-    def _slo_may_admit(self) -> bool:
-        """One more stream keeps a decode step of every running request (and it) within
-        the TPOT target; always true when nothing runs."""
-        tpot, cost = self.config.slo_tpot, self.step_cost
-        if tpot is None or cost is None or not self.running:
+    def _slo_may_admit(self, request: Request, streams: list[Request]) -> bool:
+        """One more stream (`request`) keeps a decode step of `streams` and it within the
+        TPOT targets of all of them that have one; always true when nothing has one or
+        the cost is not known yet."""
+        cost = self.step_cost
+        targets = [t for r in (*streams, request) if (t := self._tpot(r)) is not None]
+        if cost is None or not targets or not streams:
             return True
-        predicted = cost.predict(0, len(self.running) + 1)
-        return predicted is None or predicted <= tpot
+        predicted = cost.predict(0, len(streams) + 1)
+        return predicted is None or predicted <= min(targets)
 
     def _late_to_the_back(self) -> set[str]:
-        """Requests still waiting for their first token that have missed the TTFT target,
-        or would miss it even if their prompt were computed in the next step, go behind
-        the others (in arrival order): they are lost to goodput, the others not yet.
-        Returns their ids."""
-        ttft, now = self.config.slo_ttft, self.clock()
+        """Requests still waiting for their first token that have missed their TTFT
+        target, or would miss it even if their prompt were computed in the next step, go
+        behind the others (in arrival order): they are lost to goodput, the others not
+        yet. Returns their ids."""
+        now = self.clock()
         rows = self._decode_rows()
         budget = self.config.max_num_batched_tokens
 
         def late(request: Request) -> bool:
-            if request.num_output_tokens > 0:
+            ttft = self._ttft(request)
+            if ttft is None or request.num_output_tokens > 0:
                 return False
             step = self.step_cost.predict(min(request.num_tokens, budget), rows) if self.step_cost else None
             return now - request.arrival_time + (step or 0.0) > ttft
@@ -222,16 +243,64 @@ class Scheduler:
             self.waiting = deque([r for r in self.waiting if r.request_id not in ids] + missed)
         return {r.request_id for r in missed}
 
+    def predict_ttft(self, request: Request) -> float | None:
+        """Roughly the seconds until `request` (not added yet) would get its first token:
+        the prompt tokens queued ahead of it and its own, computed at the rate the learned
+        step cost and the decoding streams' TPOT targets allow, after the wait for a
+        sequence slot when none is free. Under priority only requests ranked no worse
+        than it are ahead (the others give way or are preempted). None while the step
+        cost is not known (early rejection then admits)."""
+        cost = self.step_cost
+        if cost is None or cost.coefficients is None:
+            return None
+        b0, b1, b2 = cost.coefficients
+
+        def ahead_of_it(queue: list[Request] | deque[Request]) -> list[Request]:
+            if not self.config.by_priority:
+                return list(queue)
+            return [r for r in queue if self.rank(r) <= self.rank(request)]
+
+        running, waiting = ahead_of_it(self.running), ahead_of_it(self.waiting)
+        left = [r.num_tokens - r.num_computed_tokens for r in (*running, *waiting)]
+        tokens = sum(n for n in left if n > 1) + request.num_tokens
+        rows = self._decode_rows()
+        overhead = b0 + b2 * rows  # what a step costs beside its prefill tokens
+        budget = self.config.max_num_batched_tokens
+        tpots = [t for r in running if (t := self._tpot(r)) is not None]
+        slots = self.config.max_num_seqs
+        per_step = budget
+        if tpots and rows:  # prefill gets what a step of at most the tightest target leaves
+            tpot = min(tpots)
+            per_step = min(budget, int((tpot - overhead) / b1) if b1 > 0 else budget)
+            slots = min(slots, max(int((tpot - b0) / b2) if b2 > 0 else slots, 1))
+        decode_step = cost.predict(0, max(rows, 1))
+        # A sequence slot: the streams that must end first, at the decode step they run at.
+        need = len(running) + len(waiting) + 1 - slots
+        remaining = sorted(r.max_tokens - r.num_output_tokens for r in running)
+        wait = remaining[min(need, len(remaining)) - 1] * decode_step if need > 0 and remaining else 0.0
+        if per_step < 1:  # the decode step alone uses the targets up: prompts wait for streams to end
+            wait = max(wait, (remaining[0] if remaining else 1) * decode_step)
+            per_step = budget
+        steps = -(-tokens // per_step)
+        in_flight = overhead if self.running else 0.0  # the step running now is not interrupted
+        return in_flight + wait + steps * overhead + b1 * tokens
+
     def _schedule_by_rank(self) -> tuple[list[ScheduledRequest], list[str]]:
         """One pass over the running and the waiting queue (each in rank order) merged:
         the better-ranked of the two heads goes next. Everyone behind the cursor ranks no
         better than the request in hand, so the victims (the tail of `running`) were not
         scheduled in this step, and a victim is never re-admitted in the step that
-        preempted it (everything waiting behind it ranks worse still)."""
+        preempted it (everything waiting behind it ranks worse still).
+
+        SLO mode: a prefill chunk (of a running or an admitted request) is capped so the
+        step keeps the TPOT targets of the decoding streams ranked no worse than it; the
+        worse-ranked streams' targets give way."""
         budget = self.config.max_num_batched_tokens
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
-        i = 0  # running[:i] are scheduled; running[i:] rank no better than anything admitted now
+        rows, allowances = self._allowances()
+        prefill = 0  # prefill tokens scheduled so far in this step
+        i = 0  # running[:i] were visited; running[i:] rank no better than anything admitted now
         admitting = True
         while budget > 0:
             request = self.running[i] if i < len(self.running) else None
@@ -243,19 +312,39 @@ class Scheduler:
             if request is not None and (head is None or self.rank(request) <= self.rank(head)):
                 num_known = request.num_tokens - request.num_computed_tokens
                 num_new = min(num_known + len(self._proposals(request)), budget)
+                if num_known > 1:  # a prefill chunk (or a recomputation)
+                    cap = self._rank_cap(request, rows, allowances, prefill)
+                    if cap == 0:
+                        i += 1  # waits for decode steps to save time (it ranks worse than what it spares)
+                        continue
+                    num_new = min(num_new, cap if cap is not None else num_new)
+                    prefill += num_new
                 if self._allocate_or_preempt(request, num_new, preempted):
                     scheduled.append(self._schedule(request, num_new))
                     budget -= num_new
                     i += 1
                 continue  # (a request that preempted itself was the tail: running[i:] is empty)
-            num_new = self._admit_by_rank(head, i, budget, preempted)
+            cap = self._rank_cap(head, rows, allowances, prefill)
+            better = [r for r in self.running if self.rank(r) < self.rank(head)]
+            num_new = None
+            if cap != 0 and self._slo_may_admit(head, better):
+                num_new = self._admit_by_rank(head, i, min(budget, cap if cap is not None else budget), preempted)
             if num_new is None:
                 admitting = False  # strict order: nothing worse-ranked jumps the head
                 continue
+            prefill += num_new
             scheduled.append(self._schedule(head, num_new))
             budget -= num_new
             i += 1
         return scheduled, preempted
+
+    def _rank_cap(self, request: Request, rows: int, allowances: list[tuple[Request, float]],
+                  prefill: int) -> int | None:
+        """What is left for `request`'s prefill of this step's cap, counting only the
+        allowances of streams ranked no worse than it (None: no limit)."""
+        rank = self.rank(request)
+        cap = self._prefill_cap(rows, [(r, a) for r, a in allowances if r is not request and self.rank(r) <= rank])
+        return None if cap is None else max(cap - prefill, 0)
 
     def _admit_by_rank(self, request: Request, index: int, budget: int, preempted: list[str]) -> int | None:
         """Admit the head of waiting at running[index], preempting worse-ranked running

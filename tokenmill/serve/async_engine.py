@@ -86,6 +86,7 @@ class NewRequest:
     params: SamplingParams
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     priority: int = 0
+    slo: tuple[float | None, float | None] = (None, None)  # (TTFT, TPOT) targets in ms
 
 
 @dataclass
@@ -400,6 +401,7 @@ class AsyncEngine:
                 self.engine.add_request(
                     request.request_id, request.prompt_token_ids, request.params,
                     arrival_time=request.arrival_time, priority=request.priority,
+                    slo_ttft_ms=request.slo[0], slo_tpot_ms=request.slo[1],
                 )
                 added.append(request.request_id)
         except Exception as exc:  # noqa: BLE001 - goes back to the handler

@@ -113,6 +113,11 @@ class SamplingFields(RequestBody):
     # vLLM's field: lower is served first under --scheduling-policy priority; anything but
     # 0 is refused (400) under fcfs, as vLLM does.
     priority: Annotated[int, Field(ge=-(2**63), lt=2**63)] = 0
+    # This request's latency targets for SLO mode (docs/scheduling.md), in milliseconds:
+    # named as the server's --slo-ttft-ms / --slo-tpot-ms and llm-d's x-slo-ttft-ms /
+    # x-slo-tpot-ms request headers (also accepted; the body wins). vLLM has no such field.
+    slo_ttft_ms: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
+    slo_tpot_ms: Annotated[float, Field(gt=0, allow_inf_nan=False)] | None = None
     # Output constraints (serve/structured.py): OpenAI's, vLLM's, and vLLM's older names.
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsField | None = None

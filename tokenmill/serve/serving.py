@@ -22,6 +22,7 @@ import contextvars
 import functools
 import json
 import logging
+import math
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -33,7 +34,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from tokenmill.engine.engine import LLMEngine
+from tokenmill.engine.engine import LLMEngine, SLOUnattainableError
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.outputs import CompletionOutput, RequestOutput
 from tokenmill.sampling.params import SamplingParams, default, sampling_fields
@@ -188,11 +189,12 @@ class OpenAIServing:
             max_tokens = min(default("max_tokens"), room) if room > 0 else default("max_tokens")
         echo_logprobs = body.logprobs if body.echo and body.logprobs is not None else None
         params = _sampling_params(body, max_tokens, body.logprobs, prompt_logprobs=echo_logprobs)
+        slo = _slo_targets(body, raw)
         for prompt in prompts:
-            self._admit(len(prompt.token_ids), params, body.priority, "prompt")
+            self._admit(len(prompt.token_ids), params, body.priority, "prompt", slo)
         await self.constrain(params, body)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = await self._submit(request_id, [p.token_ids for p in prompts], params, body.priority)
+        stream = await self._submit(request_id, [p.token_ids for p in prompts], params, body.priority, slo)
         renderer = _CompletionRenderer(request_id, model, prompts, body, core)
         return await _respond(stream, renderer, body, raw, self.stream_send_timeout)
 
@@ -213,10 +215,11 @@ class OpenAIServing:
         max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
         num_logprobs = (body.top_logprobs or 0) if body.logprobs else None
         params = _sampling_params(body, max_tokens, num_logprobs)
-        self._admit(len(prompt_ids), params, body.priority, "messages")
+        slo = _slo_targets(body, raw)
+        self._admit(len(prompt_ids), params, body.priority, "messages", slo)
         await self.constrain(params, body, plan)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await self._submit(request_id, [prompt_ids], params, body.priority)
+        stream = await self._submit(request_id, [prompt_ids], params, body.priority, slo)
         reasoning = get_reasoning_parser(self.agent.reasoning_parser) if self.agent.reasoning_parser else None
         renderer = _ChatRenderer(request_id, model, len(prompt_ids), body, core, plan, reasoning)
         return await _respond(stream, renderer, body, raw, self.stream_send_timeout)
@@ -286,23 +289,25 @@ class OpenAIServing:
         self.limits.check_stop(body.stop, body.stop_token_ids)
         self.limits.check_logit_bias(body.logit_bias)
 
-    def _admit(self, prompt_len: int, params: SamplingParams, priority: int, prompt_param: str) -> None:
+    def _admit(self, prompt_len: int, params: SamplingParams, priority: int, prompt_param: str,
+               slo: tuple[float | None, float | None] = (None, None)) -> None:
         """The input processor's checks, with OpenAI's rule for max_tokens: a prompt plus
         max_tokens over max_model_len is refused (`LLM` caps max_tokens instead)."""
         try:
             self.processor.check_priority(priority)
+            self.processor.check_slo(*slo)
             self.processor.check(prompt_len, params, strict_max_tokens=True, prompt_param=prompt_param)
         except ValueError as error:
             raise from_value_error(error) from error
 
     async def _submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                      priority: int = 0) -> OutputStream:
+                      priority: int = 0, slo: tuple[float | None, float | None] = (None, None)) -> OutputStream:
         arrival = time.monotonic()
         if self.log_requests:  # --enable-log-requests; no prompt text (it may be private)
             logger.info("received request %s: %s prompt tokens, %s", request_id,
                         "+".join(str(len(p)) for p in prompts), params)
         requests = [
-            NewRequest(request_id if len(prompts) == 1 else f"{request_id}-{i}", ids, params, arrival, priority)
+            NewRequest(request_id if len(prompts) == 1 else f"{request_id}-{i}", ids, params, arrival, priority, slo)
             for i, ids in enumerate(prompts)
         ]
         try:
@@ -312,8 +317,33 @@ class OpenAIServing:
         except QueueFullError as error:
             raise APIError(429, str(error), code="queue_full",
                            headers={"Retry-After": str(RETRY_AFTER_SECONDS)}) from error
+        except SLOUnattainableError as error:  # --slo-reject
+            retry_after = max(RETRY_AFTER_SECONDS, math.ceil(error.retry_after))
+            raise APIError(429, str(error), code="slo_unattainable", param="slo_ttft_ms",
+                           headers={"Retry-After": str(retry_after)}) from error
         except EngineUnavailableError as error:
             raise unavailable(error) from error
+
+
+# llm-d's request headers for the same targets (its gateway's SLO-aware routing reads them).
+SLO_HEADERS = {"slo_ttft_ms": "x-slo-ttft-ms", "slo_tpot_ms": "x-slo-tpot-ms"}
+
+
+def _slo_targets(body: Any, raw: Request) -> tuple[float | None, float | None]:
+    """(TTFT, TPOT) targets in ms: the body's slo_ttft_ms / slo_tpot_ms, else the
+    x-slo-ttft-ms / x-slo-tpot-ms headers; a header that is not a number is a 400."""
+    targets = []
+    for name, header in SLO_HEADERS.items():
+        value = getattr(body, name, None)
+        text = raw.headers.get(header)
+        if value is None and text is not None:
+            try:
+                value = float(text)
+            except ValueError:
+                raise bad_request(f"the {header} header must be a number of milliseconds, got {text!r}",
+                                  param=name) from None
+        targets.append(value)
+    return targets[0], targets[1]
 
 
 def unavailable(error: EngineUnavailableError) -> APIError:

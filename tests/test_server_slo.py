@@ -1,0 +1,79 @@
+"""Per-request SLO targets and early rejection (`--slo-reject`) end to end, with the
+official openai client: `slo_ttft_ms` / `slo_tpot_ms` through `extra_body`, or llm-d's
+`x-slo-ttft-ms` header; a target predicted missed is a 429 (openai.RateLimitError) with
+Retry-After, in OpenAI's error format.
+
+One server under the priority policy with a single sequence slot: a long low-priority
+stream holds it; a high-priority request with a target is still admitted (it preempts
+the stream), a low-priority one with the same target is refused at once.
+"""
+
+from __future__ import annotations
+
+import openai
+import pytest
+from openai import OpenAI
+
+from tests.server_utils import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def server():
+    process = ServerProcess("--scheduling-policy", "priority", "--max-num-seqs", "1", "--slo-reject").start()
+    yield process
+    assert process.stop() == 0, process.log_tail()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> OpenAI:
+    client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
+    # Some steps with prefill and decode tokens: the engine learns what a step costs.
+    client.completions.create(model=server.model, prompt="Warm up.", max_tokens=12, extra_body={"ignore_eos": True})
+    return client
+
+
+def test_an_unattainable_ttft_target_is_refused_at_once_with_429(server, client):
+    with pytest.raises(openai.RateLimitError) as info:  # no step takes under a millisecond
+        client.completions.create(model=server.model, prompt="Hello", max_tokens=2, extra_body={"slo_ttft_ms": 1})
+    error = info.value
+    assert error.status_code == 429 and error.code == "slo_unattainable" and error.param == "slo_ttft_ms"
+    assert "time-to-first-token target of 1 ms" in error.message
+    assert int(error.response.headers["retry-after"]) >= 1
+    with pytest.raises(openai.RateLimitError):  # llm-d's header, on chat
+        client.chat.completions.create(model=server.model, messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=2, extra_headers={"x-slo-ttft-ms": "1"})
+    # Targets it can meet (the body's field wins over the header), or none: served.
+    ok = client.completions.create(model=server.model, prompt="Hello", max_tokens=2,
+                                   extra_body={"slo_ttft_ms": 60000, "slo_tpot_ms": 60000, "ignore_eos": True},
+                                   extra_headers={"x-slo-ttft-ms": "1"})
+    assert ok.usage.completion_tokens == 2
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=server.model, prompt="Hello", max_tokens=2, extra_body={"slo_tpot_ms": -5})
+    assert bad.value.status_code == 400
+    with pytest.raises(openai.BadRequestError) as bad:
+        client.completions.create(model=server.model, prompt="Hello", max_tokens=2,
+                                  extra_headers={"x-slo-ttft-ms": "soon"})
+    assert bad.value.body["param"] == "slo_ttft_ms"
+    server.wait_idle()
+
+
+def test_under_load_a_better_priority_meets_a_target_a_worse_one_is_refused(server, client):
+    """The stream (priority 10, 400 tokens) holds the only slot for seconds. A request
+    ranked behind it would wait for all of it: refused, with a Retry-After of seconds.
+    A priority -1 request preempts it, so the same 5 s target is predicted met."""
+    stream = client.completions.create(model=server.model, prompt="Write a long story about a lighthouse.",
+                                       max_tokens=400, stream=True, extra_body={"ignore_eos": True, "priority": 10})
+    try:
+        pieces = iter(stream)
+        for _ in range(3):
+            next(pieces)  # it runs, and the engine has timed decode steps of it
+        with pytest.raises(openai.RateLimitError) as info:
+            client.completions.create(model=server.model, prompt="Hello", max_tokens=2,
+                                      extra_body={"priority": 10, "slo_ttft_ms": 5000})
+        assert int(info.value.response.headers["retry-after"]) >= 2
+        vip = client.completions.create(model=server.model, prompt="Hello", max_tokens=2,
+                                        extra_body={"priority": -1, "slo_ttft_ms": 5000, "ignore_eos": True})
+        assert vip.usage.completion_tokens == 2
+    finally:
+        stream.close()  # aborts the rest of the stream
+    server.wait_idle()
