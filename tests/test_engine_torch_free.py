@@ -342,3 +342,28 @@ def test_llm_generate_takes_one_priority_per_prompt() -> None:
         fcfs.generate(["abc", "def"], params, priority=[0, 1])
     assert not fcfs.engine.scheduler.requests  # validated before anything was queued
     assert [o.outputs[0].text for o in fcfs.generate(["abc"], params, priority=[0])] == [outputs[0].outputs[0].text]
+
+
+def test_llm_generate_takes_per_prompt_slo_targets() -> None:
+    """`LLM.generate(..., slo_ttft_ms=, slo_tpot_ms=)`: one value for all prompts or one per
+    prompt, set on each request as SLO mode aims at it (95%); a bad one queues nothing."""
+    from tokenmill.llm import LLM
+
+    engine = make_engine(num_blocks=32)
+    seen: dict[str, tuple[float | None, float | None]] = {}
+    add = engine.scheduler.add_request
+
+    def record(request) -> None:
+        seen[request.request_id] = (request.slo_ttft, request.slo_tpot)
+        add(request)
+
+    engine.scheduler.add_request = record
+    llm = LLM.from_engine(engine)
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    llm.generate(["abc", "def"], params, slo_ttft_ms=[1000, None], slo_tpot_ms=100)
+    assert seen == {"0": (pytest.approx(0.95), pytest.approx(0.095)), "1": (None, pytest.approx(0.095))}
+    with pytest.raises(ValueError, match="got 1 values of slo_ttft_ms for 2 prompts"):
+        llm.generate(["abc", "def"], params, slo_ttft_ms=[1000])
+    with pytest.raises(ValueError, match="slo_tpot_ms must be a positive number of milliseconds"):
+        llm.generate(["abc", "def"], params, slo_tpot_ms=[100, 0])
+    assert not engine.scheduler.requests

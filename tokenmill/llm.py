@@ -44,18 +44,25 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = False,
         priority: Sequence[int] | None = None,
+        slo_ttft_ms: float | Sequence[float | None] | None = None,
+        slo_tpot_ms: float | Sequence[float | None] | None = None,
     ) -> list[RequestOutput]:
         """One RequestOutput per prompt, in order. Every prompt is validated before
         any is queued, so a bad one leaves nothing behind. `priority`: one per prompt
-        (lower runs first), with `scheduling_policy="priority"` (vLLM's argument)."""
+        (lower runs first), with `scheduling_policy="priority"` (vLLM's argument).
+        `slo_ttft_ms` / `slo_tpot_ms`: latency targets for SLO mode (docs/scheduling.md),
+        one for all prompts or one per prompt."""
         prompts = _as_prompt_list(prompts)
         params = _as_params_list(sampling_params, len(prompts))
         priorities = _as_priority_list(priority, len(prompts))
+        ttfts, tpots = (_per_prompt(name, value, len(prompts))
+                        for name, value in (("slo_ttft_ms", slo_ttft_ms), ("slo_tpot_ms", slo_tpot_ms)))
         engine = self.engine
         self._compile_constraints(params)  # a bad one fails here, before anything is queued
         requests = [engine.input_processor.process(engine.new_request_id(), prompt, p, arrival_time=engine.clock(),
-                                                   priority=rank)
-                    for prompt, p, rank in zip(prompts, params, priorities)]  # all are checked before any is queued
+                                                   priority=rank, slo_ttft_ms=ttft, slo_tpot_ms=tpot)
+                    for prompt, p, rank, ttft, tpot in zip(prompts, params, priorities, ttfts, tpots)]
+        # (all are checked before any is queued)
         added = []
         try:
             for request in requests:
@@ -134,6 +141,16 @@ def _as_priority_list(priority: Sequence[int] | None, count: int) -> list[int]:
     if len(priority) != count:
         raise ValueError(f"got {len(priority)} priorities for {count} prompts")
     return priority
+
+
+def _per_prompt(name: str, value: float | Sequence[float | None] | None, count: int) -> list[float | None]:
+    """One value for every prompt, or a list of one per prompt."""
+    if value is None or isinstance(value, (int, float)):
+        return [value] * count
+    values = list(value)
+    if len(values) != count:
+        raise ValueError(f"got {len(values)} values of {name} for {count} prompts")
+    return values
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:
