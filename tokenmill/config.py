@@ -234,6 +234,9 @@ class ParallelConfig:
     tensor_parallel_size: int = setting(1, aliases=("-tp",),
                                         help="ranks that split every layer (heads, MLP columns, vocabulary)")
     pipeline_parallel_size: int = setting(1, aliases=("-pp",), help="stages that split the layers")
+    enable_expert_parallel: bool = setting(False, help="a mixture-of-experts model's tensor-parallel ranks hold whole "
+                                                       "experts (a range each) instead of every expert's slice of "
+                                                       "columns; no effect on a dense model")
     nnodes: int = setting(1, help="hosts the ranks run on (world size = tensor x pipeline parallel size)")
     node_rank: int = setting(0, help="this host's index; host 0 runs the engine, the others `serve --headless`")
     master_addr: str = setting("127.0.0.1", help="address of host 0 (the torch.distributed rendezvous)")

@@ -6,14 +6,15 @@ parallel layout splits by it, and the torch-free planner reads the same fields
 
 One decoder definition serves every family here; what sets a family apart is a feature
 of this config (q/k norms, the MLP's activation, Gemma's norm layout and scaling, which
-layers attend through a sliding window), not a model class of its own.
+layers attend through a sliding window, a mixture of experts in place of the MLP), not a
+model class of its own.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3_moe", "mixtral", "olmoe")
 SLIDING, FULL = "sliding_attention", "full_attention"  # Hugging Face's layer_types
 
 
@@ -48,6 +49,18 @@ class ModelArchConfig:
     query_pre_attn_scalar: float | None = None  # Gemma: attention scale is its -1/2 power (default head_dim)
     rope_local_theta: float | None = None  # Gemma 3: the sliding layers' RoPE base (no scaling)
     final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # OLMoE: q and k are normed as whole vectors (all heads at once), not head by head.
+    qk_norm_whole: bool = False
+    clip_qkv: float | None = None  # OLMoE: q, k, v clamped to [-clip, clip] after the projections
+    # Mixture of experts (num_experts 0: a dense model): each MoE layer's MLP is
+    # `num_experts` gated MLPs of width `moe_intermediate_size`, a token runs the
+    # `num_experts_per_tok` its router scores highest (softmax, then top-k), weighted by
+    # their probabilities, renormalised to sum to 1 when `norm_topk_prob` (Mixtral always).
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    dense_layers: tuple[int, ...] = ()  # Qwen3-MoE's mlp_only_layers (and decoder_sparse_step): dense MLPs
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -60,6 +73,17 @@ class ModelArchConfig:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})")
+        if self.num_experts and not (0 < self.num_experts_per_tok <= self.num_experts and self.moe_intermediate_size):
+            raise ValueError(f"a mixture of experts needs 1 <= num_experts_per_tok ({self.num_experts_per_tok}) <= "
+                             f"num_experts ({self.num_experts}) and a moe_intermediate_size")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def moe_layer(self, layer: int) -> bool:
+        """Whether a (global) layer's MLP is a mixture of experts."""
+        return self.is_moe and layer not in self.dense_layers
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of a layer; None: it attends to the whole context."""
@@ -103,10 +127,12 @@ class ModelArchConfig:
             attention_bias=cfg.get("attention_bias", arch == "qwen2"),
             sliding_window=cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None,
             layer_types=tuple(cfg.get("layer_types") or ()),
-            qk_norm=arch in ("qwen3", "gemma3"),
+            qk_norm=arch in ("qwen3", "gemma3", "qwen3_moe", "olmoe"),
         )
         if arch == "gemma3":
             fields.update(_gemma_features(cfg, local_rope))
+        if arch in ("qwen3_moe", "mixtral", "olmoe"):
+            fields.update(_moe_features(cfg, arch))
         return cls(**fields)
 
 
@@ -123,9 +149,35 @@ def _gemma_features(cfg: dict, local_rope: dict) -> dict:
     )
 
 
+def _moe_features(cfg: dict, arch: str) -> dict:
+    """The router and experts as each family's Hugging Face config names them."""
+    experts = cfg.get("num_experts") or cfg.get("num_local_experts") or 0
+    layers = cfg["num_hidden_layers"]
+    dense: tuple[int, ...] = ()
+    if arch == "qwen3_moe":  # as Qwen3MoeDecoderLayer decides which layers are sparse
+        step = cfg.get("decoder_sparse_step") or 1
+        only = set(cfg.get("mlp_only_layers") or ())
+        dense = tuple(i for i in range(layers) if i in only or (i + 1) % step)
+    features = dict(
+        num_experts=experts, num_experts_per_tok=cfg.get("num_experts_per_tok") or 0,
+        # Qwen3-MoE names the experts' width apart (its dense layers use intermediate_size);
+        # Mixtral and OLMoE have only experts, of width intermediate_size.
+        moe_intermediate_size=cfg.get("moe_intermediate_size") or cfg["intermediate_size"],
+        # Mixtral's router always renormalises the top-k (softmax over the top-k logits).
+        norm_topk_prob=True if arch == "mixtral" else bool(cfg.get("norm_topk_prob", False)),
+        dense_layers=dense,
+    )
+    if arch == "olmoe":
+        features.update(qk_norm_whole=True, clip_qkv=cfg.get("clip_qkv"))
+    return features
+
+
 _HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
-                     "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3"}
-_HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3"}
+                     "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3",
+                     "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral",
+                     "OlmoeForCausalLM": "olmoe"}
+_HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
+                   "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "olmoe": "olmoe"}
 
 
 def _hf_architecture(cfg: dict) -> str:

@@ -33,6 +33,8 @@ COVERED: dict[str, bool] = {
     "geglu_mlp": False,  # Gemma: tanh-approximated gelu gate
     "logit_softcap": False,  # Gemma 2's attention soft-capping
     "tensor_parallel": False,  # the all-reduces after o_proj and down_proj would fall inside the op
+    "qk_norm_whole": False,  # OLMoE: RMSNorm over the whole q and k vectors
+    "mixture_of_experts": False,  # Qwen3-MoE / Mixtral / OLMoE: a router and experts in place of the MLP
 }
 
 # Weight operands the op multiplies (DecodeOperand kinds): skinny tiles, quantized streams.
@@ -58,6 +60,8 @@ class LayerFeatures:
     geglu_mlp: bool = False
     logit_softcap: float | None = None
     tensor_parallel: bool = False
+    qk_norm_whole: bool = False
+    mixture_of_experts: bool = False
     weights: tuple[str | None, ...] = ()  # each linear's operand kind; None: its format has none
 
     def on(self) -> list[str]:

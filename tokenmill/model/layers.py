@@ -1,4 +1,5 @@
-"""Building blocks of Llama-family models: linear layers, RMSNorm, rotary embeddings, gated MLPs."""
+"""Building blocks of Llama-family models: linear layers, RMSNorm, rotary embeddings, gated
+MLPs, and the stacked weights of a mixture of experts."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from torch import nn
 from tokenmill.kernels.ops import REFERENCE_OPS, TorchOps, apply_rotary
 from tokenmill.quantization import LinearWeights, WeightFormat
 
-__all__ = ["GatedMLP", "Linear", "RMSNorm", "RotaryEmbedding", "SwiGLU", "apply_rotary", "rope_inv_freq",
+__all__ = ["Experts", "GatedMLP", "Linear", "RMSNorm", "RotaryEmbedding", "SwiGLU", "apply_rotary", "rope_inv_freq",
            "set_weight_format"]
 
 
@@ -68,6 +69,9 @@ def set_weight_format(model: nn.Module, fmt: WeightFormat, embedding_dtype: torc
     linears = [m for m in model.modules() if isinstance(m, Linear) and m.weight is not None]
     for linear in linears:  # before the embeddings: a tied head reads the float32 weight here
         linear.set_format(fmt)
+    for experts in model.modules():
+        if isinstance(experts, Experts) and experts.expert_weights is None:
+            experts.set_format(fmt)
     release = getattr(model, "release_tied_embedding", None)
     if release is not None:
         release()
@@ -160,6 +164,44 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.ops.act_and_mul(self.gate_up_proj(x), self.act))
+
+
+class Experts(nn.Module):
+    """One layer's routed experts held by this rank, each a gated MLP without its own
+    module: stacked as Hugging Face (transformers >= 5) holds them, `gate_up_proj`
+    [experts, 2 * intermediate, hidden] (each expert's gate rows, then its up rows) and
+    `down_proj` [experts, hidden, intermediate], which checkpoints are copied into.
+
+    `set_format` then hands each expert's two matrices to the plan's `WeightFormat` (the
+    skinny-kernel tiles, int8, int4, ... as for any linear) and drops the stacks: an expert
+    multiplies its group of the step's tokens (SparseMoE) with the same kernels as a dense
+    MLP of its width."""
+
+    def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
+        super().__init__()
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.gate_up_proj: nn.Parameter | None = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden))
+        self.down_proj: nn.Parameter | None = nn.Parameter(torch.empty(num_experts, hidden, intermediate))
+        self.expert_weights: list[tuple[LinearWeights, LinearWeights]] | None = None  # (gate_up, down) per expert
+        # nn.Linear's scale (random test models; checkpoints overwrite it).
+        nn.init.uniform_(self.gate_up_proj, -hidden**-0.5, hidden**-0.5)
+        nn.init.uniform_(self.down_proj, -intermediate**-0.5, intermediate**-0.5)
+
+    def set_format(self, fmt: WeightFormat) -> None:
+        self.expert_weights = [(fmt.make(self.gate_up_proj[e].detach()), fmt.make(self.down_proj[e].detach()))
+                        for e in range(self.num_experts)]
+        self.gate_up_proj = None
+        self.down_proj = None
+
+    def gate_up(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        if self.expert_weights is None:
+            return F.linear(x, self.gate_up_proj[expert].to(x.dtype))
+        return self.expert_weights[expert][0].apply(x)
+
+    def down(self, expert: int, x: torch.Tensor) -> torch.Tensor:
+        if self.expert_weights is None:
+            return F.linear(x, self.down_proj[expert].to(x.dtype))
+        return self.expert_weights[expert][1].apply(x)
 
 
 SwiGLU = GatedMLP  # the name it had while SiLU was the only activation

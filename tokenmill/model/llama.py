@@ -1,8 +1,10 @@
-"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Gemma 3).
+"""Llama-family decoder (Llama 2/3, SmolLM, Mistral, Qwen2, Qwen3, Gemma 3, and the
+mixtures of experts Qwen3-MoE, Mixtral, OLMoE).
 
 The families' differences are features of the config (ModelArchConfig): q/k norms,
-GeGLU, Gemma's norm layout, embedding scaling and logit soft-capping, and a sliding
-window per layer with its own RoPE base.
+GeGLU, Gemma's norm layout, embedding scaling and logit soft-capping, a sliding
+window per layer with its own RoPE base, and a mixture of experts for the MLP
+(model/moe.py).
 
 `model(input_ids, positions)` takes the step's tokens flattened across requests;
 attention reads its per-step metadata from the forward context, so the model
@@ -12,6 +14,7 @@ one sequence, which tests use as the reference.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 
 import torch
@@ -24,6 +27,7 @@ from tokenmill.attention.kv_cache import LayerKVCache
 from tokenmill.kernels.fused_layer import FusedLayerOperands, LayerFeatures
 from tokenmill.kernels.ops import TorchOps
 from tokenmill.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from tokenmill.model.moe import SparseMoE
 from tokenmill.model_arch import ModelArchConfig
 from tokenmill.parallel.layout import ShardLayout
 from tokenmill.parallel.model_parallel import ModelParallel
@@ -44,22 +48,30 @@ class Attention(nn.Module):
         self.window = cfg.layer_window(layout.layers.start + layer_idx)  # None: attends to the whole context
         self.qkv_proj = Linear(cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias)
         self.o_proj = Linear(self.q_size, cfg.hidden_size, bias=False)
-        # Qwen3 / Gemma 3: RMSNorm over each head of q and of k, before RoPE.
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        # Qwen3 / Gemma 3: RMSNorm over each head of q and of k, before RoPE; OLMoE: over the
+        # whole q and k vectors (tensor parallelism is refused for it: a rank has some heads).
+        self.norm_whole = cfg.qk_norm_whole
+        q_dim, k_dim = (self.q_size, self.kv_size) if self.norm_whole else (cfg.head_dim, cfg.head_dim)
+        self.q_norm = RMSNorm(q_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(k_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.clip_qkv = cfg.clip_qkv
         self.rotary = rotary
 
     def forward(self, rope: tuple[torch.Tensor, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(x)
         tokens, qk_size = qkv.shape[0], self.q_size + self.kv_size
-        qk = qkv[:, :qk_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
-        if self.q_norm is None:  # Q and K heads side by side, rotated in one go
-            qk = self.rotary.rotate(qk, *rope)
-            q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+        if self.norm_whole:
+            q, k, v = self._normed_whole(qkv)
+            q, k = self.rotary.rotate(q, *rope), self.rotary.rotate(k, *rope)
         else:
-            q = self.rotary.rotate(self.q_norm(qk[:, : self.num_heads]), *rope)
-            k = self.rotary.rotate(self.k_norm(qk[:, self.num_heads :]), *rope)
-        v = qkv[:, qk_size:].view(tokens, self.num_kv_heads, self.head_dim)
+            qk = qkv[:, :qk_size].view(tokens, self.num_heads + self.num_kv_heads, self.head_dim)
+            if self.q_norm is None:  # Q and K heads side by side, rotated in one go
+                qk = self.rotary.rotate(qk, *rope)
+                q, k = qk[:, : self.num_heads], qk[:, self.num_heads :]
+            else:
+                q = self.rotary.rotate(self.q_norm(qk[:, : self.num_heads]), *rope)
+                k = self.rotary.rotate(self.k_norm(qk[:, self.num_heads :]), *rope)
+            v = qkv[:, qk_size:].view(tokens, self.num_kv_heads, self.head_dim)
         ctx = get_forward_context()
         if ctx is None:
             out = self._dense_causal(q, k, v)
@@ -67,6 +79,15 @@ class Attention(nn.Module):
             out = ctx.backend.forward(q, k, v, ctx.kv_cache[self.layer_idx], ctx.metadata_for(self.window),
                                       self.scale, window=self.window)
         return self.o_proj(out.reshape(-1, self.q_size))
+
+    def _normed_whole(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """OLMoE: q and k normed as whole vectors, then q, k, v clamped (`clip_qkv`), as heads."""
+        qk_size = self.q_size + self.kv_size
+        q, k, v = self.q_norm(qkv[:, : self.q_size]), self.k_norm(qkv[:, self.q_size : qk_size]), qkv[:, qk_size:]
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
+        return (q.reshape(-1, self.num_heads, self.head_dim), k.reshape(-1, self.num_kv_heads, self.head_dim),
+                v.reshape(-1, self.num_kv_heads, self.head_dim))
 
     def _dense_causal(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         q, k, v = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
@@ -91,7 +112,9 @@ class DecoderLayer(nn.Module):
         # MLP's input norm).
         self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
         self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps) if cfg.sandwich_norms else None
-        self.mlp = GatedMLP(cfg.hidden_size, parallel.layout.intermediate.size, cfg.hidden_act)
+        layout = parallel.layout
+        self.mlp = SparseMoE(cfg, layout) if cfg.moe_layer(layout.layers.start + layer_idx) else \
+            GatedMLP(cfg.hidden_size, layout.intermediate.size, cfg.hidden_act)
 
     def forward(
         self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, residual: torch.Tensor | None
@@ -111,8 +134,9 @@ class DecoderLayer(nn.Module):
         x, residual = self.post_attention_layernorm(reduce(self.self_attn(rope, x)), residual)
         return reduce(self.mlp(x)), residual
 
-    def _linears(self) -> tuple[Linear, Linear, Linear, Linear]:
-        return self.self_attn.qkv_proj, self.self_attn.o_proj, self.mlp.gate_up_proj, self.mlp.down_proj
+    def _linears(self) -> tuple[Linear, ...]:
+        attention = (self.self_attn.qkv_proj, self.self_attn.o_proj)
+        return attention if isinstance(self.mlp, SparseMoE) else (*attention, self.mlp.gate_up_proj, self.mlp.down_proj)
 
     def features(self) -> LayerFeatures:
         """What this layer computes, for the native fused layer's coverage check
@@ -126,7 +150,9 @@ class DecoderLayer(nn.Module):
             sliding_window=attn.window,
             sandwich_norms=self.pre_feedforward_layernorm is not None,
             geglu_mlp=self.mlp.act != "silu",
+            qk_norm_whole=attn.norm_whole,
             tensor_parallel=self.parallel.tp_size > 1,
+            mixture_of_experts=isinstance(self.mlp, SparseMoE),
             weights=tuple(None if op is None else op.kind for op in operands),
         )
 
@@ -228,7 +254,7 @@ class LlamaForCausalLM(nn.Module):
     def use_ops(self, ops: TorchOps) -> None:
         """Hand every module the element-wise ops the execution plan chose (once, at load)."""
         for module in self.modules():
-            if isinstance(module, (RMSNorm, RotaryEmbedding, GatedMLP)):
+            if isinstance(module, (RMSNorm, RotaryEmbedding, GatedMLP, SparseMoE)):
                 module.ops = ops
 
     def use_fused_layers(self, enabled: bool) -> None:
@@ -315,6 +341,10 @@ class LlamaForCausalLM(nn.Module):
             if local_name is None:  # another pipeline stage's
                 continue
             tensor = _rank_part(layout, name, tensor)
+            local_name = local_name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for its MoE MLP
+            if ".mlp.experts." in local_name:
+                loaded.update(self._load_experts(local_name, tensor))
+                continue
             target, shard = self._target(local_name)
             if target == "embed_tokens.weight" and isinstance(tensor, QuantizedTensor) \
                     and self._tied_head_takes(tensor, fmt):
@@ -342,6 +372,49 @@ class LlamaForCausalLM(nn.Module):
         missing = sorted(expected - loaded)
         if missing:
             raise ValueError(f"the checkpoint lacks weights for: {', '.join(m.split('#')[0] for m in missing[:8])}")
+
+    def _load_experts(self, name: str, tensor: torch.Tensor | QuantizedTensor) -> list[str]:
+        """Copy one expert's matrix (`layers.L.mlp.experts.E.gate_proj.weight`, Mixtral's
+        w1 / w3 / w2), or a layer's stacked ones as transformers >= 5 holds them in memory
+        (`layers.L.mlp.experts.gate_up_proj` [E, 2I, H], `.down_proj` [E, H, I]), into the
+        layer's stacks; E and I already this rank's (the layout cut per-expert tensors,
+        stacked ones are cut here). Returns what it loaded, as `loaded` counts it."""
+        match = _EXPERT_NAME.fullmatch(name)
+        if match is None:
+            raise ValueError(f"checkpoint tensor {name!r} has no place in the {self.cfg.architecture} model")
+        layer, expert, kind = int(match["layer"]), match["expert"], match["kind"] or match["stacked"]
+        experts = self.layers[layer].mlp.experts if isinstance(self.layers[layer].mlp, SparseMoE) else None
+        if experts is None:
+            raise ValueError(f"checkpoint tensor {name!r}: layer {layer} of the model has a dense MLP, not experts")
+        if isinstance(tensor, QuantizedTensor):
+            tensor = tensor.dequantize()  # experts are formatted from float weights (Experts.set_format)
+        stack = "down_proj" if kind in ("down_proj", "w2") else "gate_up_proj"
+        param = getattr(experts, stack).data
+        key = f"layers.{layer}.mlp.experts.{stack}"
+        width = experts.intermediate
+        with torch.no_grad():
+            if expert is None:  # a whole stack
+                _copy(param, self._rank_stack(tensor, stack), name)
+                halves = (0, 1) if stack == "gate_up_proj" else (None,)
+                return [f"{key}#{e}.{h}" for e in range(experts.num_experts) for h in halves]
+            e = int(expert)
+            half = None if stack == "down_proj" else (0 if kind in ("gate_proj", "w1") else 1)
+            target = param[e] if half is None else param[e].narrow(0, half * width, width)
+            _copy(target, tensor, name)
+        return [f"{key}#{e}.{half}"]
+
+    def _rank_stack(self, tensor: torch.Tensor, stack: str) -> torch.Tensor:
+        """This rank's experts and intermediate columns of a whole stacked expert tensor."""
+        layout = self.parallel.layout
+        if tensor.shape[0] != layout.experts.size:
+            tensor = tensor.narrow(0, layout.experts.start, layout.experts.size)
+        cols = layout.expert_intermediate
+        if stack == "down_proj":
+            return tensor if tensor.shape[2] == cols.size else tensor.narrow(2, cols.start, cols.size)
+        full = tensor.shape[1] // 2
+        if full == cols.size:
+            return tensor
+        return torch.cat([tensor.narrow(1, cols.start, cols.size), tensor.narrow(1, full + cols.start, cols.size)], 1)
 
     def _tied_head_takes(self, table: QuantizedTensor, fmt: WeightFormat | None) -> bool:
         """A quantized embedding table (a GGUF token_embd as stored) tied to the LM head
@@ -395,12 +468,23 @@ class LlamaForCausalLM(nn.Module):
             sizes = [layout.intermediate.size, layout.intermediate.size]
         return sum(sizes[:shard]), sizes[shard]
 
-    def _expected_shards(self, params: dict, linears: dict) -> Iterable[tuple[str, int | None]]:
+    def _expected_shards(self, params: dict, linears: dict) -> Iterable[tuple[str, int | str | None]]:
         for name in [*params, *(n for n in linears if n not in params)]:
             if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
                 continue
+            if name.endswith(("experts.gate_up_proj", "experts.down_proj")):  # each expert, each half of gate_up
+                halves = (0, 1) if name.endswith("gate_up_proj") else (None,)
+                yield from ((name, f"{e}.{h}") for e in range(params[name].shape[0]) for h in halves)
+                continue
             for shard in self._shards_of(name):
                 yield name, shard
+
+# A layer's expert tensor: one expert's (Qwen3-MoE / OLMoE gate_proj, up_proj, down_proj;
+# Mixtral w1, w3, w2) or a whole stack (transformers >= 5 in memory).
+_EXPERT_NAME = re.compile(r"layers\.(?P<layer>\d+)\.mlp\.experts\."
+                          r"(?:(?P<expert>\d+)\.(?P<kind>gate_proj|up_proj|down_proj|w1|w3|w2)\.weight"
+                          r"|(?P<stacked>gate_up_proj|down_proj))")
+
 
 def _rank_part(layout: ShardLayout, name: str, tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a checkpoint tensor, given whole (narrowed: a view) or already cut

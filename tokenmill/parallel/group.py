@@ -164,7 +164,8 @@ class DistributedContext:
 
     def model_parallel(self, arch, column_unit: int) -> ModelParallel:
         place = self.place
-        self.layout = build_layout(arch, place.tp_size, place.tp_rank, place.pp_size, place.pp_rank, column_unit)
+        self.layout = build_layout(arch, place.tp_size, place.tp_rank, place.pp_size, place.pp_rank, column_unit,
+                                   self.config.parallel.enable_expert_parallel)
         self._max_kv_units = max_kv_units(arch, self.config.parallel, column_unit)
         return ModelParallel(self.layout, self.tp, self.prev_stage, self.next_stage)
 

@@ -7,7 +7,12 @@ Torch-free arithmetic, computed identically on every rank from the model's shape
   as the input columns of o_proj and down_proj (row-parallel: the ranks' partial outputs
   are summed by one all-reduce each), and the vocabulary (embedding rows and LM-head rows);
 - pipeline parallelism (PP) gives each stage a contiguous range of decoder layers; the
-  first stage embeds, the last one normalizes and computes logits.
+  first stage embeds, the last one normalizes and computes logits;
+- a mixture of experts is split over the TP ranks one of two ways: by default every rank
+  holds every expert's slice of the intermediate columns (as a dense MLP), with expert
+  parallelism (`--enable-expert-parallel`, vLLM's flag) each rank holds whole experts, a
+  contiguous range of them. Either way every rank routes every token and the layer's
+  one all-reduce sums the ranks' parts (a token's experts on other ranks add zero here).
 
 Heads are split by KV groups, so each rank's query heads share its KV heads as in the
 full model. When the KV heads do not divide evenly (SmolLM2-135M: 3 KV heads, TP = 2) the
@@ -76,6 +81,8 @@ class ShardLayout:
     vocab_sizes: tuple[int, ...]  # every TP rank's vocabulary part, for gathering logits
     layers: Span
     tie_word_embeddings: bool
+    experts: Span = Span(0, 0)  # the routed experts this rank holds (all of them without expert parallelism)
+    expert_intermediate: Span = Span(0, 0)  # each held expert's intermediate columns (all with expert parallelism)
 
     @property
     def first_stage(self) -> bool:
@@ -97,13 +104,21 @@ class ShardLayout:
 
     def local_name(self, name: str) -> str | None:
         """A checkpoint name (Hugging Face, without 'model.') in this rank's model, with
-        the layer index made stage-local; None when this rank holds no part of it."""
+        the layer index made stage-local (and an expert's index rank-local); None when this
+        rank holds no part of it."""
         match = _LAYER.match(name)
         if match is not None:
             index = int(match.group(1))
             if not self.layers.start <= index < self.layers.stop:
                 return None
-            return f"layers.{index - self.layers.start}.{match.group(2)}"
+            rest = match.group(2)
+            expert = _EXPERT.match(rest)
+            if expert is not None:
+                e = int(expert.group(2))
+                if not self.experts.start <= e < self.experts.stop:
+                    return None  # another rank's expert (expert parallelism): not even read
+                rest = f"{expert.group(1)}.experts.{e - self.experts.start}.{expert.group(3)}"
+            return f"layers.{index - self.layers.start}.{rest}"
         if name.startswith("embed_tokens."):
             return name if self.holds_embedding else None
         if name.startswith("lm_head."):
@@ -115,6 +130,10 @@ class ShardLayout:
         all of it. Dimension 0 cuts rows (column-parallel layers, vocabulary), 1 cuts
         columns (row-parallel layers)."""
         hd = self.head_dim
+        if _EXPERT.search(name):  # one expert's gate/up (w1/w3) rows or down (w2) columns
+            if self.expert_intermediate.size == 0:
+                return None
+            return (1 if name.endswith(("down_proj.weight", "w2.weight")) else 0), self.expert_intermediate
         if name.endswith(("q_proj.weight", "q_proj.bias")):
             return 0, Span(self.q_heads.start * hd, self.q_heads.size * hd)
         if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
@@ -131,13 +150,17 @@ class ShardLayout:
 
 
 _LAYER = re.compile(r"layers\.(\d+)\.(.*)")
+# One expert's tensor: Qwen3-MoE / OLMoE `mlp.experts.E.gate_proj.weight`, Mixtral `block_sparse_moe.experts.E.w1.weight`.
+_EXPERT = re.compile(r"(mlp|block_sparse_moe)\.experts\.(\d+)\.(.*)")
 
 
 def build_layout(arch: ModelArchConfig, tp_size: int, tp_rank: int, pp_size: int, pp_rank: int,
-                 column_unit: int = 1) -> ShardLayout:
+                 column_unit: int = 1, expert_parallel: bool = False) -> ShardLayout:
     """This rank's layout. `column_unit`: row-parallel cuts of the MLP's intermediate
-    dimension fall on multiples of it (the quantization group of the stored weights)."""
-    check_parallel_sizes(arch, tp_size, pp_size)
+    dimension fall on multiples of it (the quantization group of the stored weights).
+    `expert_parallel`: a mixture of experts is split by whole experts, not by columns."""
+    check_parallel_sizes(arch, tp_size, pp_size, expert_parallel)
+    experts, expert_columns = _expert_spans(arch, tp_size, expert_parallel, column_unit)
     q_heads, kv_heads = _head_spans(arch, tp_size)
     intermediate = _intermediate_spans(arch, tp_size, q_heads, kv_heads, column_unit)
     vocab = spans(split_sizes(arch.vocab_size, tp_size))
@@ -146,14 +169,34 @@ def build_layout(arch: ModelArchConfig, tp_size: int, tp_rank: int, pp_size: int
         tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank, pp_size=pp_size, head_dim=arch.head_dim,
         q_heads=q_heads[tp_rank], kv_heads=kv_heads[tp_rank], intermediate=intermediate[tp_rank],
         vocab=vocab[tp_rank], vocab_sizes=tuple(s.size for s in vocab), layers=layers[pp_rank],
-        tie_word_embeddings=arch.tie_word_embeddings,
+        tie_word_embeddings=arch.tie_word_embeddings, experts=experts[tp_rank], expert_intermediate=expert_columns[tp_rank],
     )
 
 
-def check_parallel_sizes(arch: ModelArchConfig, tp_size: int, pp_size: int) -> None:
+def _expert_spans(arch: ModelArchConfig, tp_size: int, expert_parallel: bool,
+                  column_unit: int) -> tuple[list[Span], list[Span]]:
+    """Per rank: the experts held and their intermediate columns (nothing for a dense model)."""
+    if not arch.is_moe:
+        return [Span(0, 0)] * tp_size, [Span(0, 0)] * tp_size
+    width = arch.moe_intermediate_size
+    if expert_parallel:
+        return spans(split_sizes(arch.num_experts, tp_size)), [Span(0, width)] * tp_size
+    unit = column_unit if width % column_unit == 0 and width // column_unit >= tp_size else 1
+    return [Span(0, arch.num_experts)] * tp_size, spans(split_sizes(width // unit, tp_size), unit)
+
+
+def check_parallel_sizes(arch: ModelArchConfig, tp_size: int, pp_size: int, expert_parallel: bool = False) -> None:
     """Raise ValueError naming the limit when the model cannot be split this way."""
     if tp_size < 1 or pp_size < 1:
         raise ValueError(f"tensor and pipeline parallel sizes must be at least 1, got {tp_size} and {pp_size}")
+    if expert_parallel and tp_size > arch.num_experts:
+        raise ValueError(f"enable_expert_parallel: tensor_parallel_size {tp_size} exceeds the model's "
+                         f"{arch.num_experts} experts (each rank holds whole experts)")
+    if arch.is_moe and not expert_parallel and tp_size > arch.moe_intermediate_size:
+        raise ValueError(f"tensor_parallel_size {tp_size} exceeds the experts' width {arch.moe_intermediate_size}")
+    if arch.qk_norm_whole and tp_size > 1:
+        raise ValueError(f"tensor parallelism does not split the {arch.architecture} model: its q/k norms span "
+                         "every head (a rank holds only some)")
     kv, heads = arch.num_kv_heads, arch.num_heads
     if tp_size > kv:
         group = heads // kv

@@ -1,0 +1,238 @@
+"""Mixture-of-experts models (Qwen3-MoE, Mixtral, OLMoE) against Hugging Face transformers on
+tiny random configs, the experts as grouped GEMMs, quantized experts, and expert
+parallelism equal to one process."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.test_model import _paged_logits
+from tests.test_model_families import _check_logits_and_greedy, _ids, ours_from
+from tests.tiny_checkpoint import MOE_FAMILIES, tiny_moe_model, write_tiny_moe
+from tokenmill import SamplingParams
+from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.model.loader import load_model
+from tokenmill.model.moe import SparseMoE
+from tokenmill.model_arch import ModelArchConfig
+from tokenmill.parallel.layout import Span, build_layout
+
+VOCAB = 512
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+def test_matches_transformers(family: str) -> None:
+    """Logits within float32 tolerance and greedy tokens identical, loading the experts
+    stacked as transformers holds them in memory."""
+    hf = tiny_moe_model(family)
+    ours = ours_from(hf)
+    cfg = ours.cfg
+    assert cfg.architecture == family and cfg.num_experts == 8 and cfg.num_experts_per_tok == 2
+    assert cfg.norm_topk_prob == (family != "olmoe")  # Mixtral always; OLMoE's config says False
+    assert all(isinstance(layer.mlp, SparseMoE) for layer in ours.layers)
+    _check_logits_and_greedy(hf, ours, prompt_len=30, new_tokens=8)
+
+
+def test_qwen3_moe_dense_layers_and_unnormalised_top_k() -> None:
+    """mlp_only_layers: that layer keeps a dense MLP of intermediate_size; norm_topk_prob
+    False: the top-k weights are the softmax's, not renormalised."""
+    hf = tiny_moe_model("qwen3_moe", mlp_only_layers=[0], norm_topk_prob=False)
+    ours = ours_from(hf)
+    assert ours.cfg.dense_layers == (0,) and not ours.cfg.norm_topk_prob
+    assert not isinstance(ours.layers[0].mlp, SparseMoE) and isinstance(ours.layers[1].mlp, SparseMoE)
+    _check_logits_and_greedy(hf, ours, prompt_len=20, new_tokens=4)
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+@torch.inference_mode()
+def test_checkpoint_with_per_expert_tensors(tmp_path: Path, family: str) -> None:
+    """A saved checkpoint holds one tensor per expert and matrix (Mixtral's w1/w3/w2 under
+    block_sparse_moe): the loader stacks them."""
+    path = write_tiny_moe(tmp_path / family, family)
+    hf = tiny_moe_model(family)
+    loaded = load_model(str(path), "float32", torch.device("cpu"))
+    ids = _ids(25, 2)
+    torch.testing.assert_close(loaded.model.compute_logits(loaded.model(ids, torch.arange(25))),
+                               hf(ids.unsqueeze(0)).logits[0], atol=1e-4, rtol=1e-4)
+
+
+def test_a_missing_expert_is_named(tmp_path: Path) -> None:
+    hf = tiny_moe_model("mixtral")
+    ours = LlamaForCausalLM(ModelArchConfig.from_hf_config(hf.config.to_dict()))
+    weights = [(n, t) for n, t in _per_expert_state(hf) if ".experts.5.w3" not in n]
+    with pytest.raises(ValueError, match=r"lacks weights for: .*layers\.\d\.mlp\.experts\.gate_up_proj"):
+        ours.load_weights(weights)
+
+
+def _per_expert_state(hf) -> list[tuple[str, torch.Tensor]]:
+    """Mixtral's state as its checkpoints name it: block_sparse_moe.experts.E.w1/w3/w2."""
+    out = []
+    for name, tensor in hf.state_dict().items():
+        if name.endswith("experts.gate_up_proj"):
+            prefix = name.removesuffix("mlp.experts.gate_up_proj") + "block_sparse_moe.experts"
+            for e, w in enumerate(tensor):
+                gate, up = w.chunk(2)
+                out += [(f"{prefix}.{e}.w1.weight", gate), (f"{prefix}.{e}.w3.weight", up)]
+        elif name.endswith("experts.down_proj"):
+            prefix = name.removesuffix("mlp.experts.down_proj") + "block_sparse_moe.experts"
+            out += [(f"{prefix}.{e}.w2.weight", w) for e, w in enumerate(tensor)]
+        else:
+            out.append((name.replace("mlp.gate.", "block_sparse_moe.gate."), tensor))
+    return out
+
+
+@torch.inference_mode()
+def test_experts_run_as_one_gemm_per_active_expert() -> None:
+    """A 40-token step calls each routed expert's matrices once, on all of its tokens."""
+    model = ours_from(tiny_moe_model("qwen3_moe"))
+    moe = model.layers[0].mlp
+    x = torch.randn(40, 64)
+    weights, ids = moe.route(x)
+    calls: list[tuple[int, int]] = []
+    original = moe.experts.gate_up
+    moe.experts.gate_up = lambda e, rows: calls.append((e, rows.shape[0])) or original(e, rows)
+    got = moe(x)
+    active = torch.bincount(ids.flatten(), minlength=8)
+    assert calls == [(e, int(n)) for e, n in enumerate(active) if n]
+    # The reference: each token's experts one at a time.
+    expected = torch.zeros_like(x)
+    for t in range(40):
+        for w, e in zip(weights[t], ids[t]):
+            gu = torch.nn.functional.linear(x[t], moe.experts.gate_up_proj[e])
+            gate, up = gu.chunk(2)
+            expected[t] += w * torch.nn.functional.linear(torch.nn.functional.silu(gate) * up,
+                                                          moe.experts.down_proj[e])
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("backend_name", ["torch_sdpa", "cpu_native"])
+@torch.inference_mode()
+def test_paged_batched_steps_equal_dense(backend_name: str) -> None:
+    """Three requests in chunked prefill and decode steps (their tokens share the experts'
+    groups) through the native plan: every step's logits equal the dense reference."""
+    from tokenmill.runner.plan import apply_plan, cpu_native_plan
+
+    model = ours_from(tiny_moe_model("mixtral"))
+    gen = torch.Generator().manual_seed(4)
+    chunks = [[9, 5, 12], [6, 0, 5], [1, 1, 1], [1, 1, 1]]
+    seqs = [torch.randint(0, VOCAB, (sum(step[r] for step in chunks),), generator=gen).tolist() for r in range(3)]
+    dense = [model.compute_logits(model(torch.tensor(seq), torch.arange(len(seq)))) for seq in seqs]
+    plan = apply_plan(model, cpu_native_plan(torch.float32)) if backend_name == "cpu_native" else None
+    if plan is not None:
+        assert not plan.fused_decode  # the fused native layer has no experts
+        assert model.layers[0].mlp.experts.expert_weights is not None
+    for expected, got in zip(dense, _paged_logits(model, seqs, chunks, backend_name, plan=plan)):
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@torch.inference_mode()
+def test_quantized_experts(method: str) -> None:
+    """Experts go through the plan's weight format like any linear (int8 / int4 weights):
+    a layer's output equals the float computation on the quantized weights (dequantized),
+    within the error of the integer kernels' int8 activations."""
+    from tokenmill.quantization.formats import QuantizedWeights
+    from tokenmill.runner.plan import apply_plan, cpu_native_plan, quantized_plan
+
+    hf = tiny_moe_model("olmoe")
+    reference, quantized = ours_from(hf), ours_from(hf)
+    apply_plan(quantized, quantized_plan(cpu_native_plan(torch.float32, fused_decode=False), method, 32))
+    experts = quantized.layers[1].mlp.experts
+    assert experts.gate_up_proj is None and len(experts.expert_weights) == 8
+    assert all(isinstance(w, QuantizedWeights) for pair in experts.expert_weights for w in pair)
+    ref_experts = reference.layers[1].mlp.experts
+    for e, (gate_up, down) in enumerate(experts.expert_weights):
+        ref_experts.gate_up_proj[e] = gate_up.dequantize()
+        ref_experts.down_proj[e] = down.dequantize()
+    x = torch.randn(20, 64)
+    got, want = quantized.layers[1].mlp(x), reference.layers[1].mlp(x)
+    assert ((got - want).norm() / want.norm()) < 0.02
+    # And the whole model stays near float32 (int8 only: int4 moves a random tiny model's routing).
+    if method == "int8":
+        ids = _ids(20, 5)
+        got, want = (m.compute_logits(m(ids, torch.arange(20))) for m in (quantized, ours_from(hf)))
+        assert ((got - want).norm() / want.norm()) < 0.02
+
+
+# ----- parallel splits ------------------------------------------------------------------------
+
+QWEN3_MOE = ModelArchConfig("qwen3_moe", VOCAB, 64, 96, 2, 4, 2, 32, qk_norm=True, num_experts=8,
+                            num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)
+
+
+def test_expert_parallel_layout() -> None:
+    """Expert parallelism: whole experts per rank (uneven when they do not divide), another
+    rank's expert tensors not even read; without it, every expert's columns are split."""
+    ep = [build_layout(QWEN3_MOE, 2, r, 1, 0, expert_parallel=True) for r in range(2)]
+    assert [l.experts for l in ep] == [Span(0, 4), Span(4, 4)] and ep[1].expert_intermediate == Span(0, 32)
+    assert ep[1].local_name("layers.1.mlp.experts.2.up_proj.weight") is None
+    assert ep[1].local_name("layers.1.mlp.experts.6.up_proj.weight") == "layers.1.mlp.experts.2.up_proj.weight"
+    assert ep[1].local_name("layers.1.block_sparse_moe.experts.5.w2.weight") == \
+        "layers.1.block_sparse_moe.experts.1.w2.weight"
+    tp = [build_layout(QWEN3_MOE, 2, r, 1, 0) for r in range(2)]
+    assert [l.experts for l in tp] == [Span(0, 8)] * 2 and [l.expert_intermediate for l in tp] == [Span(0, 16),
+                                                                                                   Span(16, 16)]
+    assert tp[1].checkpoint_part("layers.0.mlp.experts.3.gate_proj.weight") == (0, Span(16, 16))
+    assert tp[1].checkpoint_part("layers.0.block_sparse_moe.experts.3.w2.weight") == (1, Span(16, 16))
+    with pytest.raises(ValueError, match="exceeds the model's 8 experts"):
+        build_layout(QWEN3_MOE, 16, 0, 1, 0, expert_parallel=True)
+    olmoe = ModelArchConfig.from_hf_config(tiny_moe_model("olmoe").config.to_dict())
+    with pytest.raises(ValueError, match="q/k norms span every head"):
+        build_layout(olmoe, 2, 0, 1, 0)
+
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], list(range(100, 140)), [300] * 9]
+PARAMS = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True, logprobs=3)
+
+
+def _generate(path: Path, **split) -> tuple[list[list[int]], list]:
+    from tokenmill.llm import LLM
+
+    llm = LLM(model=str(path), dtype="float32", max_model_len=256, num_threads=1, block_size=4,
+              distributed_timeout=60.0, **split)
+    try:
+        outputs = llm.generate(PROMPTS, PARAMS)
+    finally:
+        executor = llm.engine.executor
+        if hasattr(executor, "close"):
+            executor.close()
+    return [o.outputs[0].token_ids for o in outputs], [o.outputs[0].logprobs for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def qwen3_moe_dir(tmp_path_factory) -> Path:
+    return write_tiny_moe(tmp_path_factory.mktemp("moe") / "qwen3_moe", "qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def one_process(qwen3_moe_dir: Path):
+    return _generate(qwen3_moe_dir)
+
+
+@torch.inference_mode()
+def test_llm_generate_equals_transformers_greedy(qwen3_moe_dir: Path, one_process) -> None:
+    """Through LLM.generate (scheduler, paged KV cache, batched decode): each prompt's greedy
+    tokens are transformers' own."""
+    hf = tiny_moe_model("qwen3_moe")
+    tokens, _ = one_process
+    for prompt, got in zip(PROMPTS, tokens):
+        seq = list(prompt)
+        for _ in range(10):  # transformers' greedy argmax, EOS included (ignore_eos)
+            seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
+        assert got == seq[len(prompt):]
+
+
+@pytest.mark.parametrize("split", [dict(tensor_parallel_size=2, enable_expert_parallel=True),
+                                   dict(tensor_parallel_size=2)], ids=["ep2", "tp2-expert-columns"])
+def test_parallel_split_equals_one_process(qwen3_moe_dir: Path, one_process, split: dict) -> None:
+    """EP 2 (each rank 4 whole experts) and TP 2 (each rank half of every expert's columns):
+    greedy tokens identical to one process, logprobs within 1e-4 (the ranks' partial sums
+    are added in another order: float tolerance, not bit-identical)."""
+    tokens, logprobs = _generate(qwen3_moe_dir, **split)
+    ref_tokens, ref_logprobs = one_process
+    assert tokens == ref_tokens
+    for ours, theirs in zip(logprobs, ref_logprobs):
+        for a, b in zip(ours, theirs):
+            assert a.keys() == b.keys() and max(abs(a[t].logprob - b[t].logprob) for t in a) < 1e-4
