@@ -35,6 +35,8 @@ ATTENTION_BACKENDS = ("auto", "cpu_native", "torch_sdpa")
 ALL_REDUCE_BACKENDS = ("auto", "shm", "gloo", "nccl")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar",)
+RUNNERS = ("auto", "generate", "pooling")
+POOLING_TYPES = ("LAST", "MEAN", "CLS")
 
 
 def parse_memory(value: str | int | float | None) -> int | None:
@@ -91,6 +93,51 @@ def setting(default: Any = dataclasses.MISSING, *, help: str, choices: tuple | N
 
 
 @dataclass(frozen=True)
+class PoolerConfig:
+    """vLLM's `pooler_config` (the keys it shares with tokenmill): how a pooling runner
+    turns a prompt's final hidden states into one vector. None: the model's own (its
+    sentence-transformers `1_Pooling/config.json` and `modules.json`), else LAST, normalized."""
+
+    pooling_type: str | None = None  # LAST | MEAN | CLS
+    normalize: bool | None = None  # L2-normalize the pooled vector
+
+    def __post_init__(self) -> None:
+        if self.pooling_type is not None:
+            name = str(self.pooling_type).upper()
+            if name not in POOLING_TYPES:
+                raise ValueError(f"pooler_config: pooling_type {self.pooling_type!r} is not supported; tokenmill "
+                                 f"pools with {', '.join(POOLING_TYPES)}")
+            object.__setattr__(self, "pooling_type", name)
+        if self.normalize is not None and not isinstance(self.normalize, bool):
+            raise ValueError(f"pooler_config: normalize must be true or false, got {self.normalize!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    def __str__(self) -> str:  # the flag's JSON (engine_args rebuilds a command line with it)
+        return json.dumps(self.to_dict())
+
+
+def parse_pooler_config(value: str | dict | PoolerConfig | None) -> PoolerConfig | None:
+    """A JSON string (the flag), a dict (`LLM(...)`, YAML) or a config -> PoolerConfig;
+    unknown keys are refused by name."""
+    if value is None or isinstance(value, PoolerConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"pooler_config is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"pooler_config must be a JSON object or a dict, got {type(value).__name__}")
+    known = {f.name for f in dataclasses.fields(PoolerConfig)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"pooler_config: unsupported key(s) {unknown}; tokenmill knows {sorted(known)}")
+    return PoolerConfig(**value)
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """What to load and how to compute it."""
 
@@ -106,9 +153,18 @@ class ModelConfig:
     structured_outputs_backend: str = setting(
         "xgrammar", choices=STRUCTURED_OUTPUTS_BACKENDS,
         help="grammar library that constrains output to a JSON schema, regex, choice or grammar")
+    runner: str = setting("auto", choices=RUNNERS,
+                          help="generate: text generation (completions, chat); pooling: embeddings (/v1/embeddings, "
+                               "LLM.embed): each prompt is prefilled once and its final hidden states pooled, a "
+                               "decoder used as embedder (vLLM's --runner pooling). auto = generate")
+    pooler_config: PoolerConfig | None = setting(
+        None, parse=parse_pooler_config, metavar="JSON",
+        help='with --runner pooling, vLLM\'s JSON: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": true}. '
+             "Default: the checkpoint's sentence-transformers pooling config, else LAST, normalized")
 
     def __post_init__(self) -> None:
         _check_choice("dtype", self.dtype, SUPPORTED_DTYPES)
+        _check_choice("runner", self.runner, RUNNERS)
         _check_choice("structured_outputs_backend", self.structured_outputs_backend, STRUCTURED_OUTPUTS_BACKENDS)
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be at least 2, got {self.max_model_len}")
@@ -547,6 +603,24 @@ def engine_args(config: EngineConfig) -> list[str]:
 
 
 @dataclass(frozen=True)
+class PoolingFacts:
+    """How a pooling runner pools, resolved at load (the config's, else the checkpoint's)."""
+
+    pooling_type: str  # LAST | MEAN | CLS
+    normalize: bool
+    hidden_size: int  # the embedding's dimensions
+    # Matryoshka (the checkpoint's `is_matryoshka` / `matryoshka_dimensions`): None when the
+    # model was not trained so (a request's `dimensions` is refused), () when any prefix may be kept.
+    matryoshka_dimensions: tuple[int, ...] | None = None
+
+    @property
+    def uses_prefix_cache(self) -> bool:
+        """LAST reads the last row only, which a prefix hit never covers; MEAN and CLS need
+        every position's state, so their requests compute the whole prompt (as vLLM's)."""
+        return self.pooling_type == "LAST"
+
+
+@dataclass(frozen=True)
 class EngineFacts:
     """What the builder found while loading, for everyone above the engine to read (the
     server, the bench, `LLM`) instead of reaching into the executor or the block manager."""
@@ -573,6 +647,8 @@ class EngineFacts:
     # 0 when every layer keeps every block.
     num_sliding_blocks: int = 0
     sliding_window: int = 0
+    runner: str = "generate"  # what the engine serves: generate | pooling (--runner, auto resolved)
+    pooling: PoolingFacts | None = None  # with the pooling runner: how it pools
 
     @property
     def kv_capacity_tokens(self) -> int:

@@ -8,7 +8,8 @@ from tqdm import tqdm
 
 from tokenmill.config import EngineConfig, engine_settings
 from tokenmill.engine.engine import LLMEngine
-from tokenmill.outputs import RequestOutput
+from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling.params import SamplingParams
 
 Prompt = str | list[int]
@@ -63,16 +64,25 @@ class LLM:
                                                    priority=rank, slo_ttft_ms=ttft, slo_tpot_ms=tpot)
                     for prompt, p, rank, ttft, tpot in zip(prompts, params, priorities, ttfts, tpots)]
         # (all are checked before any is queued)
-        added = []
-        try:
-            for request in requests:
-                engine.add_processed(request, final_only=True)
-                added.append(request.request_id)
-            return self._run(added, use_tqdm)
-        except BaseException:
-            for request_id in added:  # e.g. KeyboardInterrupt: leave nothing allocated
-                engine.abort_request(request_id)
-            raise
+        return self._add_and_run(requests, use_tqdm)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[EmbeddingRequestOutput]:
+        """One embedding per prompt, in order (`output.outputs.embedding`), as vLLM's
+        `LLM.embed`; needs `runner="pooling"`. Each prompt is prefilled once, batched and
+        chunked by the scheduler like any prompt, and its final hidden states pooled as the
+        pooler config says. Every prompt is validated before any is queued."""
+        prompts = _as_prompt_list(prompts)
+        params = _as_list(pooling_params, PoolingParams, len(prompts), "pooling params") or [PoolingParams()] * len(prompts)
+        engine = self.engine
+        requests = [engine.input_processor.process(engine.new_request_id(), prompt, arrival_time=engine.clock(),
+                                                   pooling_params=p)
+                    for prompt, p in zip(prompts, params)]
+        return [EmbeddingRequestOutput.from_base(o) for o in self._add_and_run(requests, use_tqdm)]
 
     def chat(
         self,
@@ -94,6 +104,19 @@ class LLM:
             messages, add_generation_prompt, allow_special_tokens_in_content=allow_special_tokens_in_content)
 
     # ----- internals -----------------------------------------------------------------
+
+    def _add_and_run(self, requests: list, use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        added = []
+        try:
+            for request in requests:
+                engine.add_processed(request, final_only=True)
+                added.append(request.request_id)
+            return self._run(added, use_tqdm)
+        except BaseException:
+            for request_id in added:  # e.g. KeyboardInterrupt: leave nothing allocated
+                engine.abort_request(request_id)
+            raise
 
     def _run(self, request_ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(request_ids)
@@ -151,6 +174,18 @@ def _per_prompt(name: str, value: float | Sequence[float | None] | None, count: 
     if len(values) != count:
         raise ValueError(f"got {len(values)} values of {name} for {count} prompts")
     return values
+
+
+def _as_list(value, kind: type, count: int, what: str) -> list | None:
+    """None, one `kind` for every prompt, or one per prompt."""
+    if value is None:
+        return None
+    if isinstance(value, kind):
+        return [value] * count
+    value = list(value)
+    if len(value) != count:
+        raise ValueError(f"got {len(value)} {what} for {count} prompts")
+    return value
 
 
 def _as_params_list(params: SamplingParams | Sequence[SamplingParams] | None, count: int) -> list[SamplingParams]:

@@ -51,3 +51,33 @@ class RequestOutput:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     metrics: RequestMetrics | None = None
     extra: dict = field(default_factory=dict)
+    # A pooling request's vector (the pooling runner: an embedding); its `outputs` hold
+    # one empty completion that finished with "stop".
+    pooled: list[float] | None = None
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+    @property
+    def hidden_size(self) -> int:
+        return len(self.embedding)
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """What `LLM.embed` returns per prompt, as vLLM's: `output.outputs.embedding`."""
+
+    request_id: str
+    outputs: EmbeddingOutput
+    prompt_token_ids: list[int]
+    finished: bool = True
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+
+    @classmethod
+    def from_base(cls, output: RequestOutput) -> EmbeddingRequestOutput:
+        if output.pooled is None:
+            raise ValueError(f"request {output.request_id} has no pooled output (was it run by the pooling runner?)")
+        return cls(output.request_id, EmbeddingOutput(output.pooled), output.prompt_token_ids, output.finished,
+                   output.num_cached_tokens)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling.logprobs import TokenLogprobs
 from tokenmill.sampling.params import SamplingParams
 
@@ -27,6 +28,7 @@ class NewRequestData:
 
     prompt_token_ids: list[int]
     params: SamplingParams
+    pooling_params: PoolingParams | None = None  # a pooling request: pool, never sample
 
 
 @dataclass
@@ -91,6 +93,8 @@ class RunnerOutput:
     prompt_logprobs: dict[str, PromptLogprobsChunk] = field(default_factory=dict)
     # Per request that had proposals verified: how many were proposed (the rest is derived).
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
+    # Per pooling request whose last prompt chunk ran: its pooled vector (an embedding).
+    pooled: dict[str, list[float]] = field(default_factory=dict)
 
 
 # ----- the runner's side ------------------------------------------------------------------
@@ -108,6 +112,7 @@ class RequestState:
     # Its table in a hybrid cache's sliding pool. Entries the scheduler has since let go of
     # keep their old ids here: the sliding layers never read them (their window is past).
     sliding_block_ids: list[int] = field(default_factory=list)
+    pooling_params: PoolingParams | None = None
 
     @property
     def output_token_ids(self) -> list[int]:
@@ -164,6 +169,10 @@ class StepRequest:
         return self.state.params
 
     @property
+    def pooling_params(self) -> PoolingParams | None:
+        return self.state.pooling_params
+
+    @property
     def prompt_token_ids(self) -> list[int]:
         return self.state.prompt_token_ids
 
@@ -197,7 +206,8 @@ class RequestTable:
     def _update(self, item: ScheduledRequest) -> RequestState:
         if item.new is not None:
             prompt = item.new.prompt_token_ids
-            state = RequestState(item.request_id, prompt, item.new.params, list(prompt), [])
+            state = RequestState(item.request_id, prompt, item.new.params, list(prompt), [],
+                                 pooling_params=item.new.pooling_params)
             self.states[item.request_id] = state
         else:
             state = self.states.get(item.request_id)

@@ -29,6 +29,7 @@ from tokenmill.engine.request import SLO_HEADROOM, Request, RequestStatus, slo_a
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
 from tokenmill.engine.step_cost import StepCostEstimator
 from tokenmill.outputs import RequestOutput
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling.params import SamplingParams
 from tokenmill.tokenizer import Tokenizer
 
@@ -155,7 +156,9 @@ class StepObserver:
 
 
 def make_block_manager(facts: EngineFacts, enable_caching: bool) -> KVBlockManager | HybridKVBlockManager:
-    """One pool, or (sliding-window layers in a hybrid cache) a pool per layer kind."""
+    """One pool, or (sliding-window layers in a hybrid cache) a pool per layer kind. MEAN
+    and CLS pooling compute every prompt position: no prefix hits for them."""
+    enable_caching = enable_caching and (facts.pooling is None or facts.pooling.uses_prefix_cache)
     if facts.num_sliding_blocks:
         return HybridKVBlockManager(facts.num_blocks, facts.num_sliding_blocks, facts.block_size,
                                     facts.sliding_window, enable_caching)
@@ -191,7 +194,8 @@ class LLMEngine:
         self.step_cost = StepCostEstimator()
         self.scheduler = Scheduler(limits, kv, clock, self.step_cost)
         self.input_processor = InputProcessor(
-            tokenizer, AdmissionLimits(facts.max_model_len, facts.vocab_size, facts.num_blocks, facts.block_size),
+            tokenizer, AdmissionLimits(facts.max_model_len, facts.vocab_size, facts.num_blocks, facts.block_size,
+                                       facts.runner, facts.pooling),
             priority_scheduling=limits.by_priority)
         self.output_processor = OutputProcessor(tokenizer, clock)
         self.observers: list[StepObserver] = []
@@ -247,15 +251,18 @@ class LLMEngine:
         priority: int = 0,
         slo_ttft_ms: float | None = None,
         slo_tpot_ms: float | None = None,
+        pooling_params: PoolingParams | None = None,
     ) -> None:
         """Validate and queue a request; raises ValueError (an AdmissionError naming the
         problem and the limit) before anything is allocated. `priority` (lower first) needs
         --scheduling-policy priority unless it is 0, as in vLLM. `slo_ttft_ms` /
         `slo_tpot_ms`: this request's latency targets (SLO mode; default: the engine's);
-        with --slo-reject, SLOUnattainableError when its TTFT target is predicted missed."""
+        with --slo-reject, SLOUnattainableError when its TTFT target is predicted missed.
+        `pooling_params`: a pooling request (the pooling runner's: an embedding) instead of
+        a generating one."""
         request = self.input_processor.process(request_id, prompt, params, arrival_time=arrival_time or self.clock(),
                                                cache_salt=cache_salt, priority=priority, slo_ttft_ms=slo_ttft_ms,
-                                               slo_tpot_ms=slo_tpot_ms)
+                                               slo_tpot_ms=slo_tpot_ms, pooling_params=pooling_params)
         self.add_processed(request, final_only)
 
     def add_processed(self, request: ProcessedRequest, final_only: bool = False) -> None:

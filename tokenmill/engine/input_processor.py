@@ -20,7 +20,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from tokenmill.config import PoolingFacts
 from tokenmill.engine.request import Request, slo_aim
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling.params import SamplingParams
 
 Prompt = str | Sequence[int]
@@ -58,6 +60,8 @@ class AdmissionLimits:
     vocab_size: int
     num_blocks: int
     block_size: int
+    runner: str = "generate"  # generate | pooling: which requests the engine runs
+    pooling: PoolingFacts | None = None  # the pooling runner's
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -159,6 +163,47 @@ class InputProcessor:
                 "shorten the prompt or lower max_tokens", "max_tokens")
         self._check_kv_capacity(num_prompt_tokens, params)
 
+    def check_runner(self, pooling: bool) -> None:
+        """A pooling engine embeds and a generating one generates, as vLLM's runners."""
+        runner = self.limits.runner
+        if pooling and runner != "pooling":
+            raise AdmissionError("this model runs the generate runner: embeddings need the pooling runner "
+                                 "(start it with --runner pooling, or LLM(runner=\"pooling\"))")
+        if not pooling and runner == "pooling":
+            raise AdmissionError("this model runs the pooling runner (embeddings): generation needs the generate "
+                                 "runner (start it with --runner generate)")
+
+    def check_pooling(self, num_prompt_tokens: int, prompt_param: str = "input") -> None:
+        """A pooling request (an embedding) is prefilled once and never grows: its prompt
+        may fill the whole context (vLLM's message when it does not fit)."""
+        limit = self.limits.max_model_len
+        if num_prompt_tokens == 0:
+            raise AdmissionError("the input is empty: it must contain at least one token", prompt_param)
+        if num_prompt_tokens > limit:
+            raise AdmissionError(
+                f"This model's maximum context length is {limit} tokens. However, you requested {num_prompt_tokens} "
+                "tokens in the input for embedding generation. Please reduce the length of the input.", prompt_param)
+        capacity = self.limits.kv_capacity_tokens
+        if num_prompt_tokens > capacity:
+            raise AdmissionError(f"the input has {num_prompt_tokens} tokens, which can never fit in the KV cache "
+                                 f"({capacity} tokens); shorten it or raise kv_cache_memory", prompt_param)
+
+    def check_pooling_params(self, params: PoolingParams) -> None:
+        """`dimensions` only for a Matryoshka model, within its size (vLLM's messages)."""
+        pooling, dimensions = self.limits.pooling, params.dimensions
+        if dimensions is None or pooling is None:
+            return
+        allowed = pooling.matryoshka_dimensions
+        if allowed is None:
+            raise AdmissionError("This model does not support matryoshka representation, changing output dimensions "
+                                 "will lead to poor results.", "dimensions")
+        if allowed and dimensions not in allowed:
+            raise AdmissionError(f"This model only supports {list(allowed)} matryoshka dimensions, use other output "
+                                 "dimensions will lead to poor results.", "dimensions")
+        if dimensions > pooling.hidden_size:
+            raise AdmissionError(f"dimensions {dimensions} exceeds the model's embedding size "
+                                 f"({pooling.hidden_size})", "dimensions")
+
     def check_priority(self, priority: object) -> None:
         """vLLM's rule: a priority other than 0 needs the priority policy."""
         if not isinstance(priority, int) or isinstance(priority, bool):
@@ -206,13 +251,23 @@ class InputProcessor:
     def process(self, request_id: str, prompt: Prompt, params: SamplingParams | None = None, *,
                 arrival_time: float, cache_salt: str | None = None, priority: int = 0,
                 strict_max_tokens: bool = False, prompt_param: str = "prompt",
-                slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None) -> ProcessedRequest:
-        """Tokenize and check a prompt and make its requests (one per sample).
+                slo_ttft_ms: float | None = None, slo_tpot_ms: float | None = None,
+                pooling_params: PoolingParams | None = None) -> ProcessedRequest:
+        """Tokenize and check a prompt and make its requests (one per sample; a pooling
+        request, given `pooling_params`, is one request that is prefilled and pooled).
         `slo_ttft_ms` / `slo_tpot_ms`: this request's latency targets (SLO mode)."""
         params = params or SamplingParams()
+        self.check_runner(pooling_params is not None)
         self.check_priority(priority)
         self.check_slo(slo_ttft_ms, slo_tpot_ms)
         prompt_text, prompt_ids = self.tokenize(prompt, prompt_param)
+        if pooling_params is not None:
+            self.check_pooling_params(pooling_params)
+            self.check_pooling(len(prompt_ids), prompt_param)
+            request = Request(request_id, prompt_ids, SamplingParams(max_tokens=1), max_total_tokens=len(prompt_ids),
+                              arrival_time=arrival_time, cache_salt=cache_salt, priority=priority,
+                              slo_ttft=slo_aim(slo_ttft_ms), pooling_params=pooling_params)
+            return ProcessedRequest(request_id, prompt_text, prompt_ids, [request])
         self.check(len(prompt_ids), params, strict_max_tokens=strict_max_tokens, prompt_param=prompt_param)
         samples = [
             Request(

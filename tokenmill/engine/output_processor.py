@@ -184,6 +184,7 @@ class OutputProcessor:
             prompt_logprobs=list(user.prompt_logprobs) if user.prompt_logprobs is not None else None,
             num_cached_tokens=min(s.request.num_cached_tokens for s in user.samples),
             metrics=user.metrics,
+            pooled=user.samples[0].request.pooled_output,
         )
 
     def _forget(self, user: _UserRequest) -> None:

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling.params import SamplingParams
 
 # SLO mode aims a little under the targets given: its step costs are predictions.
@@ -59,6 +60,10 @@ class Request:
     # Tokens a proposer guessed to follow (speculative decoding); the next step verifies
     # them. Never part of the request's tokens until accepted.
     spec_token_ids: list[int] = field(default_factory=list)
+    # A pooling request (an embedding): prefilled once, never sampled; it finishes with
+    # the pooled vector the runner returns for its last prompt chunk.
+    pooling_params: PoolingParams | None = None
+    pooled_output: list[float] | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

@@ -380,6 +380,12 @@ class Scheduler:
             request = self.requests.get(item.request_id)
             if request is None or not item.sample:
                 continue
+            if request.pooling_params is not None:  # prefilled: its vector ends it, and frees its KV
+                request.pooled_output = runner_output.pooled[item.request_id]
+                request.num_new_output_tokens = 0
+                self._finish(request, RequestStatus.FINISHED_STOPPED)
+                updated.append(request)
+                continue
             tokens = runner_output.sampled_token_ids[item.request_id]
             # Accepted proposals already have their KV; the last token's is computed next step.
             rejected = len(item.spec_token_ids) - (len(tokens) - 1)
@@ -494,7 +500,7 @@ class Scheduler:
         sent = self._sent.get(rid)
         new = None
         if sent is None:  # first time, or again after a preemption: the whole request
-            new = NewRequestData(request.prompt_token_ids, request.params)
+            new = NewRequestData(request.prompt_token_ids, request.params, request.pooling_params)
             sent = (request.num_prompt_tokens, 0)
         self._sent[rid] = (request.num_tokens, len(block_ids))
         sliding = self.kv.get_sliding_block_ids(rid)[sent[1]:] if isinstance(self.kv, HybridKVBlockManager) else []

@@ -17,6 +17,7 @@ from tokenmill.attention.backend import AttentionBackend, BatchLayout, ForwardCo
 from tokenmill.attention.kv_cache import PagedKVCache
 from tokenmill.engine.batch import PromptLogprobsChunk, RequestTable, RunnerOutput, SchedulerOutput, StepRequest
 from tokenmill.model.llama import LlamaForCausalLM
+from tokenmill.pooling import Pooler
 from tokenmill.runner.plan import ExecutionPlan
 from tokenmill.runner.threads import ThreadGovernor
 from tokenmill.sampling.rejection import RejectionSampler, Verification
@@ -57,6 +58,8 @@ class ModelRunner:
         self.short_chunks_as_decodes = True  # off: every multi-token chunk attends as one (benchmarks)
         # Grammar matchers of requests with structured outputs (set by the builder).
         self.structured_output: StructuredOutputManager | None = None
+        # The pooling runner's (set by the builder): pooling requests' vectors instead of tokens.
+        self.pooler: Pooler | None = None
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
@@ -64,6 +67,8 @@ class ModelRunner:
             self.generators.pop(request_id, None)
         if self.structured_output is not None:
             self.structured_output.release([*batch.finished_ids, *batch.preempted_ids])
+        if self.pooler is not None:
+            self.pooler.release([*batch.finished_ids, *batch.preempted_ids])
         return self.run(self.requests.apply(batch))
 
     @torch.inference_mode()
@@ -80,6 +85,7 @@ class ModelRunner:
         if hidden is None:  # a pipeline stage before the last: its hidden states went on
             return RunnerOutput()
         output = RunnerOutput()
+        self._pool(items, hidden, starts, output)
         self._sample(items, hidden, starts, output, masks)
         if masks is not None:
             self.structured_output.advance(masks, output)
@@ -132,8 +138,9 @@ class ModelRunner:
         """One token after the last known token of each request that samples; for one with
         proposals, a row per proposal too, verified. One LM-head pass for all rows; the
         tokens a request's grammar forbids are masked out first (`masks`)."""
-        plain = [i for i, r in enumerate(items) if r.sample and not r.spec_token_ids]
-        spec = [i for i, r in enumerate(items) if r.sample and r.spec_token_ids]
+        sampled = [i for i, r in enumerate(items) if r.sample and r.pooling_params is None]
+        plain = [i for i in sampled if not items[i].spec_token_ids]
+        spec = [i for i in sampled if items[i].spec_token_ids]
         if not plain and not spec:
             return
         rows = [starts[i] + items[i].item.num_new_tokens - 1 for i in plain]
@@ -152,6 +159,20 @@ class ModelRunner:
                     output.logprobs[request_id] = [logprobs]
         if spec:
             self._verify([items[i] for i in spec], logits[len(plain):], output)
+
+    def _pool(self, items: list[StepRequest], hidden: torch.Tensor, starts: list[int], output: RunnerOutput) -> None:
+        """Hand each pooling request's rows to the pooler; the one whose prompt ends in this
+        step gets its vector. Nothing is sampled for them (no LM head pass)."""
+        for i, item in enumerate(items):
+            if item.pooling_params is None:
+                continue
+            if self.pooler is None:
+                raise RuntimeError(f"{item.request_id} is a pooling request, but this runner has no pooler "
+                                   "(the engine runs the generate runner)")
+            vector = self.pooler.add(item.request_id, item.start_pos, hidden[starts[i]:starts[i + 1]], item.sample,
+                                     item.pooling_params)
+            if vector is not None:
+                output.pooled[item.request_id] = vector
 
     def _verify(self, items: list[StepRequest], logits: torch.Tensor, output: RunnerOutput) -> None:
         verifications = [

@@ -29,12 +29,13 @@ from tokenmill.attention import kv_quant
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.attention.kv_cache import KVCacheSpec, PagedKVCache
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
-from tokenmill.config import EngineConfig, EngineFacts, SpeculativeConfig
+from tokenmill.config import EngineConfig, EngineFacts, PoolingFacts, SpeculativeConfig
 from tokenmill.config import default_kv_cache_memory as default_kv_cache_memory_bytes
 from tokenmill.dtypes import kv_cache_dtype_name, torch_dtype
 from tokenmill.hardware import cpu_info
 from tokenmill.model.loader import LoadedModel, load_model, open_checkpoint
 from tokenmill.model_arch import ModelArchConfig
+from tokenmill.pooling import Pooler, model_pooling
 from tokenmill.quantization.dense import CPUMatmulChoice
 from tokenmill.runner import tune
 from tokenmill.runner.model_runner import ModelRunner
@@ -84,6 +85,7 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltRank
     kernels_ok = device.type == "cpu" and config.device.native_kernels and _cpu_kernels_build()
     dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, resolve_dtype(config.model.dtype, device, kernels_ok),
                                    device)
+    runner_type = resolve_runner(config)
     checkpoint = open_checkpoint(config.model.model)
     backend = select_attention_backend(config.device.attention_backend, device, kernels_ok)
     keep_quantized = quantized_as_stored(config, checkpoint.quantized, kernels_ok)
@@ -123,6 +125,12 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltRank
     if rank is not None and rank.microbatches is not None:
         runner.microbatches = rank.microbatches
     draft_runner = build_draft_runner(config, runner, draft) if draft is not None else None
+    pooling = resolve_pooling(config, loaded) if runner_type == "pooling" else None
+    if pooling is not None:
+        runner.pooler = Pooler(pooling.pooling_type, pooling.normalize)
+        logger.info("pooling runner: %s pooling%s, %d dimensions%s", pooling.pooling_type,
+                    ", normalized" if pooling.normalize else "", pooling.hidden_size,
+                    "" if pooling.uses_prefix_cache else " (prefix caching off: every position is pooled)")
     facts = EngineFacts(
         model_name=loaded.name, model_path=loaded.path, architecture=loaded.arch.architecture,
         vocab_size=loaded.arch.vocab_size, max_model_len=max_model_len, device=str(device),
@@ -131,6 +139,7 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltRank
         attention_backend=backend.name, execution_plan=plan.describe(), num_threads=torch.get_num_threads(),
         load_seconds=time.perf_counter() - start, speculative=describe_speculation(speculative, draft_runner),
         kv_cache_format=spec.describe(), num_sliding_blocks=num_sliding_blocks, sliding_window=window,
+        runner=runner_type, pooling=pooling,
     )
     logger.info(
         "loaded %s (%s) on %s in %.1f s: %d KV blocks of %d tokens = %d tokens (%.2f GiB, %d bytes per token, "
@@ -147,6 +156,38 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltRank
     if speculative is not None:
         logger.info("speculative decoding: %s", facts.speculative)
     return BuiltRank(runner, loaded.tokenizer, facts, draft_runner)
+
+
+# ----- the pooling runner ---------------------------------------------------------------------
+
+
+def resolve_runner(config: EngineConfig) -> str:
+    """generate or pooling (`auto` is generate: tokenmill's families are decoders, which
+    vLLM also serves as generators unless --runner pooling asks otherwise). The pooling
+    runner prefills and pools: no speculation, and (for now) one process."""
+    runner = "generate" if config.model.runner == "auto" else config.model.runner
+    if runner != "pooling":
+        if config.model.pooler_config is not None:
+            raise ValueError("pooler_config applies to the pooling runner: add --runner pooling")
+        return runner
+    if config.speculative.speculative_config is not None:
+        raise ValueError("the pooling runner samples nothing: speculative_config does not apply to it")
+    if config.parallel.world_size > 1:
+        raise ValueError("the pooling runner runs in one process for now: tensor/pipeline parallelism is not "
+                         "supported with --runner pooling")
+    return runner
+
+
+def resolve_pooling(config: EngineConfig, loaded: LoadedModel) -> PoolingFacts:
+    """The pooler config's fields, else what the checkpoint says (sentence-transformers'
+    pooling and Normalize modules), else LAST normalized: vLLM's default for a decoder
+    served as an embedder (Qwen3-Embedding and e5-mistral pool the last token)."""
+    own = model_pooling(loaded.path)
+    asked = config.model.pooler_config
+    pooling_type = (asked and asked.pooling_type) or own.pooling_type or "LAST"
+    normalize = asked.normalize if asked is not None and asked.normalize is not None else own.normalize
+    return PoolingFacts(pooling_type, True if normalize is None else normalize, loaded.arch.hidden_size,
+                        own.matryoshka_dimensions)
 
 
 # ----- speculative decoding ------------------------------------------------------------------
