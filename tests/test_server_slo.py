@@ -77,3 +77,32 @@ def test_under_load_a_better_priority_meets_a_target_a_worse_one_is_refused(serv
     finally:
         stream.close()  # aborts the rest of the stream
     server.wait_idle()
+
+
+def test_plan_predicts_a_proposed_config_with_the_servers_own_step_costs(server, client):
+    """POST /v1/plan (tokenmill's what-if): after some traffic the server refits its step
+    cost model from its own steps and simulates a proposed config and load with it."""
+    for i in range(4):  # prefill and decode steps of several shapes
+        client.completions.create(model=server.model, prompt="Count: " + "one two " * (3 + 10 * i), max_tokens=8,
+                                  extra_body={"ignore_eos": True})
+    body = {"settings": {"max_num_seqs": 8, "max_num_batched_tokens": 256, "scheduling_policy": "fcfs",
+                         "slo_ttft_ms": 2000},
+            "load": {"request_rate": 0.5, "num_prompts": 20, "input_len": 32, "output_len": 8},
+            "goodput": {"ttft": 2000, "tpot": 500}}
+    response = server.post("/v1/plan", json=body)
+    assert response.status_code == 200, response.text
+    plan = response.json()
+    assert plan["object"] == "plan" and plan["settings"]["max_num_seqs"] == 8
+    assert plan["settings"]["slo_ttft_ms"] == 2000 and plan["settings"]["scheduling_policy"] == "fcfs"
+    model = plan["step_cost_model"]
+    assert model["steps"] >= 32 and model["source"] in ("refit", "scaled calibration")
+    predicted = plan["predicted"]
+    assert predicted["completed"] == 20 and 0 <= predicted["goodput_fraction"] <= 1
+    assert 0 < predicted["median_ttft_ms"] <= predicted["p99_ttft_ms"]
+    assert predicted["mean_tpot_ms"] > 0
+    heavier = server.post("/v1/plan", json={**body, "load": {**body["load"], "request_rate": 50}}).json()
+    assert heavier["predicted"]["p99_ttft_ms"] > predicted["p99_ttft_ms"]
+    bad = server.post("/v1/plan", json={"settings": {"model": "other"}})
+    assert bad.status_code == 400
+    assert "cannot be changed by a what-if" in bad.json()["error"]["message"]
+    assert server.post("/v1/plan", content=b"not json").status_code == 400

@@ -164,11 +164,18 @@ def _add_optional_commands(sub) -> None:
     from tokenmill.serve import cli as serve_cli
     from tokenmill.simulator import cli as simulate_cli
 
-    serve_cli.register(sub)
+    serve_cli.register(sub, planner=_what_if_planner)
     bench_cli.register(sub)
     plan_cli.register(sub)
     eval_cli.register(sub)
     simulate_cli.register(sub)
+
+
+def _what_if_planner():
+    """The simulator, for the server's POST /v1/plan (the serve room cannot import it)."""
+    from tokenmill.simulator.what_if import SimulatorPlanner
+
+    return SimulatorPlanner()
 
 
 if __name__ == "__main__":

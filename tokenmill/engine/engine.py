@@ -140,6 +140,10 @@ class StepRecord:
     kv_usage: float = 0.0
     spec_decode: SpecDecodeStats | None = None  # proposals verified in this step, if any
     propose_s: float = 0.0  # the proposer, after the step (a draft model's forward passes)
+    # The step cost model's other features (planner/costmodel.py): the tokens the decode
+    # rows attend to, and the (query, key) pairs of the prefill chunks.
+    num_decode_context_tokens: int = 0
+    num_prefill_attention_pairs: int = 0
 
     @property
     def duration_s(self) -> float:
@@ -325,7 +329,7 @@ class LLMEngine:
         if batch.is_empty and not batch.finished_ids:
             return []
         scheduled = self.clock()
-        num_prefill = self._prefill_tokens(batch)
+        num_prefill, context, pairs = self._step_shape(batch)
         runner_output = self.executor.execute(batch)
         executed = self.clock()
         updated = self.scheduler.update_from_output(batch, runner_output)
@@ -342,8 +346,8 @@ class LLMEngine:
         if self.step_cost is not None:
             self.step_cost.observe(num_prefill, batch.num_batched_tokens - num_prefill, processed - started)
         self._propose(batch)
-        self._report(batch, started, scheduled, executed, processed, num_prefill, num_generated, updated, outputs,
-                     spec)
+        self._report(batch, started, scheduled, executed, processed, (num_prefill, context, pairs), num_generated,
+                     updated, outputs, spec)
         return outputs
 
     def stats(self) -> EngineStats:
@@ -358,11 +362,23 @@ class LLMEngine:
 
     # ----- internals -----------------------------------------------------------------
 
-    def _prefill_tokens(self, batch: SchedulerOutput) -> int:
-        """Tokens of chunks that start inside their prompt (prefill work)."""
+    def _step_shape(self, batch: SchedulerOutput) -> tuple[int, int, int]:
+        """(prefill tokens, decode context tokens, prefill attention pairs): chunks that
+        start inside their prompt are prefill work (a recomputation too), the rest decode
+        rows, as the simulator's StepMeter counts them."""
         requests = self.scheduler.requests
-        return sum(r.num_tokens for r in batch.scheduled
-                   if r.request_id in requests and r.start_pos < requests[r.request_id].num_prompt_tokens)
+        prefill = context = pairs = 0
+        for item in batch.scheduled:
+            request = requests.get(item.request_id)
+            if request is None:
+                continue
+            n = item.num_tokens
+            if item.start_pos < request.num_prompt_tokens:
+                prefill += n
+                pairs += n * item.start_pos + n * (n + 1) // 2
+            else:
+                context += item.context_len
+        return prefill, context, pairs
 
     def _propose(self, batch: SchedulerOutput) -> None:
         """Let the proposer forget the requests that left, then propose for the running
@@ -387,11 +403,12 @@ class LLMEngine:
             proposer.propose(ready)
 
     def _report(self, batch: SchedulerOutput, started: float, scheduled: float, executed: float, processed: float,
-                num_prefill: int, num_generated: int, updated: list[Request], outputs: list[RequestOutput],
-                spec: SpecDecodeStats | None) -> None:
+                shape: tuple[int, int, int], num_generated: int, updated: list[Request],
+                outputs: list[RequestOutput], spec: SpecDecodeStats | None) -> None:
         if not self.observers:
             return
         stats = self.scheduler.stats()
+        num_prefill, context, pairs = shape
         record = StepRecord(
             index=self.num_steps - 1, started=started, schedule_s=scheduled - started, execute_s=executed - scheduled,
             process_s=processed - executed, propose_s=self.clock() - processed, spec_decode=spec,
@@ -400,6 +417,7 @@ class LLMEngine:
             num_generated=num_generated, preempted_ids=list(batch.preempted_ids),
             finished_ids=[r.request_id for r in updated if r.is_finished],
             num_running=stats.num_running, num_waiting=stats.num_waiting, kv_usage=stats.kv_usage,
+            num_decode_context_tokens=context, num_prefill_attention_pairs=pairs,
         )
         for observer in self.observers:
             observer.on_step(record, outputs)

@@ -282,7 +282,8 @@ class Scheduler:
             wait = max(wait, (remaining[0] if remaining else 1) * decode_step)
             per_step = budget
         steps = -(-tokens // per_step)
-        in_flight = overhead if self.running else 0.0  # the step running now is not interrupted
+        # The step running now is not interrupted: as long as the last one, say.
+        in_flight = (cost.last_seconds or overhead) if self.running else 0.0
         return in_flight + wait + steps * overhead + b1 * tokens
 
     def _schedule_by_rank(self) -> tuple[list[ScheduledRequest], list[str]]:

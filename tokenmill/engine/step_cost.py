@@ -57,6 +57,11 @@ class StepCostEstimator:
             self._stale = False
         return self._coefficients
 
+    @property
+    def last_seconds(self) -> float | None:
+        """The latest step's measured seconds."""
+        return self.samples[-1][1] if self.samples else None
+
     def predict(self, prefill_tokens: int, decode_tokens: int) -> float | None:
         b = self.coefficients
         return None if b is None else b[0] + b[1] * prefill_tokens + b[2] * decode_tokens

@@ -58,6 +58,7 @@ from tokenmill.serve.serving import (
     OpenAIServing,
     abort_connection,
 )
+from tokenmill.serve.recalibration import MIN_STEPS, OnlineCalibration, Planner
 from tokenmill.serve.responses import add_responses_routes
 from tokenmill.serve.tools import AgentSettings
 
@@ -96,6 +97,7 @@ class ServerSettings:
     chat_template: str | None = None  # --chat-template: the operator's, instead of the model's
     enable_log_requests: bool = False  # a log line per request (vLLM's --enable-log-requests)
     cors: CORSSettings | None = None  # --allowed-origins and friends; None: no CORS headers
+    planner: Planner | None = None  # POST /v1/plan (what-if), when given
     on_fatal: Callable[[BaseException], None] | None = None  # e.g. stop uvicorn when the engine dies
 
 
@@ -106,6 +108,7 @@ class Server:
     serving: OpenAIServing
     metrics: ServerMetrics
     settings: ServerSettings
+    calibration: OnlineCalibration | None = None
 
     async def drain(self) -> bool:
         """SIGTERM's first half: refuse new requests with 503, let the admitted ones finish
@@ -122,7 +125,8 @@ def create_server(build_engine: Callable[[], LLMEngine], settings: ServerSetting
                             lambda: engine.num_pending_outputs)
     faults = FaultInjector.from_env()
     dashboard = Dashboard(lambda: engine, metrics) if settings.enable_dashboard else None
-    observers: list[StepObserver] = [metrics] + ([dashboard.observer] if dashboard else [])
+    calibration = OnlineCalibration()  # recent steps, for the what-if's step cost model
+    observers: list[StepObserver] = [metrics, calibration] + ([dashboard.observer] if dashboard else [])
     engine = AsyncEngine(
         build_engine,
         max_queued_requests=settings.max_queued_requests,
@@ -137,7 +141,9 @@ def create_server(build_engine: Callable[[], LLMEngine], settings: ServerSetting
                             settings.chat_template, settings.enable_log_requests,
                             settings.allow_special_tokens_in_content, agent=settings.agent)
     app = _build_app(engine, serving, metrics, settings, dashboard)
-    return Server(app, engine, serving, metrics, settings)
+    if settings.planner is not None:
+        _add_plan_route(app, serving, calibration, settings.planner)
+    return Server(app, engine, serving, metrics, settings, calibration)
 
 
 def _build_app(engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetrics,
@@ -178,6 +184,40 @@ _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)
 }
 _SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+
+
+def _add_plan_route(app: FastAPI, serving: OpenAIServing, calibration: OnlineCalibration, planner: Planner) -> None:
+    """POST /v1/plan: the predicted TTFT, TPOT and goodput of a proposed configuration and
+    load, simulated with the step cost model refit from this server's recent steps
+    (serve/recalibration.py, simulator/what_if.py; docs/scheduling.md). tokenmill's own."""
+    base_lock = asyncio.Lock()
+    looked_up: list[bool] = []
+
+    @app.post("/v1/plan", responses={status: {"model": ErrorResponse} for status in (400, 503)})
+    async def plan(raw: Request) -> Response:
+        core = serving.core  # 503 while the model loads
+        try:
+            body = await raw.json()
+        except ValueError:
+            raise bad_request("the body must be a JSON object (settings, load, goodput)") from None
+        async with base_lock:  # this machine's stored calibration, looked up once
+            if not looked_up:
+                calibration.base, calibration.base_source = await asyncio.to_thread(planner.base_model, core.config)
+                looked_up.append(True)
+        online = await asyncio.to_thread(calibration.model)
+        if online.model is None:
+            return error_response(
+                503, f"no step cost model yet: the server has timed {online.steps} steps (a refit needs "
+                f"{MIN_STEPS}, with prefill and decode steps among them) and this machine has no calibration of "
+                "the model (`tokenmill simulate calibrate`); retry after some traffic", code="not_calibrated")
+        source = online.source + (f" ({calibration.base_source})" if "calibration" in online.source else "")
+        try:
+            result = await asyncio.to_thread(planner.what_if, core.config, core.facts.num_blocks,
+                                             core.max_model_len, online.model, body, source)
+        except ValueError as error:
+            raise bad_request(str(error)) from error
+        result["step_cost_model"] = {**online.to_dict(), "base": calibration.base_source or None}
+        return JSONResponse(result)
 
 
 def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetrics) -> None:

@@ -8,8 +8,10 @@ wins over the file, and the file wins over the defaults.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 logger = logging.getLogger("tokenmill.serve")
@@ -27,7 +29,9 @@ _DEFAULTS_KEY = "_serve_defaults"
 _SECRET_SETTINGS = {"api_key"}
 
 
-def register(sub) -> None:
+def register(sub, planner: Callable[[], Any] | None = None) -> None:
+    """`planner`: makes the what-if planner of POST /v1/plan (the simulator's; the command
+    line above both rooms hands it over)."""
     from tokenmill.config import add_engine_args
 
     parser = sub.add_parser(
@@ -38,7 +42,7 @@ def register(sub) -> None:
                         help="GGUF file or Hugging Face directory (same as --model)")
     add_engine_args(parser)
     add_server_args(parser)
-    parser.set_defaults(func=cmd_serve)
+    parser.set_defaults(func=functools.partial(cmd_serve, planner=planner))
     # Remember the real defaults, then replace them with a marker: cmd_serve fills what
     # the command line left unset from the YAML file first, the defaults second.
     defaults = {k: v for k, v in vars(parser.parse_args([])).items() if k != "func"}
@@ -162,7 +166,7 @@ def load_chat_template(value: str | None) -> str | None:
     return source
 
 
-def cmd_serve(args: argparse.Namespace) -> int:
+def cmd_serve(args: argparse.Namespace, planner: Callable[[], Any] | None = None) -> int:
     settings = resolve_settings(args)
     log_settings(settings, getattr(args, _DEFAULTS_KEY))
     if settings.headless:
@@ -181,7 +185,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         from tokenmill.serve.data_parallel import serve_data_parallel
 
         return serve_data_parallel(settings, serve)
-    return serve(settings)
+    return serve(settings, planner)
 
 
 def check_model(settings: argparse.Namespace) -> None:
@@ -258,7 +262,7 @@ def log_settings(settings: argparse.Namespace, defaults: dict[str, Any]) -> None
 # ----- running -----------------------------------------------------------------------------
 
 
-def serve(settings: argparse.Namespace) -> int:
+def serve(settings: argparse.Namespace, planner: Callable[[], Any] | None = None) -> int:
     """Build the engine config, start uvicorn (the model loads in the engine thread
     meanwhile), and return the exit status once it has shut down."""
     import uvicorn
@@ -309,6 +313,7 @@ def serve(settings: argparse.Namespace) -> int:
                               settings.allow_credentials) if settings.allowed_origins else None,
             on_fatal=on_fatal,
             enable_dashboard=not settings.disable_dashboard, agent=agent_settings_from_args(settings),
+            planner=planner() if planner is not None else None,
         ),
     )
     config = uvicorn.Config(

@@ -35,9 +35,9 @@ from datetime import datetime
 from typing import Any
 
 from tokenmill.config import EngineConfig, EngineFacts
-from tokenmill.engine.engine import LLMEngine, StepObserver, StepRecord
+from tokenmill.engine.engine import LLMEngine, SLOUnattainableError, StepObserver, StepRecord
 from tokenmill.outputs import RequestOutput
-from tokenmill.planner.costmodel import StepTimeModel
+from tokenmill.planner.costmodel import StepFeatures, StepTimeModel
 from tokenmill.sampling.params import SamplingParams
 from tokenmill.simulator.executor import SimulatedExecutor, VirtualClock
 from tokenmill.workloads.metrics import DEFAULT_PERCENTILES, RequestRecord, calculate_metrics
@@ -133,9 +133,13 @@ class SimulationResult:
     prefix_cache_hits: int
 
 
-def simulate(trace: Trace, setup: SimulationSetup, max_concurrency: int | None = None) -> SimulationResult:
+def simulate(trace: Trace, setup: SimulationSetup, max_concurrency: int | None = None,
+             warm_step_cost: bool = False) -> SimulationResult:
     """Run `trace` through the engine on virtual time; at most `max_concurrency` requests in
-    flight at the client (the rest wait for a slot, as `bench serve --max-concurrency`)."""
+    flight at the client (the rest wait for a slot, as `bench serve --max-concurrency`).
+    `warm_step_cost`: the engine starts knowing what a step costs (as a server that has
+    been running; SLO mode and early rejection then act from the first step), else it
+    learns from its first steps as a freshly started one."""
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
     wall_start = time.perf_counter()
@@ -143,6 +147,8 @@ def simulate(trace: Trace, setup: SimulationSetup, max_concurrency: int | None =
     executor = SimulatedExecutor(setup.cost_model, clock, step_overhead_s=setup.overheads.step_s,
                                  chunk_overhead_s=setup.overheads.chunk_s)
     engine = LLMEngine(setup.config, executor, SimulatedTokenizer(), setup.facts(), clock)
+    if warm_step_cost:
+        _warm(engine, setup)
     timeline = _Timeline(executor)
     engine.add_observer(timeline)
     client = _Client(trace, setup.overheads, max_concurrency)
@@ -155,6 +161,8 @@ def simulate(trace: Trace, setup: SimulationSetup, max_concurrency: int | None =
                                    arrival_time=clock.now, final_only=True, priority=request.priority)
             except ValueError as error:  # the server answers 400 before streaming anything
                 client.fail(index, f"HTTP 400: {error}", clock.now + setup.overheads.token_s)
+            except SLOUnattainableError as error:  # --slo-reject: the server answers 429
+                client.fail(index, f"HTTP 429: {error}", clock.now + setup.overheads.token_s)
         if engine.has_unfinished_requests():
             steps = engine.num_steps
             for output in engine.step():
@@ -177,6 +185,22 @@ def simulate(trace: Trace, setup: SimulationSetup, max_concurrency: int | None =
         wall_seconds=time.perf_counter() - wall_start, num_preemptions=stats.num_preemptions,
         prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
     )
+
+
+WARM_CONTEXT = 256  # tokens each decode row attends to in the warm-up samples
+
+
+def _warm(engine: LLMEngine, setup: SimulationSetup) -> None:
+    """Feed the engine's step cost estimator the cost model's steps over a grid of shapes
+    (what a running server has timed by now), plus the server's per-step overhead."""
+    budget = setup.config.scheduler.max_num_batched_tokens
+    rows = setup.config.scheduler.max_num_seqs
+    for prefill in sorted({0, min(16, budget), min(128, budget), budget}):
+        for decode in sorted({0, 1, min(4, rows), rows}):
+            if prefill + decode == 0:
+                continue
+            step = StepFeatures(prefill, decode, decode * WARM_CONTEXT)
+            engine.step_cost.observe(prefill, decode, setup.cost_model.predict(step) + setup.overheads.step_s)
 
 
 class _Client:
