@@ -34,6 +34,7 @@ from tokenmill.engine.engine import LLMEngine, StepObserver
 from tokenmill.serve.async_engine import AsyncEngine
 from tokenmill.serve.dashboard import PUBLIC_PATHS as DASHBOARD_PUBLIC_PATHS
 from tokenmill.serve.dashboard import Dashboard
+from tokenmill.serve.embeddings import add_embeddings_route
 from tokenmill.serve.errors import bad_request, error_response, install_error_handlers, internal_error_response
 from tokenmill.serve.faults import FaultInjector
 from tokenmill.serve.limits import RequestLimits, payload_too_large
@@ -174,6 +175,7 @@ def _build_app(engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetri
                            allow_credentials=settings.cors.allow_credentials)
     _add_routes(app, engine, serving, metrics)
     add_responses_routes(app, serving, _ERRORS)
+    add_embeddings_route(app, serving, _ERRORS)
     if dashboard is not None:
         dashboard.add_routes(app)
     return app

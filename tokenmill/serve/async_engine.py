@@ -52,6 +52,7 @@ from dataclasses import dataclass
 
 from tokenmill.engine.engine import EngineStats, LLMEngine, StepObserver
 from tokenmill.outputs import RequestOutput
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling.params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -87,6 +88,7 @@ class NewRequest:
     arrival_time: float = dataclasses.field(default_factory=time.monotonic)
     priority: int = 0
     slo: tuple[float | None, float | None] = (None, None)  # (TTFT, TPOT) targets in ms
+    pooling_params: PoolingParams | None = None  # an embedding (the pooling runner's)
 
 
 @dataclass
@@ -401,7 +403,7 @@ class AsyncEngine:
                 self.engine.add_request(
                     request.request_id, request.prompt_token_ids, request.params,
                     arrival_time=request.arrival_time, priority=request.priority,
-                    slo_ttft_ms=request.slo[0], slo_tpot_ms=request.slo[1],
+                    slo_ttft_ms=request.slo[0], slo_tpot_ms=request.slo[1], pooling_params=request.pooling_params,
                 )
                 added.append(request.request_id)
         except Exception as exc:  # noqa: BLE001 - goes back to the handler

@@ -184,6 +184,19 @@ class ChatCompletionRequest(SamplingFields):
     parallel_tool_calls: bool | None = None
 
 
+class EmbeddingRequest(RequestBody):
+    """OpenAI's embeddings request (and vLLM's `normalize` and `priority`)."""
+
+    model: str | None = None
+    # One input (text or token ids) or a batch of them.
+    input: str | TokenIds | list[str] | list[TokenIds]
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: StrictInt | None = None  # a Matryoshka model's; else 400
+    user: str | None = None
+    normalize: bool | None = None  # vLLM's: None follows the server's pooler config
+    priority: StrictInt = 0
+
+
 class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
@@ -300,6 +313,26 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+
+
+class EmbeddingData(BaseModel):
+    object: Literal["embedding"]
+    index: int
+    embedding: list[float] | str  # float: the numbers; base64: little-endian float32 bytes
+
+
+class EmbeddingUsage(BaseModel):
+    prompt_tokens: int
+    total_tokens: int
+
+
+class EmbeddingResponse(BaseModel):
+    id: str
+    object: Literal["list"]
+    created: int
+    model: str
+    data: list[EmbeddingData]
+    usage: EmbeddingUsage
 
 
 class ModelCard(BaseModel):

@@ -208,6 +208,7 @@ class ResponsesServing:
         serving = self.serving
         serving.check_accepting()
         model = serving.check_model(body.model)
+        serving.check_runner("generate", "Responses API")
         if body.background:
             raise bad_request("background responses are not supported", param="background")
         history: list[dict[str, Any]] = []

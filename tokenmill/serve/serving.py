@@ -37,6 +37,7 @@ from starlette.types import Receive, Scope, Send
 from tokenmill.engine.engine import LLMEngine, SLOUnattainableError
 from tokenmill.engine.input_processor import InputProcessor
 from tokenmill.outputs import CompletionOutput, RequestOutput
+from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling.params import SamplingParams, default, sampling_fields
 from tokenmill.serve.async_engine import (
     AsyncEngine,
@@ -165,6 +166,14 @@ class OpenAIServing:
             )
         return requested
 
+    def check_runner(self, wanted: str, api: str) -> None:
+        """404 for an API the engine's runner does not serve (vLLM registers only the routes
+        of its runner's tasks): embeddings need the pooling runner, generation the other."""
+        runner = self.core.facts.runner
+        if runner != wanted:
+            raise APIError(404, f"The model does not support {api}: this server runs the {runner} runner "
+                                f"(start it with --runner {wanted})", code="unsupported_api")
+
     # ----- /v1/completions ---------------------------------------------------------------
 
     def check_accepting(self) -> None:
@@ -177,6 +186,7 @@ class OpenAIServing:
     async def create_completion(self, body: CompletionRequest, raw: Request) -> Response:
         self.check_accepting()
         model = self.check_model(body.model)
+        self.check_runner("generate", "Completions API")
         _check_stream_options(body)
         texts = _prompt_list(body.prompt)
         self._check_limits(body, len(texts))
@@ -203,6 +213,7 @@ class OpenAIServing:
     async def create_chat_completion(self, body: ChatCompletionRequest, raw: Request) -> Response:
         self.check_accepting()
         model = self.check_model(body.model)
+        self.check_runner("generate", "Chat Completions API")
         _check_stream_options(body)
         if body.top_logprobs is not None and not body.logprobs:
             raise bad_request("top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -301,13 +312,15 @@ class OpenAIServing:
             raise from_value_error(error) from error
 
     async def _submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
-                      priority: int = 0, slo: tuple[float | None, float | None] = (None, None)) -> OutputStream:
+                      priority: int = 0, slo: tuple[float | None, float | None] = (None, None),
+                      pooling_params: PoolingParams | None = None) -> OutputStream:
         arrival = time.monotonic()
         if self.log_requests:  # --enable-log-requests; no prompt text (it may be private)
             logger.info("received request %s: %s prompt tokens, %s", request_id,
                         "+".join(str(len(p)) for p in prompts), params)
         requests = [
-            NewRequest(request_id if len(prompts) == 1 else f"{request_id}-{i}", ids, params, arrival, priority, slo)
+            NewRequest(request_id if len(prompts) == 1 else f"{request_id}-{i}", ids, params, arrival, priority, slo,
+                       pooling_params)
             for i, ids in enumerate(prompts)
         ]
         try:
