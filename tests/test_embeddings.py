@@ -187,3 +187,26 @@ def test_default_model_as_embedder_equals_transformers() -> None:
         assert F.cosine_similarity(ours, expected, dim=0) >= 0.999
         torch.testing.assert_close(ours, expected, atol=2e-3, rtol=0)
     assert_engine_idle(llm)
+
+
+def test_a_checkpoint_without_lm_head_loads_for_pooling(tmp_path) -> None:
+    """An embedding checkpoint saved as the bare decoder (Qwen3Model: q/k norms, no LM head,
+    tensors without the `model.` prefix), as Qwen3-Embedding's shape; LAST pooling."""
+    from transformers import Qwen3Config, Qwen3Model
+
+    from tests.tiny_checkpoint import _write_tokenizer
+
+    torch.manual_seed(0)
+    config = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                         tie_word_embeddings=False, bos_token_id=1, eos_token_id=2)
+    Qwen3Model(config).eval().save_pretrained(tmp_path, safe_serialization=True)
+    _write_tokenizer(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["architectures"] == ["Qwen3Model"]
+    llm = tiny_llm(tmp_path)
+    assert llm.engine.executor.model.lm_head is None  # never built: hidden states only
+    outputs = llm.embed(PROMPTS[:3])
+    for ids, output in zip(PROMPTS, outputs):
+        assert_close(output.outputs.embedding, pool(hf_hidden(str(tmp_path), ids), "LAST"))
+    with pytest.raises(ValueError, match="lacks weights for: lm_head"):
+        LLM(str(tmp_path), dtype="float32", kv_cache_memory="4MiB")  # generation needs the head

@@ -17,11 +17,13 @@ from typing import TYPE_CHECKING
 os.environ.setdefault("GOMP_SPINCOUNT", "30000")
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput"]
+__all__ = ["LLM", "SamplingParams", "PoolingParams", "StructuredOutputsParams", "RequestOutput", "CompletionOutput",
+           "EmbeddingRequestOutput"]
 
 if TYPE_CHECKING:
     from tokenmill.llm import LLM
-    from tokenmill.outputs import CompletionOutput, RequestOutput
+    from tokenmill.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+    from tokenmill.pooling_params import PoolingParams
     from tokenmill.sampling.params import SamplingParams
     from tokenmill.sampling.structured_outputs import StructuredOutputsParams
 
@@ -39,7 +41,11 @@ def __getattr__(name: str):
         from tokenmill.sampling.structured_outputs import StructuredOutputsParams
 
         return StructuredOutputsParams
-    if name in ("RequestOutput", "CompletionOutput"):
+    if name == "PoolingParams":
+        from tokenmill.pooling_params import PoolingParams
+
+        return PoolingParams
+    if name in ("RequestOutput", "CompletionOutput", "EmbeddingRequestOutput"):
         from tokenmill import outputs
 
         return getattr(outputs, name)

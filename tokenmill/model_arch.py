@@ -175,7 +175,10 @@ def _moe_features(cfg: dict, arch: str) -> dict:
 _HF_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
                      "Qwen3ForCausalLM": "qwen3", "Gemma3ForCausalLM": "gemma3",
                      "Qwen3MoeForCausalLM": "qwen3_moe", "MixtralForCausalLM": "mixtral",
-                     "OlmoeForCausalLM": "olmoe"}
+                     "OlmoeForCausalLM": "olmoe",
+                     # The bare decoders without an LM head (embedding checkpoints such as
+                     # e5-mistral's MistralModel): served by the pooling runner.
+                     "LlamaModel": "llama", "MistralModel": "llama", "Qwen2Model": "qwen2", "Qwen3Model": "qwen3"}
 _HF_MODEL_TYPES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "gemma3_text": "gemma3",
                    "qwen3_moe": "qwen3_moe", "mixtral": "mixtral", "olmoe": "olmoe"}
 

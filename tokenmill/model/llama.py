@@ -189,8 +189,10 @@ class LlamaForCausalLM(nn.Module):
     }
 
     def __init__(self, cfg: ModelArchConfig, max_positions: int | None = None,
-                 parallel: ModelParallel | None = None) -> None:
-        """`parallel`: this rank's part of a tensor/pipeline-parallel split (default: all of it)."""
+                 parallel: ModelParallel | None = None, lm_head: bool = True) -> None:
+        """`parallel`: this rank's part of a tensor/pipeline-parallel split (default: all of it).
+        `lm_head=False`: no LM head (the pooling runner reads hidden states only), so a
+        checkpoint without one (an embedding model's) loads, and a tied one's is not built."""
         super().__init__()
         self.cfg = cfg
         self.parallel = parallel = parallel or ModelParallel.single(cfg)
@@ -204,8 +206,8 @@ class LlamaForCausalLM(nn.Module):
             for i in range(layout.layers.size)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = Linear(cfg.hidden_size, layout.vocab.size, bias=False, many_rows=False) if layout.last_stage \
-            else None
+        self.lm_head = Linear(cfg.hidden_size, layout.vocab.size, bias=False, many_rows=False) \
+            if layout.last_stage and lm_head else None
         # Each layer's operands for the native fused layer, set at load when the plan runs it.
         self.fused_layers: list[FusedLayerOperands] | None = None
         self.tie_weights()
@@ -335,7 +337,7 @@ class LlamaForCausalLM(nn.Module):
             name = name.removeprefix("model.")
             if "rotary_emb" in name:
                 continue
-            if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+            if name == "lm_head.weight" and (self.cfg.tie_word_embeddings or self.lm_head is None):
                 continue
             local_name = layout.local_name(name)
             if local_name is None:  # another pipeline stage's

@@ -107,7 +107,7 @@ def open_checkpoint(model: str | None) -> Checkpoint:
 
 def load_model(model: str | None | Checkpoint, dtype: str, device: torch.device, max_positions: int | None = None,
                weight_format: WeightFormat | None = None, parallel: ParallelFactory | None = None,
-               keep_quantized: bool = False) -> LoadedModel:
+               keep_quantized: bool = False, lm_head: bool = True) -> LoadedModel:
     """Build the model and read the checkpoint into it. `weight_format`: every linear goes
     into it as soon as its weight is complete (quantized tensors as stored with
     `keep_quantized`). `parallel`: load one rank's part of a tensor/pipeline-parallel split;
@@ -117,7 +117,7 @@ def load_model(model: str | None | Checkpoint, dtype: str, device: torch.device,
     torch_dtype = dtype_of(dtype)
     model_parallel = parallel(arch, checkpoint.column_unit) if parallel is not None else ModelParallel.single(arch)
     with torch.device("meta"):
-        net = LlamaForCausalLM(arch, max_positions, model_parallel)
+        net = LlamaForCausalLM(arch, max_positions, model_parallel, lm_head)
     _materialize(net, device, torch_dtype)
     net.tie_weights()
     net.rebuild_rotary(device)  # buffers (the RoPE tables) were on meta; rebuild them for real, in float32

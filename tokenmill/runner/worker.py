@@ -95,7 +95,7 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltRank
         alignment = chosen.weight_format.shard_alignment
         parallel = lambda arch, unit: rank.parallel(arch, math.lcm(unit, alignment))
     loaded = load_model(checkpoint, dtype.compute, device, config.model.max_model_len, chosen.weight_format, parallel,
-                        keep_quantized=keep_quantized)
+                        keep_quantized=keep_quantized, lm_head=runner_type != "pooling")
     max_model_len = resolve_max_model_len(config, loaded)
     plan = apply_plan(loaded.model, chosen, dtype.kv_cache)
     backend = backend.for_plan(plan.prefill_attention_dtype)
