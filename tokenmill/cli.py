@@ -1,4 +1,4 @@
-"""`tokenmill` command line: generate, chat, serve, bench, plan, simulate, eval."""
+"""`tokenmill` command line: generate, chat, serve, bench, plan, simulate, tune, eval."""
 
 from __future__ import annotations
 

@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from typing import Any
 
 from tokenmill.workloads.args import (
@@ -77,6 +78,29 @@ def register(sub) -> None:
                                    epilog=VALIDATE_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_validate_args(validate)
     validate.set_defaults(func=cmd_validate)
+
+    tune = sub.add_parser("tune", help=TUNE_HELP, description=TUNE_DESCRIPTION, epilog=TUNE_EPILOG,
+                          formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_tune_args(tune)
+    tune.set_defaults(func=cmd_tune)
+
+
+TUNE_HELP = "search scheduling settings for the most goodput on a trace, with the simulator"
+TUNE_DESCRIPTION = """Search --max-num-seqs, --max-num-batched-tokens, --scheduling-policy and SLO mode for the
+most goodput (requests meeting every --goodput SLO) on a load: a `bench serve` result
+(--trace) or a dataset at a request rate. Every combination is simulated on virtual time with
+this machine's calibration (`tokenmill simulate calibrate`) or a device's roofline; the best
+are printed with their predicted goodput, optionally confirmed on the real server
+(--confirm K: a fresh `tokenmill serve` per candidate, the load sent by bench serve), and
+the winner written as a `serve --config` YAML (--apply FILE).
+"""
+TUNE_EPILOG = """examples:
+  tokenmill tune --dtype float32 --num-threads 1 --goodput ttft:1000 tpot:100 \
+      --request-rate 1.5 --num-prompts 300 --input-len 128 --output-len 64 --apply tuned.yaml
+  tokenmill tune --dtype float32 --num-threads 1 --goodput ttft:1000 tpot:100 --trace results/rate-2.json \
+      --grid max_num_seqs=4,8,16 --confirm 2
+  tokenmill serve --config tuned.yaml
+"""
 
 
 CALIBRATE_EPILOG = """\
@@ -173,6 +197,24 @@ def add_sweep_args(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--plot", default=None, metavar="FILE.png", help="the sweep figure (default OUTPUT_DIR/sweep.png)")
     out.add_argument("--plot-runs", action="store_true", help="also draw each point's run figure")
     out.add_argument("--json", action="store_true", help="print the sweep's summary rows as JSON")
+    add_engine_group(parser)
+
+
+def add_tune_args(parser: argparse.ArgumentParser) -> None:
+    add_inputs(parser, sweep=False)
+    group = parser.add_argument_group("search")
+    group.add_argument("--grid", action="append", default=None, metavar="SETTING=V1,V2",
+                       help="replace an axis of the search (repeatable), e.g. max_num_seqs=4,8,16 or "
+                            "scheduling_policy=fcfs,priority; default: max_num_seqs 8,16,32,64 x "
+                            "max_num_batched_tokens 256,512,1024,2048 (x fcfs,priority when the trace has priorities)")
+    group.add_argument("--slo-mode", choices=("both", "off", "on"), default="both",
+                       help="try SLO mode (--slo-ttft-ms/--slo-tpot-ms at the goodput SLOs) off, on, or both")
+    group.add_argument("--top", type=positive_int, default=5, help="candidates to print (default 5)")
+    group.add_argument("--confirm", type=int, default=0, metavar="K",
+                       help="measure the best K on the real server (a fresh `tokenmill serve` each; minutes)")
+    group.add_argument("--apply", default=None, metavar="FILE.yaml",
+                       help="write the best settings as a `tokenmill serve --config` file")
+    group.add_argument("--json", action="store_true", help="print the ranked candidates as JSON")
     add_engine_group(parser)
 
 
@@ -478,6 +520,110 @@ def cmd_validate(args: argparse.Namespace) -> int:
     print(json.dumps(report, indent=1) if args.json else validate.format_validation(report))
     print(f"results: {args.output_dir}/ (validation.json, validation.png)", file=sys.stderr)
     return 0
+
+
+def cmd_tune(args: argparse.Namespace) -> int:
+    from tokenmill.simulator import tune
+    from tokenmill.simulator.sweep import parse_grid
+
+    if args.confirm < 0:
+        raise ValueError(f"--confirm must be >= 0, got {args.confirm}")
+    setup = build_setup(args)
+    trace = _trace(args, setup)
+    report = _report(args)
+    if not report.goodput:
+        raise ValueError("tune needs SLOs: --goodput ttft:MS tpot:MS (the goodput it maximizes)")
+    modes = {"both": (False, True), "off": (False,), "on": (True,)}[args.slo_mode]
+    started = time.monotonic()
+
+    def log(message: str) -> None:
+        print(f"[tune] {message}", file=sys.stderr, flush=True)
+
+    candidates = tune.search(trace, setup, report.goodput, parse_grid(args.grid) if args.grid else None, modes,
+                             args.max_concurrency, log=None if args.json else log)
+    searched_s = time.monotonic() - started
+    # The settings given (or the defaults), for comparison.
+    current = tune.evaluate(trace, setup, {}, report.goodput, args.max_concurrency)
+    if args.confirm:
+        _quiet_http_logs()
+        from tokenmill.config import engine_args
+
+        base_flags = [f for f in engine_args(setup.config)]
+        tune.confirm(candidates[:args.confirm], _strip_tuned(base_flags), _confirm_load(args, trace, report),
+                     log=None if args.json else log)
+        measured = [c for c in candidates[:args.confirm] if c.measured_goodput is not None]
+        if measured:  # the measured best among the confirmed, the rest keep their predicted order
+            best = max(measured, key=lambda c: c.measured_goodput)
+            candidates.remove(best)
+            candidates.insert(0, best)
+    best = candidates[0]
+    slos = " ".join(f"{k}:{v:g}" for k, v in report.goodput.items())
+    if args.apply:
+        header = (f"tokenmill tune: goodput ({slos}) predicted {best.predicted_goodput:.0%}"
+                  + (f", measured {best.measured_goodput:.0%}" if best.measured_goodput is not None else "")
+                  + f" on {trace.description}; cost model: {setup.cost_model_source}")
+        with open(args.apply, "w", encoding="utf-8") as file:
+            file.write(tune.config_yaml(best, header))
+    if args.json:
+        print(json.dumps({"candidates": [vars(c) | {"flags": c.flags} for c in candidates],
+                          "current": vars(current), "search_seconds": searched_s,
+                          "cost_model": setup.cost_model_source}))
+        return 0
+    print(f"{len(candidates)} configurations simulated in {searched_s:.1f} s on {trace.description}; "
+          f"goodput = requests meeting {slos}")
+    print(tune.format_candidates(candidates, args.top))
+    print(f"the settings given: goodput {current.predicted_goodput:.0%} predicted")
+    measured = f", {best.measured_goodput:.0%} measured" if best.measured_goodput is not None else ""
+    print(f"recommended: tokenmill serve {' '.join(best.flags)}   "
+          f"(goodput {best.predicted_goodput:.0%} predicted{measured})")
+    print(f"cost model: {setup.cost_model_source}")
+    if args.apply:
+        print(f"config: {args.apply} (tokenmill serve --config {args.apply})", file=sys.stderr)
+    return 0
+
+
+def _strip_tuned(flags: list[str]) -> list[str]:
+    """The base flags without those the tuner sets (its candidates give them)."""
+    tuned = {"--max-num-seqs", "--max-num-batched-tokens", "--scheduling-policy", "--slo-ttft-ms", "--slo-tpot-ms"}
+    out, skip = [], False
+    for flag in flags:
+        if skip:
+            skip = False
+            continue
+        if flag in tuned:
+            skip = True
+            continue
+        out.append(flag)
+    return out
+
+
+def _confirm_load(args: argparse.Namespace, trace, report):
+    """bench serve's config sending the load the trace describes (the dataset and rate it
+    was drawn with, or those recorded in a bench serve result)."""
+    import math
+
+    from tokenmill.workloads.args import dataset_from_args
+    from tokenmill.workloads.datasets import DatasetConfig
+    from tokenmill.workloads.load_client import ServeConfig
+
+    if args.trace:
+        s = trace.settings
+        if s.get("dataset_name") not in ("random", "shared-prefix"):
+            raise ValueError("--confirm replays random or shared-prefix loads; this result's dataset is "
+                             f"{s.get('dataset_name')!r}")
+        dataset = DatasetConfig(name=s["dataset_name"], num_prompts=len(trace), input_len=s["input_len"],
+                                output_len=s["output_len"], range_ratio=s.get("range_ratio") or 0.0,
+                                prefix_len=s.get("prefix_len") or 0, num_prefixes=s.get("num_prefixes") or 1,
+                                seed=s.get("seed") or 0)
+        rate = s.get("request_rate")
+        rate = math.inf if rate in (None, "inf") else float(rate)
+        burstiness = s.get("burstiness") or 1.0
+    else:
+        dataset, rate, burstiness = dataset_from_args(args), args.request_rate, args.burstiness
+    config = ServeConfig(dataset=dataset, request_rate=rate, burstiness=burstiness,
+                         max_concurrency=args.max_concurrency, goodput=dict(report.goodput), disable_tqdm=True)
+    config.check()
+    return config
 
 
 def _quiet_http_logs() -> None:
