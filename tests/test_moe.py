@@ -156,6 +156,82 @@ def test_quantized_experts(method: str) -> None:
         assert ((got - want).norm() / want.norm()) < 0.02
 
 
+GGUF_NAMES = {"qwen3_moe": ("qwen3moe", "QWEN3MOE"), "mixtral": ("llama", "LLAMA"), "olmoe": ("olmoe", "OLMOE")}
+
+
+def _write_moe_gguf(hf, path: Path, family: str) -> None:
+    """The model's tensors as float32 GGUF tensors under llama.cpp's names: experts stacked
+    (ffn_gate_exps / ffn_up_exps / ffn_down_exps, ffn_gate_inp the router), Mixtral as a
+    `llama` file with experts and its q/k rows permuted as llama.cpp's converter does."""
+    import gguf
+
+    cfg = hf.config
+    file_arch, enum = GGUF_NAMES[family]
+    writer = gguf.GGUFWriter(str(path), file_arch)
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    writer.add_block_count(cfg.num_hidden_layers)
+    writer.add_context_length(cfg.max_position_embeddings)
+    writer.add_embedding_length(cfg.hidden_size)
+    writer.add_feed_forward_length(cfg.intermediate_size)
+    writer.add_head_count(cfg.num_attention_heads)
+    writer.add_head_count_kv(cfg.num_key_value_heads)
+    writer.add_key_length(head_dim)
+    writer.add_value_length(head_dim)
+    writer.add_layer_norm_rms_eps(cfg.rms_norm_eps)
+    writer.add_rope_freq_base(cfg.rope_parameters["rope_theta"])
+    writer.add_expert_count(8)
+    writer.add_expert_used_count(cfg.num_experts_per_tok)
+    if family == "qwen3_moe":
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
+    if family == "olmoe":
+        writer.add_clamp_kqv(cfg.clip_qkv)
+    tokens = ["<unk>", "<s>", "</s>", *(f"<0x{b:02X}>" for b in range(256))]
+    tokens += [f"p{i}" for i in range(cfg.vocab_size - len(tokens))]
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(tokens)
+    writer.add_token_types([2, 3, 3, *[6] * 256, *[1] * (len(tokens) - 259)])
+    writer.add_token_scores([0.0] * len(tokens))
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    name_map = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, enum), cfg.num_hidden_layers)
+    for name, tensor in hf.state_dict().items():
+        tensor = tensor.float()
+        if name.endswith("experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            base = name.removesuffix("gate_up_proj")
+            writer.add_tensor(name_map.get_name(base + "gate_proj") + ".weight", gate.contiguous().numpy())
+            writer.add_tensor(name_map.get_name(base + "up_proj") + ".weight", up.contiguous().numpy())
+            continue
+        if name.endswith("experts.down_proj"):
+            writer.add_tensor(name_map.get_name(name) + ".weight", tensor.numpy())
+            continue
+        base, suffix = name.rsplit(".", 1)
+        if file_arch == "llama" and base.endswith(("q_proj", "k_proj")):  # llama.cpp's interleaved RoPE rows
+            heads = tensor.shape[0] // head_dim
+            tensor = tensor.reshape(heads, 2, head_dim // 2, -1).swapaxes(1, 2).reshape(tensor.shape)
+        writer.add_tensor(f"{name_map.get_name(base)}.{suffix}", tensor.contiguous().numpy())
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+
+
+@pytest.mark.parametrize("family", MOE_FAMILIES)
+@torch.inference_mode()
+def test_gguf_matches_transformers(tmp_path: Path, family: str) -> None:
+    """GGUF files of each family (qwen3moe, Mixtral as llama with experts, olmoe) load with
+    their stacked experts and match transformers."""
+    hf = tiny_moe_model(family)
+    _write_moe_gguf(hf, tmp_path / "moe.gguf", family)
+    loaded = load_model(str(tmp_path / "moe.gguf"), "float32", torch.device("cpu"))
+    arch = loaded.arch
+    assert arch.architecture == family and arch.num_experts == 8 and arch.norm_topk_prob == (family != "olmoe")
+    assert arch.qk_norm_whole == (family == "olmoe") and arch.clip_qkv == (2.0 if family == "olmoe" else None)
+    ids = _ids(25, 3)
+    torch.testing.assert_close(loaded.model.compute_logits(loaded.model(ids, torch.arange(25))),
+                               hf(ids.unsqueeze(0)).logits[0], atol=1e-4, rtol=1e-4)
+
+
 # ----- parallel splits ------------------------------------------------------------------------
 
 QWEN3_MOE = ModelArchConfig("qwen3_moe", VOCAB, 64, 96, 2, 4, 2, 32, qk_norm=True, num_experts=8,

@@ -564,6 +564,12 @@ def test_arch_config_and_planner_read_a_config_json_alike() -> None:
     from_arch = ModelShape.from_arch_config(ModelArchConfig.from_hf_config(cfg), "Qwen2.5-7B")
     assert param_counts(from_arch) == param_counts(shape_from_hf_config(cfg, "Qwen2.5-7B"))
     assert param_counts(from_arch) == param_counts(presets.preset("qwen2.5-7b"))
+    moe = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936,
+           "hidden_size": 2048, "intermediate_size": 6144, "moe_intermediate_size": 768, "num_hidden_layers": 48,
+           "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128, "num_experts": 128,
+           "num_experts_per_tok": 8, "norm_topk_prob": True, "tie_word_embeddings": False}
+    from_arch = ModelShape.from_arch_config(ModelArchConfig.from_hf_config(moe), "Qwen3-30B-A3B")
+    assert from_arch.is_moe and param_counts(from_arch) == param_counts(shape_from_hf_config(moe, "Qwen3-30B-A3B"))
 
 
 # ----- the step cost model (for the simulator) ------------------------------------------------------

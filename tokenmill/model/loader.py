@@ -23,7 +23,7 @@ from tokenmill.dtypes import torch_dtype as dtype_of
 from tokenmill.gguf_file import GGUFFile
 from tokenmill.model.layers import Linear
 from tokenmill.model.llama import LlamaForCausalLM
-from tokenmill.model_arch import FULL, SLIDING, SUPPORTED_ARCHITECTURES, ModelArchConfig
+from tokenmill.model_arch import FULL, SLIDING, ModelArchConfig
 from tokenmill.parallel.layout import ShardLayout
 from tokenmill.parallel.model_parallel import ModelParallel
 from tokenmill.quantization import QuantizedTensor, WeightFormat
@@ -149,9 +149,9 @@ def _open_gguf(path: str) -> Checkpoint:
     gguf_file = GGUFFile(path)
     meta = gguf_file.metadata
     arch_name = meta.get("general.architecture")
-    if arch_name not in SUPPORTED_ARCHITECTURES:
+    if arch_name not in _GGUF_ARCHITECTURES:
         raise ValueError(f"unsupported architecture {arch_name!r} in {path}; tokenmill supports "
-                         f"{', '.join(SUPPORTED_ARCHITECTURES)}")
+                         f"{', '.join(_GGUF_ARCHITECTURES)}")
     arch = _arch_from_gguf(meta, arch_name, gguf_file)
     tokenizer = Tokenizer.from_gguf({k: v for k, v in meta.items() if k.startswith("tokenizer.")})
     if arch_name == "gemma3":
@@ -160,6 +160,12 @@ def _open_gguf(path: str) -> Checkpoint:
     quantized = "gguf" if any(_keeps_blocks(t) for t in gguf_file.tensors if len(t.shape) == 2) else None
     return Checkpoint(path, arch, tokenizer, lambda layout, keep: _gguf_weights(gguf_file, arch, layout, keep),
                       len(gguf_file.tensors), column_unit, quantized)
+
+
+# GGUF architecture names (llama.cpp's) -> the gguf package's enum member; Mixtral is
+# `llama` with experts.
+_GGUF_ARCHITECTURES = {"llama": "LLAMA", "qwen2": "QWEN2", "qwen3": "QWEN3", "gemma3": "GEMMA3", "qwen3moe": "QWEN3MOE",
+                       "olmoe": "OLMOE"}
 
 
 def _gemma_chat(tokenizer: Tokenizer, tokens: list[str]) -> None:
@@ -196,8 +202,9 @@ def _arch_from_gguf(meta: dict, arch: str, gguf_file: GGUFFile) -> ModelArchConf
                          "tokenmill's attention kernels do not cap attention scores")
     head_dim = get("attention.key_length") or get("rope.dimension_count") or hidden // heads
     gemma = _gemma_gguf_features(get, hidden, heads, head_dim) if arch == "gemma3" else {}
+    moe = _moe_gguf_features(get, arch, tensors, head_dim) if get("expert_count") else {}
     return ModelArchConfig(
-        architecture=arch,
+        architecture=moe.pop("architecture", arch),
         vocab_size=int(vocab),
         hidden_size=hidden,
         intermediate_size=get("feed_forward_length"),
@@ -215,7 +222,25 @@ def _arch_from_gguf(meta: dict, arch: str, gguf_file: GGUFFile) -> ModelArchConf
         qk_norm="blk.0.attn_q_norm.weight" in tensors,
         final_logit_softcapping=get("final_logit_softcapping"),
         **gemma,
+        **moe,
     )
+
+
+def _moe_gguf_features(get, arch: str, tensors: dict, head_dim: int) -> dict:
+    """A mixture of experts as llama.cpp's files describe it: expert_count, expert_used_count,
+    the experts' width (Qwen3-MoE's expert_feed_forward_length), and whether the top-k
+    weights are renormalised (expert_weights_norm where the file says, else llama.cpp's fixed
+    choice: yes for Qwen3-MoE and Mixtral, no for OLMoE). OLMoE's q norm spans all heads."""
+    features = dict(
+        architecture={"qwen3moe": "qwen3_moe", "llama": "mixtral"}.get(arch, arch),
+        num_experts=get("expert_count"), num_experts_per_tok=get("expert_used_count"),
+        moe_intermediate_size=get("expert_feed_forward_length") or get("feed_forward_length"),
+        norm_topk_prob=bool(get("expert_weights_norm", arch != "olmoe")),
+    )
+    q_norm = tensors.get("blk.0.attn_q_norm.weight")
+    if q_norm is not None and q_norm.shape[0] != head_dim:
+        features.update(qk_norm_whole=True, clip_qkv=get("attention.clamp_kqv"))
+    return features
 
 
 def _gemma_gguf_features(get, hidden: int, heads: int, head_dim: int) -> dict:
@@ -241,9 +266,8 @@ def _gguf_weights(gguf_file: GGUFFile, arch: ModelArchConfig, layout: ShardLayou
                   keep_quantized: bool) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
     import gguf
 
-    gguf_arch = {"llama": gguf.MODEL_ARCH.LLAMA, "qwen2": gguf.MODEL_ARCH.QWEN2, "qwen3": gguf.MODEL_ARCH.QWEN3,
-                 "gemma3": gguf.MODEL_ARCH.GEMMA3}[arch.architecture]
-    name_map = gguf.get_tensor_name_map(gguf_arch, arch.num_layers)
+    file_arch = gguf_file.metadata["general.architecture"]
+    name_map = gguf.get_tensor_name_map(getattr(gguf.MODEL_ARCH, _GGUF_ARCHITECTURES[file_arch]), arch.num_layers)
     hf_names = _hf_names_by_gguf_name(name_map, arch)
     for info in gguf_file.tensors:
         hf_name = hf_names.get(info.name)
@@ -252,11 +276,14 @@ def _gguf_weights(gguf_file: GGUFFile, arch: ModelArchConfig, layout: ShardLayou
                 continue  # read into arch.rope_scaling already
             raise ValueError(f"GGUF tensor {info.name!r} has no place in the {arch.architecture} model")
         name = hf_name.removeprefix("model.")
+        if len(info.shape) == 3:  # a layer's experts, stacked: one tensor per expert, as Hugging Face names them
+            yield from _gguf_experts(gguf_file, info, hf_name, layout)
+            continue
         if layout.local_name(name) is None:
             continue  # another pipeline stage's: not even read
         part = layout.checkpoint_part(name)
         part = None if part is None else (part[0], part[1].start, part[1].size)
-        rope_rows = arch.architecture == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight"))
+        rope_rows = file_arch == "llama" and hf_name.endswith(("q_proj.weight", "k_proj.weight"))
         if keep_quantized and len(info.shape) == 2 and _keeps_blocks(info):
             qt = from_gguf_blocks(gguf_file.blocks(info, part), info.ggml_type)
             if rope_rows:
@@ -269,6 +296,20 @@ def _gguf_weights(gguf_file: GGUFFile, arch: ModelArchConfig, layout: ShardLayou
         yield hf_name, torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
 
 
+def _gguf_experts(gguf_file: GGUFFile, info, hf_name: str, layout: ShardLayout) -> Iterator[tuple[str, torch.Tensor]]:
+    """llama.cpp's ffn_{gate,up,down}_exps [experts, rows, columns] as one float tensor per
+    expert this rank holds (`model.layers.L.mlp.experts.E.gate_proj.weight`). Dequantized:
+    experts are formatted from float weights (Experts.set_format), not kept as stored."""
+    prefix, matrix = hf_name.removesuffix(".weight").rsplit(".", 1)  # model.layers.L.mlp.experts, gate_proj
+    names = [f"{prefix}.{e}.{matrix}.weight" for e in range(info.shape[2])]
+    held = [e for e, name in enumerate(names) if layout.local_name(name.removeprefix("model.")) is not None]
+    if not held:
+        return
+    stack = gguf_file.dequantize(info)
+    for e in held:
+        yield names[e], torch.from_numpy(np.ascontiguousarray(stack[e], dtype=np.float32))
+
+
 def _hf_names_by_gguf_name(name_map, arch: ModelArchConfig) -> dict[str, str]:
     """GGUF name -> Hugging Face name, from gguf's own HF -> GGUF tensor map."""
     hf_names = ["model.embed_tokens", "model.norm", "lm_head"]
@@ -278,6 +319,8 @@ def _hf_names_by_gguf_name(name_map, arch: ModelArchConfig) -> dict[str, str]:
         per_layer += ["self_attn.q_norm", "self_attn.k_norm"]
     if arch.sandwich_norms:  # gguf maps Llama's post_attention_layernorm to ffn_norm, Gemma's pre_feedforward one
         per_layer += ["pre_feedforward_layernorm", "post_feedforward_layernorm"]
+    if arch.is_moe:  # the router and the stacked experts (a dense layer keeps mlp.*_proj)
+        per_layer += ["mlp.gate", "mlp.experts.gate_proj", "mlp.experts.up_proj", "mlp.experts.down_proj"]
     hf_names += [f"model.layers.{i}.{p}" for i in range(arch.num_layers) for p in per_layer]
     result = {}
     for hf in hf_names:

@@ -94,7 +94,9 @@ class ModelShape:
 
     @classmethod
     def from_arch_config(cls, arch: ModelArchConfig, name: str) -> ModelShape:
-        """The shape of a model tokenmill runs (Llama, Qwen2/3, Gemma 3)."""
+        """The shape of a model tokenmill runs (Llama, Qwen2/3, Gemma 3, Qwen3-MoE, Mixtral, OLMoE).
+        Qwen3-MoE's dense layers count as leading ones (`first_dense_layers`): the weights
+        and a step's reads do not depend on where they are."""
         sliding = arch.sliding_window
         num_sliding = sum(1 for i in range(arch.num_layers) if arch.layer_window(i) is not None)
         return cls(
@@ -105,6 +107,9 @@ class ModelShape:
             attention_bias=arch.attention_bias, max_position_embeddings=arch.max_position_embeddings,
             sliding_window=sliding if num_sliding else None, num_sliding_layers=num_sliding,
             qk_norm=arch.qk_norm, norms_per_layer=4 if arch.sandwich_norms else 2,
+            num_experts=arch.num_experts, num_experts_per_tok=arch.num_experts_per_tok,
+            moe_intermediate_size=arch.moe_intermediate_size,
+            first_dense_layers=len(arch.dense_layers) if arch.is_moe else 0,
         )
 
 
