@@ -162,8 +162,11 @@ def http_request(method: str, path: str, body: bytes = b"", headers: dict[str, s
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text -> {name{labels but model_name}: value}, summing nothing:
-    `tokenmill:request_success_total{finished_reason="length"}`, `tokenmill:num_requests_running`."""
+    """Prometheus text -> {name{labels but model_name}: value}:
+    `tokenmill:request_success_total{finished_reason="length"}`, `tokenmill:num_requests_running`.
+    A data-parallel router's /metrics holds each replica's samples with a `replica` label:
+    those are summed over the replicas (the router's own `tokenmill:router_*` keep it), so
+    that a test reads the same keys from the single server and from the router."""
     values: dict[str, float] = {}
     for line in text.splitlines():
         if not line.startswith("tokenmill:"):
@@ -172,9 +175,10 @@ def parse_metrics(text: str) -> dict[str, float]:
         if not match:
             continue
         name, labels, value = match.groups()
-        kept = [label for label in re.findall(r'(\w+="[^"]*")', labels or "") if not label.startswith("model_name=")]
+        dropped = ("model_name=",) if name.startswith("tokenmill:router_") else ("model_name=", "replica=")
+        kept = [label for label in re.findall(r'(\w+="[^"]*")', labels or "") if not label.startswith(dropped)]
         key = f"{name}{{{','.join(kept)}}}" if kept else name
-        values[key] = float(value)
+        values[key] = values.get(key, 0.0) + float(value) if "replica=" in (labels or "") else float(value)
     return values
 
 

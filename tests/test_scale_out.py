@@ -65,17 +65,17 @@ def test_round_robin_skips_unhealthy_replicas() -> None:
     assert [policy.choose("", [0] * 3, [True, False, True]).replica for _ in range(4)] == [0, 2, 0, 2]
 
 
-def test_replica_metrics_get_a_replica_label_and_metadata_once() -> None:
-    from tokenmill.serve.data_parallel import label_metrics
+def test_replica_metrics_get_a_replica_label_and_each_family_stays_together() -> None:
+    from tokenmill.serve.data_parallel import merge_metrics
 
     text = ('# HELP tokenmill:x help\n# TYPE tokenmill:x counter\ntokenmill:x{model_name="m"} 3.0\n'
             "tokenmill:y 1.0\n")
-    seen: set[str] = set()
-    first = label_metrics(text, 'replica="0"', seen)
-    second = label_metrics(text, 'replica="1"', seen)
-    assert first == ["# HELP tokenmill:x help", "# TYPE tokenmill:x counter",
-                     'tokenmill:x{replica="0",model_name="m"} 3.0', 'tokenmill:y{replica="0"} 1.0']
-    assert second == ['tokenmill:x{replica="1",model_name="m"} 3.0', 'tokenmill:y{replica="1"} 1.0']
+    router = "# HELP tokenmill:router_z z\n# TYPE tokenmill:router_z gauge\ntokenmill:router_z 2.0\n"
+    merged = merge_metrics([(router, None), (text, 'replica="0"'), (text, 'replica="1"')]).splitlines()
+    assert merged == ["# HELP tokenmill:router_z z", "# TYPE tokenmill:router_z gauge", "tokenmill:router_z 2.0",
+                      "# HELP tokenmill:x help", "# TYPE tokenmill:x counter",
+                      'tokenmill:x{replica="0",model_name="m"} 3.0', 'tokenmill:x{replica="1",model_name="m"} 3.0',
+                      'tokenmill:y{replica="0"} 1.0', 'tokenmill:y{replica="1"} 1.0']
 
 
 # ----- two loopback hosts ------------------------------------------------------------------

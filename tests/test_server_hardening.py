@@ -3,19 +3,25 @@ serve`: every one of these failed before the fix (500s, a dropped keep-alive
 connection, a frozen event loop, 10,000 queued sequences, 7 minutes of generation...).
 
 One server for the module, with --api-key and --protect-health-and-metrics (so that
-the probes' protection is checked too) and a 256 KiB body limit.
+the probes' protection is checked too) and a 256 KiB body limit; every test runs twice,
+against the single server and against `--data-parallel-size 2` (the router in front of
+two replicas must keep the same contract: issue 31).
 """
 
 from __future__ import annotations
 
 import json
+import select
 import socket
 import threading
 import time
 
 import httpx
+import openai
 import pytest
+from openai import OpenAI
 
+from tests.reliability.support import descendants
 from tests.server_utils import ServerProcess, assert_error, http_request, raw_exchange, sse_json
 
 API_KEY = "hardening-key"
@@ -25,12 +31,15 @@ CHAT = "/v1/chat/completions"
 HI = [{"role": "user", "content": "hi"}]
 
 
-@pytest.fixture(scope="module")
-def server():
-    process = ServerProcess("--protect-health-and-metrics", "--max-request-body-bytes", str(BODY_LIMIT),
+@pytest.fixture(scope="module", params=["single", "data-parallel"])
+def server(request):
+    scale = ["--data-parallel-size", "2"] if request.param == "data-parallel" else []
+    process = ServerProcess("--protect-health-and-metrics", "--max-request-body-bytes", str(BODY_LIMIT), *scale,
                             api_key=API_KEY).start()
+    process.data_parallel = bool(scale)
     yield process
     assert process.stop() == 0, process.log_tail()
+    assert not descendants(process.proc.pid)  # the replicas are gone too
 
 
 def raw_json(server: ServerProcess, method: str, path: str, body: str) -> bytes:
@@ -121,7 +130,54 @@ def test_a_body_over_the_limit_is_413_before_parsing(server):
 
     response = server.post(COMPLETIONS, content=chunks(), headers={"content-type": "application/json"})
     assert_error(response, 413)
+    assert response.headers["connection"] == "close"
     assert server.get("/health").status_code == 200
+
+
+def send_huge_body(server: ServerProcess, size: int) -> tuple[bytes, float]:
+    """POST `size` bytes of body, stopping as soon as an answer arrives: (the answer's
+    first bytes, seconds until then). The server may close the connection once it has
+    answered: that is the answer."""
+    head = http_request("POST", COMPLETIONS, b"", {"Authorization": f"Bearer {API_KEY}"})
+    head = head.replace(b"Content-Length: 0", f"Content-Length: {size}".encode())
+    chunk = b"x" * 2**20
+    started = time.monotonic()
+    with socket.create_connection(("127.0.0.1", server.port), timeout=60) as sock:
+        sock.sendall(head)
+        sock.setblocking(False)
+        sent = 0
+        answer = b""
+        while time.monotonic() - started < 60:
+            readable, writable, _ = select.select([sock], [sock] if sent < size else [], [], 1.0)
+            if readable:
+                try:
+                    data = sock.recv(65536)
+                except ConnectionResetError:
+                    data = b""
+                answer += data
+                if not data or b"\r\n\r\n" in answer:
+                    return answer, time.monotonic() - started
+            if writable:
+                try:
+                    sent += sock.send(chunk[:size - sent])
+                except (BrokenPipeError, ConnectionResetError):
+                    sent = size
+        return answer, time.monotonic() - started
+
+
+def test_a_96_mib_body_is_413_at_once_and_the_server_keeps_serving(server):
+    """Issue 31: through the data-parallel router a 96 MiB body got 503 and took healthy
+    replicas out of rotation (the router read it whole, the replica refused it)."""
+    for _ in range(3):  # a client repeating it changes nothing
+        answer, seconds = send_huge_body(server, 96 * 2**20)
+        assert answer.startswith(b"HTTP/1.1 413"), answer[:200]
+        assert b"connection: close" in answer.lower()
+        assert seconds < 10, seconds  # answered from the Content-Length, not after reading 96 MiB
+    assert server.get("/health").status_code == 200
+    if server.data_parallel:
+        metrics = server.metrics()
+        assert [metrics[f'tokenmill:router_replica_healthy{{replica="{r}"}}'] for r in (0, 1)] == [1, 1]
+    assert server.post(COMPLETIONS, json={"prompt": "Hello", "max_tokens": 2}).status_code == 200
 
 
 def test_a_prompt_too_long_for_any_context_is_refused_without_tokenizing(server):
@@ -234,9 +290,26 @@ def test_streamed_errors_before_the_first_token_are_plain_http_errors(server):
 
 
 def test_the_probes_can_be_closed_too(server):
-    for path in ("/health", "/metrics", "/openapi.json"):
-        assert assert_error(httpx.get(server.url + path), 401)["code"] == "invalid_api_key"
+    for path in ("/health", "/metrics", "/openapi.json", "/ping", "/version"):
+        response = httpx.get(server.url + path)
+        assert assert_error(response, 401)["code"] == "invalid_api_key"
+        assert response.headers["www-authenticate"] == "Bearer"
         assert server.get(path).status_code == 200
+
+
+def test_the_official_openai_client(server):
+    client = OpenAI(base_url=server.url + "/v1", api_key=API_KEY, max_retries=0, timeout=120)
+    model = client.models.list().data[0].id
+    chat = client.chat.completions.create(model=model, messages=HI, max_tokens=3, temperature=0)
+    assert chat.choices[0].message.role == "assistant" and chat.usage.completion_tokens <= 3
+    stream = client.completions.create(model=model, prompt="One, two,", max_tokens=4, stream=True,
+                                       extra_body={"ignore_eos": True})
+    assert "".join(chunk.choices[0].text for chunk in stream if chunk.choices)
+    with pytest.raises(openai.AuthenticationError):
+        OpenAI(base_url=server.url + "/v1", api_key="wrong", max_retries=0).models.list()
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.completions.create(model=model, prompt="a", n=999)
+    assert refused.value.body["param"] == "n"
 
 
 def test_http_answers_are_counted_by_route_and_status(server):

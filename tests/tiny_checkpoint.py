@@ -21,9 +21,10 @@ def write_tiny_llama(directory: Path, *, tie: bool = True, num_kv_heads: int = 3
 
     directory.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=VOCAB, hidden_size=96, intermediate_size=192, num_hidden_layers=4,
-                         num_attention_heads=6, num_key_value_heads=num_kv_heads, max_position_embeddings=512, initializer_range=0.2,
-                         tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5, **overrides)
+    settings = dict(vocab_size=VOCAB, hidden_size=96, intermediate_size=192, num_hidden_layers=4,
+                    num_attention_heads=6, num_key_value_heads=num_kv_heads, max_position_embeddings=512,
+                    initializer_range=0.2, tie_word_embeddings=tie, bos_token_id=1, eos_token_id=2, rms_norm_eps=1e-5)
+    config = LlamaConfig(**{**settings, **overrides})
     model = LlamaForCausalLM(config).eval()
     with torch.no_grad():  # non-trivial norms and a wider embedding, so a mis-split shows
         for name, p in model.named_parameters():

@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
@@ -160,25 +160,39 @@ def _build_app(engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetri
     app = FastAPI(title="tokenmill", lifespan=lifespan, docs_url=None, redoc_url=None)
     install_error_handlers(app)
     app.add_exception_handler(ClientDisconnected, _client_gone)
-    # add_middleware puts each new one outside the previous ones.
-    app.add_middleware(BodyLimitMiddleware, limit=settings.limits.max_request_body_bytes)
-    if settings.api_key:
-        open_paths = frozenset() if settings.protect_health_and_metrics else OPEN_PATHS
-        if dashboard is not None:  # the page's static shell; its data needs the key
-            open_paths |= DASHBOARD_PUBLIC_PATHS
-        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
-    app.add_middleware(ErrorGuardMiddleware)
-    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)
-    if settings.cors is not None:  # outermost: a browser's preflight carries no API key
-        app.add_middleware(CORSMiddleware, allow_origins=settings.cors.allowed_origins,
-                           allow_methods=settings.cors.allowed_methods, allow_headers=settings.cors.allowed_headers,
-                           allow_credentials=settings.cors.allow_credentials)
+    add_contract_middlewares(app, settings, metrics,
+                             public_paths=DASHBOARD_PUBLIC_PATHS if dashboard is not None else frozenset())
     _add_routes(app, engine, serving, metrics)
     add_responses_routes(app, serving, _ERRORS)
     add_embeddings_route(app, serving, _ERRORS)
     if dashboard is not None:
         dashboard.add_routes(app)
     return app
+
+
+class HTTPObserver(Protocol):
+    def observe_http(self, method: str, handler: str, status: int) -> None: ...
+
+
+def add_contract_middlewares(app: FastAPI, settings: ServerSettings, metrics: HTTPObserver,
+                             public_paths: frozenset[str] = frozenset()) -> None:
+    """The middlewares that keep docs/reliability.md's contract, in the order the contract
+    needs (outermost first): CORS (a browser's preflight carries no API key), HTTP
+    metrics, the 500 guard, the API key (before the body is read), the body limit (before
+    the body is parsed). The single server and the data-parallel router both use this, so
+    that a client sees the same answers from either. `public_paths` stay open with a key
+    set (the dashboard's static shell)."""
+    # add_middleware puts each new one outside the previous ones.
+    app.add_middleware(BodyLimitMiddleware, limit=settings.limits.max_request_body_bytes)
+    if settings.api_key:
+        open_paths = (frozenset() if settings.protect_health_and_metrics else OPEN_PATHS) | public_paths
+        app.add_middleware(APIKeyMiddleware, api_key=settings.api_key, open_paths=open_paths)
+    app.add_middleware(ErrorGuardMiddleware)
+    app.add_middleware(HTTPMetricsMiddleware, metrics=metrics)
+    if settings.cors is not None:
+        app.add_middleware(CORSMiddleware, allow_origins=settings.cors.allowed_origins,
+                           allow_methods=settings.cors.allowed_methods, allow_headers=settings.cors.allowed_headers,
+                           allow_credentials=settings.cors.allow_credentials)
 
 
 # Declared in the OpenAPI schema: every error is an ErrorResponse.
@@ -411,7 +425,7 @@ class ErrorGuardMiddleware:
 
 
 class ConnectionAbortMiddleware:
-    """Lets a stream whose client stopped reading (serving._SSEResponse) reset its
+    """Lets a stream whose client stopped reading (serving.SSEResponse) reset its
     connection: a polite close would keep the socket and the megabytes queued for it
     (loopback's buffers held 2.8 MB) until the client reads them. It wraps the whole app
     (cli.serve), so that `send` is still uvicorn's own and its transport reachable; under
@@ -442,7 +456,7 @@ class HTTPMetricsMiddleware:
     """Counts every answer by method, route and status (tokenmill:http_requests_total);
     unknown paths share one label, so fuzzing cannot grow the label set."""
 
-    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: HTTPObserver) -> None:
         self.app = app
         self.metrics = metrics
 

@@ -34,7 +34,7 @@ from tokenmill.serve.serving import (
     OpenAIServing,
     _collect,
     _sampling_params,
-    _SSEResponse,
+    SSEResponse,
     _unless_disconnected,
     unavailable,
 )
@@ -228,7 +228,7 @@ class ResponsesServing:
         base = self._base(response_id, model, body)
         if body.stream:
             first = await _unless_disconnected(stream.get(), stream, raw)
-            return _SSEResponse(self._events(stream, first, shaper, base, body, history, len(prompt_ids)),
+            return SSEResponse(self._events(stream, first, shaper, base, body, history, len(prompt_ids)),
                                 serving.stream_send_timeout)
         finals = await _unless_disconnected(_collect(stream), stream, raw)
         output = finals[0]

@@ -433,7 +433,7 @@ async def _respond(stream: OutputStream, renderer: _Renderer, body: SamplingFiel
     if body.stream:
         # The response starts with the first output: errors before it are plain HTTP errors.
         first = await _unless_disconnected(stream.get(), stream, raw)
-        return _SSEResponse(_stream_events(stream, renderer, _include_usage(body), first), send_timeout)
+        return SSEResponse(_stream_events(stream, renderer, _include_usage(body), first), send_timeout)
     return JSONResponse(renderer.response(await _unless_disconnected(_collect(stream), stream, raw)))
 
 
@@ -476,16 +476,19 @@ class _SendTimeout(Exception):
     pass
 
 
-class _SSEResponse(StreamingResponse):
+class SSEResponse(StreamingResponse):
     """An SSE stream whose client must keep reading. While a write waits for the client
     (its socket buffers are full), the engine's outputs merge into one pending output
     per request (async_engine), so waiting costs nothing; a write that waits longer than
     `send_timeout` seconds aborts the request (its KV blocks are freed) and drops the
-    connection."""
+    connection. The data-parallel router relays a replica's stream with it too (its own
+    status and headers, bytes as events)."""
 
-    def __init__(self, events: AsyncIterator[str], send_timeout: float) -> None:
-        super().__init__(events, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+    def __init__(self, events: AsyncIterator[str] | AsyncIterator[bytes], send_timeout: float,
+                 status_code: int = 200, headers: dict[str, str] | None = None) -> None:
+        super().__init__(events, status_code=status_code, media_type="text/event-stream",
+                         headers=headers if headers is not None else {"Cache-Control": "no-cache",
+                                                                      "X-Accel-Buffering": "no"})
         self._events = events
         self.send_timeout = send_timeout
 
