@@ -85,6 +85,13 @@ def test_health_checks_carry_the_api_key(router):
     assert metrics['tokenmill:router_http_requests_total{handler="unmatched",method="GET",status="401"}'] >= 1
 
 
+def test_request_headers_reach_the_replica(router):
+    """Every request header but the connection's own and the key reaches the replica: a
+    bad llm-d SLO header is the replica's 400."""
+    response = router.post(COMPLETIONS, json={"prompt": "w1", "max_tokens": 1}, headers={"x-slo-ttft-ms": "soon"})
+    assert "x-slo-ttft-ms" in assert_error(response, 400, "slo_ttft_ms")["message"]
+
+
 def test_a_replicas_429_reaches_the_client_with_retry_after(router):
     """Round robin: requests 1-4 take each replica's running slot and queue slot, the 5th
     finds its replica's queue full; the replica's 429 and its Retry-After pass through."""

@@ -50,8 +50,11 @@ logger = logging.getLogger("tokenmill.serve.dp")
 ServeFn = Callable[[argparse.Namespace], int]
 
 HEALTH_INTERVAL_S = 1.0
-# Request headers a replica needs; the router sends its own Authorization.
-FORWARDED_HEADERS = ("content-type", "accept", "x-request-id")
+# Request headers that describe the client's connection to the router (or its key: the
+# router sends its own Authorization); every other one reaches the replica (content type,
+# X-Request-Id, llm-d's x-slo-ttft-ms...).
+NOT_FORWARDED = frozenset({"host", "content-length", "transfer-encoding", "connection", "keep-alive", "upgrade",
+                           "te", "trailer", "expect", "authorization", "proxy-authorization"})
 # Response headers that describe the router's connection to the replica, not the answer:
 # uvicorn writes its own. Everything else (Retry-After, WWW-Authenticate, Connection:
 # close, X-Request-Id...) reaches the client.
@@ -302,7 +305,7 @@ class Router:
                     tried: set[int], generation: bool):
         import httpx
 
-        headers = {**{k: v for k, v in request.headers.items() if k.lower() in FORWARDED_HEADERS},
+        headers = {**{k: v for k, v in request.headers.items() if k.lower() not in NOT_FORWARDED},
                    **self.upstream_headers}
         while True:
             replica = pick()
