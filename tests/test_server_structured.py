@@ -93,7 +93,8 @@ def test_structured_outputs_request_object_is_built_from_the_dataclass() -> None
     from tokenmill.serve.structured import StructuredOutputsField, _request_model_of
 
     names = {f.alias or name for name, f in StructuredOutputsField.model_fields.items()}
-    assert names == {f.name for f in dataclasses.fields(StructuredOutputsParams)}
+    assert names == {f.name for f in dataclasses.fields(StructuredOutputsParams) if not f.metadata.get("internal")}
+    assert "reasoning_end" not in names  # set by the server, never by a client
 
     @dataclasses.dataclass(frozen=True)
     class WithPattern(StructuredOutputsParams):

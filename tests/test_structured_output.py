@@ -162,3 +162,105 @@ def test_compile_with_timeout_refuses_a_slow_constraint(llm_f32) -> None:
     slow = StructuredOutputsParams(regex="(a|b|c|d){1,3000}(e|f){1,3000}x")
     with pytest.raises(StructuredOutputError, match="to compile"):
         compiler.compile_with_timeout(slow, timeout=0.001)
+
+
+# ----- grammar after the reasoning (a reasoning parser is on) -----------------------------
+
+ANSWER = {"type": "object", "properties": {"parity": {"enum": ["odd", "even"]}}, "required": ["parity"],
+          "additionalProperties": False}
+
+
+def _few_shot_thinking(llm: LLM) -> list[int]:
+    """A conversation after which the default model writes `<think>Is 9 even?</think>`
+    and an answer (greedy), as its earlier turns did."""
+    turns = [("Is 7 even?", "<think>Is 7 even?</think>no"), ("Is 8 even?", "<think>Is 8 even?</think>yes")]
+    messages = [m for question, answer in turns
+                for m in ({"role": "user", "content": question}, {"role": "assistant", "content": answer})]
+    return llm.encode_chat([*messages, {"role": "user", "content": "Is 9 even?"}])
+
+
+def _after_reasoning(start: str | None = None, **kwargs) -> SamplingParams:
+    constraint = StructuredOutputsParams(json=ANSWER, disable_any_whitespace=True, reasoning_end="</think>",
+                                         reasoning_start=start)
+    return SamplingParams(temperature=0.0, max_tokens=60, structured_outputs=constraint, **kwargs)
+
+
+def test_grammar_applies_after_the_reasoning(llm_f32) -> None:
+    prompt = _few_shot_thinking(llm_f32)
+    free = llm_f32.generate([prompt], SamplingParams(temperature=0.0, max_tokens=60))[0].outputs[0].text
+    assert free.startswith("<think>Is 9 even?</think>") and not free.endswith("}")  # the model's own habit
+    text = llm_f32.generate([prompt], _after_reasoning())[0].outputs[0]
+    reasoning, answer = text.text.split("</think>", 1)
+    # The reasoning is the model's, unconstrained (the grammar forbids "<" first); the
+    # answer after it is the grammar's.
+    assert reasoning == "<think>Is 9 even?", text.text
+    assert json.loads(answer) in ({"parity": "odd"}, {"parity": "even"}) and text.finish_reason == "stop"
+    # Without the marker the grammar starts at once: no reasoning is possible.
+    at_once = llm_f32.generate([prompt], _json_like_answer())[0].outputs[0].text
+    assert "think" not in at_once and json.loads(at_once)["parity"] in ("odd", "even")
+    assert_engine_idle(llm_f32)
+
+
+def _json_like_answer() -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=60,
+                          structured_outputs=StructuredOutputsParams(json=ANSWER, disable_any_whitespace=True))
+
+
+def test_grammar_after_reasoning_with_proposals_and_preemption(llm_f32) -> None:
+    """Ngram proposals copy `<think>...</think>` from the earlier turns, so a step's
+    proposals cross the marker; a preempted request replays its reasoning."""
+    prompt = _few_shot_thinking(llm_f32)
+    reference = llm_f32.generate([prompt], _after_reasoning())[0].outputs[0].token_ids
+    spec = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
+    speculative = LLM.from_engine(llm_f32.engine.sibling(proposer=NgramProposer(4, 1, 3), speculative_config=spec))
+    assert speculative.generate([prompt], _after_reasoning())[0].outputs[0].token_ids == reference
+    assert speculative.engine.stats().spec_decode.num_accepted_tokens > 0
+    assert_engine_idle(speculative)
+    # Room for both prompts but not for both outputs: one is preempted mid-answer.
+    prompt_blocks, whole_blocks = -(-len(prompt) // 16), -(-(len(prompt) + len(reference)) // 16)
+    assert whole_blocks > prompt_blocks
+    tight = sibling(llm_f32, num_blocks=prompt_blocks + whole_blocks)
+    together = tight.generate([prompt] * 2, _after_reasoning())
+    assert tight.engine.stats().num_preemptions > 0, (len(prompt), len(reference))
+    assert all(o.outputs[0].token_ids == reference for o in together)
+    assert_engine_idle(tight)
+
+
+def test_qwen3_style_without_a_think_token_is_constrained_from_the_first_token(llm_f32) -> None:
+    """With reasoning_start, an output that does not open with a `<think>` token is all
+    answer: the default model spells <think> in three tokens, so even the few-shot
+    conversation that makes it think gets the grammar from its first token."""
+    for prompt in (_prompt(llm_f32, "Is 9 even? Answer in JSON."), _few_shot_thinking(llm_f32)):
+        output = llm_f32.generate([prompt], _after_reasoning("<think>"))[0].outputs[0]
+        assert json.loads(output.text)["parity"] in ("odd", "even") and output.finish_reason == "stop"
+
+
+def test_reasoning_phases_on_token_bytes() -> None:
+    """The phase machine the matcher follows: the marker found across token boundaries,
+    the text after it in the same token, and Qwen3's optional opening."""
+    from tokenmill.structured_output.manager import _Phase
+
+    def run(phase: _Phase, pieces: list[bytes]) -> list[bool]:
+        to_grammar = []
+        for piece in pieces:
+            phase, taken = phase.after(piece)
+            to_grammar.append(taken)
+        return to_grammar
+
+    deepseek = _Phase(marker=b"</think>")
+    assert run(deepseek, [b"Is 9", b" even?</", b"think", b">", b"{", b"}"]) == [False] * 4 + [True] * 2
+    assert run(deepseek, [b"</think>\n\n", b"{"]) == [False, True]
+    assert run(deepseek, [b"<", b"/thin", b"k", b"!>", b"{"]) == [False] * 5  # no marker yet
+    qwen3 = _Phase(may_open=True, start=b"<think>", marker=b"</think>")
+    assert run(qwen3, [b"{", b"}"]) == [True, True]  # no <think> token first: all answer
+    assert run(qwen3, [b"<think>", b"hm", b"</think>", b"{"]) == [False, False, False, True]
+    assert run(qwen3, [b"<think>hm</think>", b"{"]) == [False, True]
+    assert run(qwen3, [b"<", b"think"]) == [True, True]  # "<" is not the <think> token: grammar's
+
+
+def test_a_prompt_that_ends_the_reasoning_starts_constrained(llm_f32) -> None:
+    """Thinking switched off by the template (the prompt ends with </think>)."""
+    prompt = _few_shot_thinking(llm_f32) + llm_f32.tokenizer.encode("<think>Is 9 even?</think>",
+                                                                      add_special_tokens=False)
+    output = llm_f32.generate([prompt], _after_reasoning())[0].outputs[0]
+    assert json.loads(output.text)["parity"] in ("odd", "even") and output.finish_reason == "stop"

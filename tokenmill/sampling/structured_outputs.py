@@ -8,7 +8,7 @@ masks the logits with it. Exactly one constraint is set per request.
 from __future__ import annotations
 
 import json as _json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 CONSTRAINT_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
@@ -29,8 +29,16 @@ class StructuredOutputsParams:
     `disable_any_whitespace` makes JSON output compact (no whitespace between tokens);
     by default up to a few spaces or newlines may go between JSON tokens.
 
+    `reasoning_end` (not a request field: the server sets it when a reasoning parser is
+    on, as vLLM's engine does): the constraint applies only after this marker (`</think>`)
+    has been generated, or when the prompt already ends with it; the reasoning before it
+    is unconstrained. With `reasoning_start` (`<think>`) as well, there is reasoning only
+    if the output opens with it (Qwen3's parser); otherwise the first token is the
+    grammar's.
+
     The server's `structured_outputs` request object is built from these fields
-    (serve/structured.py): a field added here is a request field too.
+    (serve/structured.py): a field added here is a request field too, unless its
+    metadata says `internal`.
     """
 
     json: str | dict[str, Any] | None = None
@@ -40,6 +48,8 @@ class StructuredOutputsParams:
     json_object: bool | None = None
     structural_tag: str | None = None
     disable_any_whitespace: bool = False
+    reasoning_end: str | None = field(default=None, metadata={"internal": True})
+    reasoning_start: str | None = field(default=None, metadata={"internal": True})
 
     def __post_init__(self) -> None:
         if self.json_object is False:  # clients send `false` for "not this kind"
@@ -59,6 +69,12 @@ class StructuredOutputsParams:
                 raise ValueError(f"structured_outputs.{name} must be a non-empty string")
         if self.json is not None and not isinstance(self.json, (str, dict)):
             raise ValueError("structured_outputs.json must be a JSON schema (an object or its JSON text)")
+        for name in ("reasoning_end", "reasoning_start"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise ValueError(f"structured_outputs.{name} must be a non-empty string")
+        if self.reasoning_start is not None and self.reasoning_end is None:
+            raise ValueError("structured_outputs.reasoning_start needs reasoning_end")
         if self.json_object is not None and self.json_object is not True:
             raise ValueError("structured_outputs.json_object must be true or false")
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import dataclasses
 import functools
 import json
 import logging
@@ -57,6 +58,8 @@ from tokenmill.serve.protocol import (
     SamplingFields,
     Usage,
 )
+from tokenmill.serve.reasoning import END as REASONING_END
+from tokenmill.serve.reasoning import START as REASONING_START
 from tokenmill.serve.reasoning import get_reasoning_parser
 from tokenmill.serve.structured import compile_constraint, constraint_of
 from tokenmill.serve.tools import (
@@ -282,7 +285,8 @@ class OpenAIServing:
     async def constrain(self, params: SamplingParams, body: Any, tools: ToolPlan | None = None) -> None:
         """Set the request's output constraint (response_format, structured_outputs,
         guided_*, or the grammar of a required / named tool choice), compiled now on the
-        prompt threads so a bad one is a 400 here."""
+        prompt threads so a bad one is a 400 here. With a reasoning parser the constraint
+        starts after the reasoning (`</think>`)."""
         constraint, param = constraint_of(body)
         if tools is not None and tools.constraint is not None:
             if constraint is not None:
@@ -293,6 +297,11 @@ class OpenAIServing:
         core = self.core
         compiler = compiler_for(core.tokenizer, core.vocab_size, core.config.model.structured_outputs_backend)
         await self.off_loop(compile_constraint, compiler, constraint, param)
+        if self.agent.reasoning_parser:
+            # As vLLM: the reasoning is free, the grammar constrains the answer after it.
+            parser = get_reasoning_parser(self.agent.reasoning_parser)
+            constraint = dataclasses.replace(constraint, reasoning_end=REASONING_END,
+                                             reasoning_start=None if parser.implicit_start else REASONING_START)
         params.structured_outputs = constraint
 
     def _check_limits(self, body: SamplingFields, num_prompts: int) -> None:

@@ -46,6 +46,8 @@ def _request_model_of(params_class: type) -> type[BaseModel]:
     hints = typing.get_type_hints(params_class)
     fields: dict[str, Any] = {}
     for declared in dataclasses.fields(params_class):
+        if declared.metadata.get("internal"):
+            continue
         # `json` would shadow BaseModel.json: stored as `json_`, read and written as `json`.
         attribute = declared.name + "_" if hasattr(BaseModel, declared.name) else declared.name
         fields[attribute] = (hints[declared.name], Field(declared.default, alias=declared.name))
