@@ -269,29 +269,49 @@ def test_gguf_parts_are_read_without_the_rest() -> None:
 # ----- parallel engines as ordinary objects ---------------------------------------------------
 
 NO_GUARD_SCRIPT = """
-import json, sys
+import json, os, sys, time
 from tokenmill import LLM, SamplingParams
+
+def children():
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            stat = open(f"/proc/{entry}/stat").read() if entry.isdigit() else ""
+        except OSError:
+            continue
+        if stat and int(stat.rsplit(")", 1)[1].split()[1]) == os.getpid():
+            found.append(int(entry))
+    return found
 
 params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
 runs = []
+left = []
 for settings in json.loads(sys.argv[1]):  # no __main__ guard: a rank must not import this file again
     llm = LLM(**settings)
     runs.append([o.outputs[0].token_ids for o in llm.generate([[5, 6, 7, 8, 9], [10, 11, 12]], params)])
     del llm  # no close(): deleting the engine stops its ranks and leaves the process group
-print("RESULT " + json.dumps(runs))
+    deadline = time.monotonic() + 10
+    while children() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left.append(len(children()))
+print("RESULT " + json.dumps({"runs": runs, "children_left": left}))
 """
 
 
 def test_a_script_without_main_guard_makes_and_deletes_parallel_engines(tiny: Path, tmp_path: Path) -> None:
     """Ranks are fresh interpreters (not multiprocessing's spawn, which re-imports the
     user's script), and a deleted engine leaves torch.distributed's process group: one
-    process, one engine and two tensor-parallel ones in a row, the same greedy tokens."""
+    process, one engine and then three tensor-parallel ones made and deleted in a row
+    (issue 31's target), the same greedy tokens, no rank process left after each."""
     script = tmp_path / "no_guard.py"
     script.write_text(NO_GUARD_SCRIPT)
-    settings = [engine_settings(tiny), engine_settings(tiny, 2), engine_settings(tiny, 2)]
+    settings = [engine_settings(tiny)] + [engine_settings(tiny, 2)] * 3
     done = subprocess.run([sys.executable, str(script), json.dumps(settings)], capture_output=True, text=True,
                           timeout=900, cwd=tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.count("RESULT ") == 1, done.stdout[-2000:]  # the script ran once
-    runs = json.loads(done.stdout.split("RESULT ", 1)[1])
-    assert runs[0] == runs[1] == runs[2] and all(len(tokens) == 12 for tokens in runs[0])
+    result = json.loads(done.stdout.split("RESULT ", 1)[1])
+    runs = result["runs"]
+    assert len(runs) == 4 and all(run == runs[0] for run in runs), runs
+    assert all(len(tokens) == 12 for tokens in runs[0])
+    assert result["children_left"] == [0, 0, 0, 0]
