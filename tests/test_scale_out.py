@@ -40,6 +40,8 @@ def test_prompt_keys_and_block_hashes_share_prefixes() -> None:
     assert prompt_key("/v1/chat/completions", longer).startswith(prompt_key("/v1/chat/completions", chat))
     assert prompt_key("/v1/completions", {"prompt": [1, 2, 3]}) == [1, 2, 3]
     assert prompt_key("/v1/completions", {"prompt": ["a b", "c"]}) == "a b"
+    assert prompt_key("/v1/embeddings", {"input": ["a b", "c"]}) == "a b"
+    assert prompt_key("/v1/embeddings", {"input": [4, 5]}) == [4, 5]
     a, b = block_hashes("x" * 200), block_hashes("x" * 128 + "y" * 72)
     assert a[:2] == b[:2] and a[2:] != b[2:] and len(a) == 4
     assert len(block_hashes(list(range(40)))) == 3

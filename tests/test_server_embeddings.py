@@ -143,3 +143,20 @@ def test_generate_server_refuses_embeddings_with_404(checkpoint) -> None:
         assert client.completions.create(model=process.model, prompt="w1", max_tokens=2).choices[0].text is not None
     finally:
         assert process.stop() == 0, process.log_tail()
+
+
+def test_data_parallel_router_forwards_embeddings(checkpoint, expected) -> None:
+    """`--data-parallel-size 2 --runner pooling`: the router sends /v1/embeddings to a replica."""
+    ids, references = expected
+    process = ServerProcess("--model", str(checkpoint), "--runner", "pooling", "--data-parallel-size", "2",
+                            base_args=ARGS).start()
+    try:
+        client = OpenAI(base_url=process.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        for _ in range(2):
+            result = client.embeddings.create(model=process.model, input=TEXTS)
+            for data, reference in zip(result.data, references):
+                assert_matches(data.embedding, reference)
+        routed = process.metrics()
+        assert sum(v for k, v in routed.items() if k.startswith("tokenmill:router_requests_total")) == 2
+    finally:
+        assert process.stop() == 0, process.log_tail()

@@ -523,6 +523,10 @@ def create_router_app(router: Router, settings: argparse.Namespace, on_all_dead)
     async def chat(request: Request):
         return await router.forward(request, "/v1/chat/completions")
 
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request):
+        return await router.forward(request, "/v1/embeddings")
+
     @app.api_route("/{path:path}", methods=ALL_METHODS)
     async def everything_else(request: Request):
         return await router.proxy(request)

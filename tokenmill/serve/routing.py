@@ -32,9 +32,9 @@ TOKEN_BLOCK = 16
 
 
 def prompt_key(path: str, body: dict[str, Any]) -> str | list[int]:
-    """What a request's prefix is made of: the completion prompt (its first one, for a
-    list), or the chat messages serialized in order (a conversation that grows keeps its
-    old serialization as a prefix)."""
+    """What a request's prefix is made of: the completion prompt or embeddings input (its
+    first one, for a list), or the chat messages serialized in order (a conversation that
+    grows keeps its old serialization as a prefix)."""
     if path.endswith("/chat/completions"):
         parts = []
         for message in body.get("messages") or []:
@@ -43,7 +43,7 @@ def prompt_key(path: str, body: dict[str, Any]) -> str | list[int]:
             role = message.get("role", "") if isinstance(message, dict) else ""
             parts.append(f"<{role}>{text}")
         return "".join(parts)
-    prompt = body.get("prompt", "")
+    prompt = body.get("input", "") if path.endswith("/embeddings") else body.get("prompt", "")
     if isinstance(prompt, list) and prompt and not isinstance(prompt[0], int):
         prompt = prompt[0]  # a batch of prompts: route by the first
     if isinstance(prompt, list):
