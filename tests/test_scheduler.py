@@ -1048,11 +1048,27 @@ def test_slo_tpot_caps_prefill_by_what_the_decoding_stream_can_spend() -> None:
     h.assert_idle()
 
 
+def test_slo_admission_keeps_time_for_the_prompts_that_replace_the_streams() -> None:
+    """0.1 + 0.02 x rows <= 0.2 would carry 5 decoding streams; with each stream's
+    20-token prompt (0.2 s) spread over its 10 outputs, 0.02 s a step each, only 2 fit:
+    0.1 + 0.04 + 0.04 = 0.18, a third would make 0.22."""
+    h = Harness(num_blocks=64, max_num_batched_tokens=64, slo_tpot=0.2, step_cost=linear_cost(),
+                clock=lambda: 0.0, max_model_len=64)
+    for rid in "abcde":
+        h.add(rid, tokens(10 * ord(rid), 20), max_tokens=10)
+    assert [i[0] for i in trace(h.step())] == ["a", "b"]
+    assert [r.request_id for r in h.sched.waiting] == ["c", "d", "e"]
+    h.run()
+    assert list(h.finished) == list("abcde")
+    h.assert_idle()
+
+
 def test_slo_tpot_admits_only_streams_a_decode_step_can_carry() -> None:
-    """0.1 + 0.02 x rows <= 0.15: two decoding streams, not three, though max_num_seqs is 8."""
+    """0.1 + 0.02 x rows (+ each stream's prompt spread over its outputs, 0.01 x 2 / 40)
+    <= 0.15: two decoding streams, not three, though max_num_seqs is 8."""
     h = Harness(num_blocks=32, slo_tpot=0.15, step_cost=linear_cost(), clock=lambda: 0.0)
     for rid in "abcd":
-        h.add(rid, tokens(10 * ord(rid), 2), max_tokens=3)
+        h.add(rid, tokens(10 * ord(rid), 2), max_tokens=40)
     assert [i[0] for i in trace(h.step())] == ["a", "b"]
     assert [i[0] for i in trace(h.step())] == ["a", "b"]
     assert [r.request_id for r in h.sched.waiting] == ["c", "d"]
@@ -1130,15 +1146,15 @@ def test_priority_protects_the_tpot_of_better_ranked_streams_only() -> None:
 
 
 def test_priority_admission_counts_only_better_ranked_streams_against_a_tpot_target() -> None:
-    """0.1 + 0.02 x rows <= 0.15 allows 2 streams. Two priority-1 streams with targets run;
-    a priority-0 request with a target is still admitted (the worse-ranked rows do not
-    count against it), a third priority-1 one is not."""
+    """0.1 + 0.02 x rows (+ 0.01 x 2 / 20 a stream) <= 0.15 allows 2 streams. Two priority-1
+    streams with targets run; a priority-0 request with a target is still admitted (the
+    worse-ranked rows do not count against it), a third priority-1 one is not."""
     h = Harness(num_blocks=32, scheduling_policy="priority", step_cost=linear_cost(), clock=lambda: 0.0)
     for rid in "ab":
-        h.add(rid, tokens(10 * ord(rid), 2), max_tokens=4, priority=1, slo_tpot=0.15)
+        h.add(rid, tokens(10 * ord(rid), 2), max_tokens=20, priority=1, slo_tpot=0.15)
     h.step()
-    h.add("c", tokens(300, 2), max_tokens=4, priority=1, slo_tpot=0.15)
-    h.add("vip", tokens(400, 2), max_tokens=4, priority=0, slo_tpot=0.15)
+    h.add("c", tokens(300, 2), max_tokens=20, priority=1, slo_tpot=0.15)
+    h.add("vip", tokens(400, 2), max_tokens=20, priority=0, slo_tpot=0.15)
     assert [i[0] for i in trace(h.step())] == ["vip", "a", "b"]
     assert [r.request_id for r in h.sched.waiting] == ["c"]
     h.run()

@@ -211,15 +211,23 @@ class Scheduler:
         return tpot * (total - 1) - (now - request.first_token_time) - max(remaining - 1, 0) * decode_step
 
     def _slo_may_admit(self, request: Request, streams: list[Request]) -> bool:
-        """One more stream (`request`) keeps a decode step of `streams` and it within the
-        TPOT targets of all of them that have one; always true when nothing has one or
-        the cost is not known yet."""
+        """One more stream (`request`) keeps a step of `streams` and it within the TPOT
+        targets of all of them that have one: a decode step of all of them plus the
+        prefill they need per step to be replaced, each stream's prompt cost spread over
+        its output tokens. Without that share the streams fill the target with decode
+        alone, no step has time left for a prompt, and new requests miss their TTFT
+        while the machine serves fewer than it could. (A request of one output token never
+        decodes: its prompt is a one-off the prefill cap spaces out.) Always true when
+        nothing has a target or the cost is not known yet."""
         cost = self.step_cost
         targets = [t for r in (*streams, request) if (t := self._tpot(r)) is not None]
-        if cost is None or not targets or not streams:
+        coefficients = cost.coefficients if cost is not None else None
+        if coefficients is None or not targets or not streams:
             return True
-        predicted = cost.predict(0, len(streams) + 1)
-        return predicted is None or predicted <= min(targets)
+        per_prefill_token = coefficients[1]
+        share = sum(per_prefill_token * r.num_prompt_tokens / r.max_tokens
+                    for r in (*streams, request) if r.max_tokens > 1)
+        return cost.predict(0, len(streams) + 1) + share <= min(targets)
 
     def _late_to_the_back(self) -> set[str]:
         """Requests still waiting for their first token that have missed their TTFT
