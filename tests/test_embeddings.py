@@ -98,7 +98,9 @@ def test_normalize_off_and_the_checkpoints_own_pooling_config(tiny, reference, t
     # No pooler config: the checkpoint's sentence-transformers files say MEAN, no Normalize module.
     directory = write_tiny_llama(tmp_path / "st")
     write_sentence_transformers(directory, "mean", normalize=False)
-    llm = tiny_llm(directory)
+    llm = LLM(str(directory), dtype="float32", max_num_batched_tokens=16, block_size=4, kv_cache_memory="4MiB")
+    # --runner auto: a sentence-transformers checkpoint is served as an embedding model.
+    assert llm.engine.facts.runner == "pooling"
     assert (llm.engine.facts.pooling.pooling_type, llm.engine.facts.pooling.normalize) == ("MEAN", False)
     assert_close(llm.embed(PROMPTS[2])[0].outputs.embedding, pool(reference[2], "MEAN", normalize=False))
 
@@ -209,4 +211,6 @@ def test_a_checkpoint_without_lm_head_loads_for_pooling(tmp_path) -> None:
     for ids, output in zip(PROMPTS, outputs):
         assert_close(output.outputs.embedding, pool(hf_hidden(str(tmp_path), ids), "LAST"))
     with pytest.raises(ValueError, match="lacks weights for: lm_head"):
-        LLM(str(tmp_path), dtype="float32", kv_cache_memory="4MiB")  # generation needs the head
+        LLM(str(tmp_path), runner="generate", dtype="float32", kv_cache_memory="4MiB")  # generation needs the head
+    # --runner auto: a bare decoder is an embedding model (vLLM's auto detection).
+    assert LLM(str(tmp_path), dtype="float32", kv_cache_memory="4MiB").engine.facts.runner == "pooling"

@@ -156,7 +156,9 @@ class ModelConfig:
     runner: str = setting("auto", choices=RUNNERS,
                           help="generate: text generation (completions, chat); pooling: embeddings (/v1/embeddings, "
                                "LLM.embed): each prompt is prefilled once and its final hidden states pooled, a "
-                               "decoder used as embedder (vLLM's --runner pooling). auto = generate")
+                               "decoder used as embedder (vLLM's --runner pooling). auto = pooling for an embedding "
+                               "checkpoint (a sentence-transformers pooling config, or a bare decoder such as "
+                               "Qwen3Model), else generate")
     pooler_config: PoolerConfig | None = setting(
         None, parse=parse_pooler_config, metavar="JSON",
         help='with --runner pooling, vLLM\'s JSON: {"pooling_type": "LAST" | "MEAN" | "CLS", "normalize": true}. '

@@ -16,6 +16,10 @@ class ModelPooling:
     pooling_type: str | None = None  # None: the checkpoint does not say
     normalize: bool | None = None
     matryoshka_dimensions: tuple[int, ...] | None = None  # None: not Matryoshka; (): any prefix
+    # The checkpoint is an embedding model: it ships a sentence-transformers pooling config,
+    # or its architecture is a bare decoder (LlamaModel, Qwen3Model, ...: no LM head). What
+    # `--runner auto` resolves to pooling, as vLLM's auto does.
+    is_embedding_model: bool = False
 
 
 def model_pooling(path: str) -> ModelPooling:
@@ -24,7 +28,7 @@ def model_pooling(path: str) -> ModelPooling:
     if not root.is_dir():
         return ModelPooling()
     pooling_type, normalize = _sentence_transformers(root)
-    return ModelPooling(pooling_type, normalize, _matryoshka(root))
+    return ModelPooling(pooling_type, normalize, _matryoshka(root), _is_embedding_model(root))
 
 
 def _sentence_transformers(root: Path) -> tuple[str | None, bool | None]:
@@ -46,6 +50,16 @@ def _sentence_transformers(root: Path) -> tuple[str | None, bool | None]:
         raise ValueError(f"{config_file}: pooling {other or modes} is not supported; tokenmill pools with one of "
                          f"{', '.join(_ST_MODES.values())} (override with --pooler-config)")
     return (modes[0] if modes else None), normalize
+
+
+def _is_embedding_model(root: Path) -> bool:
+    if (root / "modules.json").is_file() or (root / "1_Pooling" / "config.json").is_file():
+        return True
+    config_file = root / "config.json"
+    if not config_file.is_file():
+        return False
+    names = json.loads(config_file.read_text()).get("architectures") or []
+    return bool(names) and all(name.endswith("Model") for name in names)
 
 
 def _matryoshka(root: Path) -> tuple[int, ...] | None:

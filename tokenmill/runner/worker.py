@@ -85,8 +85,8 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltRank
     kernels_ok = device.type == "cpu" and config.device.native_kernels and _cpu_kernels_build()
     dtype = resolve_kv_cache_dtype(config.cache.kv_cache_dtype, resolve_dtype(config.model.dtype, device, kernels_ok),
                                    device)
-    runner_type = resolve_runner(config)
     checkpoint = open_checkpoint(config.model.model)
+    runner_type = resolve_runner(config, checkpoint.path)
     backend = select_attention_backend(config.device.attention_backend, device, kernels_ok)
     keep_quantized = quantized_as_stored(config, checkpoint.quantized, kernels_ok)
     chosen = choose_plan(config, device, dtype, kernels_ok, backend, checkpoint.arch, keep_quantized)
@@ -161,11 +161,14 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltRank
 # ----- the pooling runner ---------------------------------------------------------------------
 
 
-def resolve_runner(config: EngineConfig) -> str:
-    """generate or pooling (`auto` is generate: tokenmill's families are decoders, which
-    vLLM also serves as generators unless --runner pooling asks otherwise). The pooling
-    runner prefills and pools: no speculation, and (for now) one process."""
-    runner = "generate" if config.model.runner == "auto" else config.model.runner
+def resolve_runner(config: EngineConfig, path: str) -> str:
+    """generate or pooling. `auto`, as vLLM's: pooling for an embedding checkpoint (a
+    sentence-transformers pooling config, or a bare decoder such as Qwen3Model), else
+    generate. The pooling runner prefills and pools: no speculation, and (for now) one
+    process."""
+    runner = config.model.runner
+    if runner == "auto":
+        runner = "pooling" if model_pooling(path).is_embedding_model else "generate"
     if runner != "pooling":
         if config.model.pooler_config is not None:
             raise ValueError("pooler_config applies to the pooling runner: add --runner pooling")
