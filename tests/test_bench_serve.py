@@ -456,3 +456,53 @@ def test_grounded_run_against_tokenmill_with_ngram_speculation(ngram_server, tmp
     assert "Speculative Decoding" in capsys.readouterr().out
     metrics = ngram_server.metrics()
     assert metrics["tokenmill:spec_decode_num_draft_tokens_total"] >= result["spec_decode_draft_tokens"]
+
+
+# ----- agent workloads: structured output and tool calling --------------------------------------
+
+
+@pytest.fixture(scope="module")
+def agent_server():
+    process = ServerProcess("--enable-auto-tool-choice", "--tool-call-parser", "hermes").start()
+    yield process
+    assert process.stop() == 0, process.log_tail()
+
+
+def test_structured_workload_against_tokenmill(agent_server, tmp_path):
+    """Every rung of the schema ladder once; each answer validates against its schema."""
+    import random
+
+    import jsonschema
+
+    from tokenmill.workloads.agent import schema_ladder, structured_requests
+
+    count = len(schema_ladder())
+    result = run_real(agent_server, tmp_path, "structured", "--endpoint", "/v1/chat/completions", "--dataset",
+                      "structured", "--num-prompts", str(count), "--output-len", "400", "--max-concurrency",
+                      str(count), "--temperature", "0", "--seed", "3", "--save-detailed")
+    assert (result["completed"], result["failed"]) == (count, 0), result["errors"]
+    assert result["dataset_name"] == "structured" and result["ignore_eos"] is False
+    sent = structured_requests(count, random.Random(3))
+    assert len({extra["response_format"]["json_schema"]["name"] for _, extra in sent}) == count
+    for (_, extra), text, n in zip(sent, result["generated_texts"], result["output_lens"]):
+        assert n < 400, text  # the grammar ended it, not the length cap
+        jsonschema.validate(json.loads(text), extra["response_format"]["json_schema"]["schema"])
+
+
+def test_tool_calling_trace_against_tokenmill(agent_server, tmp_path):
+    """One agent conversation, turn by turn: each turn's prompt holds the earlier ones."""
+    result = run_real(agent_server, tmp_path, "tools", "--endpoint", "/v1/chat/completions", "--dataset",
+                      "tool-calls", "--num-prompts", "4", "--output-len", "80", "--max-concurrency", "1",
+                      "--temperature", "0", "--save-detailed")
+    assert (result["completed"], result["failed"]) == (4, 0), result["errors"]
+    lens = result["input_lens"]  # turn 2 (tool_choice none) is shown no tools, the others are
+    assert lens[0] < lens[2] < lens[3] and lens[1] < lens[3]
+    # Turns 1 and 3 must call a tool: streamed as tool_calls deltas, no content text.
+    assert result["generated_texts"][0] == "" and result["generated_texts"][2] == ""
+    assert result["generated_texts"][1]  # tool_choice none: a text answer
+    assert all(n > 0 for n in result["output_lens"])
+
+
+def test_tool_calling_trace_needs_chat(capsys):
+    assert serve_cli.main(["serve", "--base-url", "http://127.0.0.1:9", "--dataset", "tool-calls",
+                           "--disable-tqdm"]) != 0

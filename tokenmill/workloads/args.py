@@ -34,9 +34,12 @@ def positive_int(text: str) -> int:
 def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     """The dataset flags (shared with `tokenmill simulate`, which replays the same datasets)."""
     data = parser.add_argument_group("dataset")
-    data.add_argument("--dataset", default="random", choices=["random", "shared-prefix", "jsonl", "grounded"],
-                      help="random token ids; random suffixes after shared prefixes; a JSONL file; or "
-                           "input-grounded tasks (repeat/correct/rewrite/summarize a given passage, ending at EOS)")
+    data.add_argument("--dataset", default="random",
+                      choices=["random", "shared-prefix", "jsonl", "grounded", "structured", "tool-calls"],
+                      help="random token ids; random suffixes after shared prefixes; a JSONL file; "
+                           "input-grounded tasks (repeat/correct/rewrite/summarize a given passage, ending at EOS); "
+                           "JSON-schema answers over schemas of increasing size (structured); or a multi-turn "
+                           "tool-calling agent trace (tool-calls, chat only)")
     data.add_argument("--dataset-path", default=None,
                       help='JSONL file, one {"prompt": TEXT or [IDS]} or {"messages": [...]} per line, '
                            'optionally with "output_len"')

@@ -1,6 +1,8 @@
 """Prompts for `tokenmill bench serve`: random, shared-prefix, JSONL and input-grounded
 datasets (`grounded`: chat messages asking to repeat, correct, rewrite or summarize a
-passage given in the prompt, `tokenmill.workloads.grounded`; the answers end at EOS).
+passage given in the prompt, `tokenmill.workloads.grounded`; the answers end at EOS),
+and the agent workloads (`structured`: JSON-schema answers over schemas of increasing
+size; `tool-calls`: a multi-turn tool-calling trace; `tokenmill.workloads.agent`).
 
 Random prompts are random token ids. Which ids are ordinary tokens comes from one of
 three token sources, in this order:
@@ -34,7 +36,8 @@ import numpy as np
 
 logger = logging.getLogger(__name__)
 
-DATASETS = ("random", "shared-prefix", "jsonl", "grounded")
+DATASETS = ("random", "shared-prefix", "jsonl", "grounded", "structured", "tool-calls")
+CHAT_ONLY = ("tool-calls",)  # tools need /v1/chat/completions
 NEEDS_TOKEN_SOURCE = ("random", "shared-prefix")  # prompts made of token ids
 FALLBACK_ID_RANGE = (1000, 5000)
 # Keys of a JSONL line that give its output length, first match wins.
@@ -49,6 +52,7 @@ class SampleRequest:
     output_len: int
     prompt_len: int | None = None  # client-side length when known; the server's count wins
     messages: list[dict[str, Any]] | None = None
+    extra: dict[str, Any] | None = None  # request fields of its own (response_format, tools, ...)
 
 
 @dataclass
@@ -260,6 +264,8 @@ async def build_requests(config: DatasetConfig, source: TokenSource | None, chat
         return load_jsonl(config.path or "", count, config.output_len, chat)
     if config.name == "grounded":
         return grounded_requests(count, config.output_len, chat, config.seed + seed_offset)
+    if config.name in ("structured", "tool-calls"):
+        return agent_requests(config.name, count, config.output_len, chat, config.seed + seed_offset)
     if source is None:
         raise ValueError(f"the {config.name} dataset needs a token source")
     rng = np.random.default_rng(config.seed + seed_offset)
@@ -287,6 +293,21 @@ def grounded_requests(count: int, output_len: int, chat: bool, seed: int) -> lis
     return [SampleRequest(None, output_len, None, messages) if chat
             else SampleRequest(messages[0]["content"], output_len)
             for messages in grounded_messages(count, random.Random(seed))]
+
+
+def agent_requests(name: str, count: int, output_len: int, chat: bool, seed: int) -> list[SampleRequest]:
+    """The structured-output or tool-calling workload; a completion prompt is the user's
+    text (structured only: tools need chat)."""
+    import random
+
+    from tokenmill.workloads.agent import structured_requests, tool_call_requests
+
+    if name in CHAT_ONLY and not chat:
+        raise ValueError(f"the {name} dataset needs --endpoint /v1/chat/completions")
+    make = structured_requests if name == "structured" else tool_call_requests
+    return [SampleRequest(None, output_len, None, messages, extra) if chat
+            else SampleRequest(messages[-1]["content"], output_len, None, None, extra)
+            for messages, extra in make(count, random.Random(seed))]
 
 
 def load_jsonl(path: str, count: int, default_output_len: int, chat: bool) -> list[SampleRequest]:

@@ -133,6 +133,7 @@ def request_payload(config: ServeConfig, model: str, request: SampleRequest) -> 
         payload["ignore_eos"] = True
     if config.temperature is not None:
         payload["temperature"] = config.temperature
+    payload.update(request.extra or {})
     payload.update(config.extra_body or {})
     return payload
 
