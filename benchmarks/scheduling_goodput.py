@@ -3,9 +3,17 @@ over request rates, and under the priority policy the TTFT of a high-priority te
 requests. Virtual time, a hand-written cost model like the default model's on the 2-core
 CPU box (docs/planning.md: 53 ms + 1.55 ms per prefill token; pure decode 46 / 63 / 130 /
 222 ms at 1 / 8 / 32 / 64 rows); nothing is measured on a real server. Writes a figure and
-prints the table of docs/scheduling.md. Not part of CI (about a minute).
+prints the table of docs/scheduling.md. Not part of CI (about a minute a workload).
+
+Workloads (issue 29's three): chat (128-token prompts, 64 outputs), long-prompt (512-token
+prompts, 64 outputs), shared-prefix (a 512-token prefix, one of 4, then 128 tokens of
+question; 64 outputs; the prefix cache serves the prefix after its first use).
 
     .venv/bin/python benchmarks/scheduling_goodput.py --output docs/images/scheduling-goodput.png
+    .venv/bin/python benchmarks/scheduling_goodput.py --workload long-prompt \
+        --output docs/images/scheduling-goodput-long-prompt.png
+    .venv/bin/python benchmarks/scheduling_goodput.py --workload shared-prefix \
+        --output docs/images/scheduling-goodput-shared-prefix.png
 """
 
 from __future__ import annotations
@@ -31,9 +39,20 @@ def run(trace: Trace, **settings):
     return simulate(trace, setup).records
 
 
+# name -> (dataset settings, default rates)
+WORKLOADS = {
+    "chat": ({"name": "random", "input_len": 128, "output_len": 64}, "0.5,1,1.5,2,3"),
+    "long-prompt": ({"name": "random", "input_len": 512, "output_len": 64}, "0.25,0.5,0.75,1"),
+    "shared-prefix": ({"name": "shared-prefix", "input_len": 128, "output_len": 64, "prefix_len": 512,
+                       "num_prefixes": 4}, "0.5,1,1.5,2,3"),
+}
+
+
 def point(rate: float, args: argparse.Namespace) -> dict[str, dict[str, float]]:
-    dataset = DatasetConfig(name="random", num_prompts=args.num_prompts, input_len=args.input_len,
-                            output_len=args.output_len, seed=0)
+    settings = dict(WORKLOADS[args.workload][0])
+    settings.update({k: v for k, v in (("input_len", args.input_len), ("output_len", args.output_len))
+                     if v is not None})
+    dataset = DatasetConfig(num_prompts=args.num_prompts, seed=0, **settings)
     base = synthetic_trace(dataset, rate)
     row = {}
     for name, settings in POLICIES.items():
@@ -52,13 +71,14 @@ def point(rate: float, args: argparse.Namespace) -> dict[str, dict[str, float]]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rates", default="0.5,1,1.5,2,3")
+    parser.add_argument("--workload", choices=tuple(WORKLOADS), default="chat")
+    parser.add_argument("--rates", default=None, help="comma-separated request rates (default: the workload's)")
     parser.add_argument("--num-prompts", type=int, default=300)
-    parser.add_argument("--input-len", type=int, default=128)
-    parser.add_argument("--output-len", type=int, default=64)
+    parser.add_argument("--input-len", type=int, default=None, help="default: the workload's")
+    parser.add_argument("--output-len", type=int, default=None, help="default: the workload's")
     parser.add_argument("--output", default=None, metavar="FILE.png")
     args = parser.parse_args()
-    rates = [float(r) for r in args.rates.split(",")]
+    rates = [float(r) for r in (args.rates or WORKLOADS[args.workload][1]).split(",")]
     rows = [point(rate, args) for rate in rates]
     print("| rate | " + " | ".join(f"{name} goodput (TTFT ok, TPOT ok)" for name in POLICIES) +
           " | p99 TTFT of every tenth request: fcfs / priority |")
@@ -87,7 +107,11 @@ def main() -> None:
         right.set(xlabel="request rate (req/s)", ylabel="seconds", yscale="log",
                   title="p99 TTFT of the high-priority tenth")
         right.legend()
-        fig.suptitle(f"simulator, CPU-like cost model, {args.input_len}-token prompts, {args.output_len} outputs")
+        shape = {**WORKLOADS[args.workload][0], **{k: v for k, v in (("input_len", args.input_len),
+                                                                   ("output_len", args.output_len)) if v is not None}}
+        prefix = f"{shape['prefix_len']}-token shared prefix + " if "prefix_len" in shape else ""
+        fig.suptitle(f"simulator, CPU-like cost model, {args.workload}: {prefix}{shape['input_len']}-token prompts, "
+                     f"{shape['output_len']} outputs")
         fig.tight_layout()
         fig.savefig(args.output, dpi=110)
         print(f"figure: {args.output}")

@@ -1207,3 +1207,26 @@ def test_engine_rejects_early_only_what_asked_and_cannot_meet_its_ttft() -> None
         while engine.has_unfinished_requests():
             engine.step()
         assert engine.scheduler.kv.num_free_blocks == engine.scheduler.kv.num_blocks
+
+
+def test_slo_predictions_count_only_what_the_prefix_cache_does_not_hold() -> None:
+    """A 44-token prompt whose first 40 tokens are cached computes 4: one step of 0.14 s,
+    not 0.54. With a 0.6 s TTFT target at t = 0.2 it is on time (a fresh 44-token prompt is
+    not, and goes behind it); its predicted TTFT is 0.14 s; peeking at the cache keeps
+    nothing for a request that was never added."""
+    now = [0.0]
+    h = Harness(num_blocks=64, max_num_seqs=1, max_num_batched_tokens=64, step_cost=linear_cost(),
+                clock=lambda: now[0])
+    prefix = tokens(500, 40)
+    h.add("warm", prefix + [7, 7, 7, 7], max_tokens=2)
+    h.run()
+    probe = make_request("probe", prefix + tokens(900, 4), 64)
+    assert h.sched.predict_ttft(probe) == pytest.approx(0.14)
+    assert "probe" not in h.kv.req_hashes
+    h.add("fresh", tokens(100, 44), arrival_time=0.0, max_tokens=2, slo_ttft=0.6)
+    h.add("cached", prefix + tokens(900, 4), arrival_time=0.0, max_tokens=2, slo_ttft=0.6)
+    now[0] = 0.2
+    assert trace(h.step()) == [("cached", 40, 4, True)]
+    assert [r.request_id for r in h.sched.waiting] == ["fresh"]
+    h.run()
+    h.assert_idle()

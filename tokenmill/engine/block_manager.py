@@ -139,6 +139,26 @@ class KVBlockManager:
             hits.append(block_id)
         return hits, len(hits) * self.block_size
 
+    def peek_cached_tokens(self, request: Request) -> int:
+        """The tokens `get_computed_blocks` would find cached now, keeping nothing for the
+        request (it may never be added: a scheduling prediction asks)."""
+        if not self.enable_caching or request.params.prompt_logprobs is not None:
+            return 0
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self.req_hashes.get(request.request_id)
+        tokens, size = request.all_token_ids, self.block_size
+        parent = None
+        for i in range(max_blocks):
+            if hashes is not None and i < len(hashes):
+                block_hash = hashes[i]
+            else:
+                block_hash = hash_block(parent, tokens[i * size : (i + 1) * size],
+                                        request.cache_salt if i == 0 else None)
+            if block_hash not in self.cached_blocks:
+                return i * size
+            parent = block_hash
+        return max_blocks * size
+
     # ----- allocation ----------------------------------------------------------------
 
     def allocate_slots(
@@ -395,6 +415,10 @@ class HybridKVBlockManager:
             if sliding is not None:
                 return (full[:n], sliding), n * self.block_size
         return ([], []), 0
+
+    def peek_cached_tokens(self, request: Request) -> int:
+        """At most what a hit would cover (the full-attention pool's; the window may cut it)."""
+        return self.full.peek_cached_tokens(request)
 
     def allocate_slots(self, request: Request, num_new_tokens: int, computed_blocks: HybridHit | None = None) -> bool:
         full_hit, sliding_hit = computed_blocks or ([], [])

@@ -175,6 +175,21 @@ class Scheduler:
     def _decode_rows(self) -> int:
         return sum(1 for r in self.running if r.num_tokens - r.num_computed_tokens == 1)
 
+    def _prefill_left(self, request: Request) -> int:
+        """The tokens `request` still has to compute before it samples: what is not
+        computed, less what the prefix cache holds for one not yet admitted."""
+        left = request.num_tokens - request.num_computed_tokens
+        if request.status == RequestStatus.WAITING:
+            left -= self.kv.peek_cached_tokens(request)
+        return left
+
+    def _prompt_cost_tokens(self, request: Request) -> int:
+        """The prompt tokens `request` computes (or computed) once: its prompt less its
+        prefix-cache hit."""
+        if request.first_scheduled_time is not None:
+            return request.num_prompt_tokens - request.num_cached_tokens
+        return request.num_prompt_tokens - self.kv.peek_cached_tokens(request)
+
     def _allowances(self) -> tuple[int, list[tuple[Request, float]]]:
         """(decode rows, [(stream, the longest step it allows)]) over the decoding streams
         with a TPOT target; no allowances while the step cost is unknown."""
@@ -225,7 +240,7 @@ class Scheduler:
         if coefficients is None or not targets or not streams:
             return True
         per_prefill_token = coefficients[1]
-        share = sum(per_prefill_token * r.num_prompt_tokens / r.max_tokens
+        share = sum(per_prefill_token * self._prompt_cost_tokens(r) / r.max_tokens
                     for r in (*streams, request) if r.max_tokens > 1)
         return cost.predict(0, len(streams) + 1) + share <= min(targets)
 
@@ -242,7 +257,7 @@ class Scheduler:
             ttft = self._ttft(request)
             if ttft is None or request.num_output_tokens > 0:
                 return False
-            step = self.step_cost.predict(min(request.num_tokens, budget), rows) if self.step_cost else None
+            step = self.step_cost.predict(min(self._prefill_left(request), budget), rows) if self.step_cost else None
             return now - request.arrival_time + (step or 0.0) > ttft
 
         missed = [r for r in self.waiting if late(r)]
@@ -269,8 +284,8 @@ class Scheduler:
             return [r for r in queue if self.rank(r) <= self.rank(request)]
 
         running, waiting = ahead_of_it(self.running), ahead_of_it(self.waiting)
-        left = [r.num_tokens - r.num_computed_tokens for r in (*running, *waiting)]
-        tokens = sum(n for n in left if n > 1) + request.num_tokens
+        left = [self._prefill_left(r) for r in (*running, *waiting)]
+        tokens = sum(n for n in left if n > 1) + self._prefill_left(request)
         rows = self._decode_rows()
         overhead = b0 + b2 * rows  # what a step costs beside its prefill tokens
         budget = self.config.max_num_batched_tokens
