@@ -137,6 +137,21 @@ def test_matryoshka_dimensions_cut_then_normalize(tiny, reference) -> None:
         PoolingParams(dimensions=0)
 
 
+def test_truncate_prompt_tokens_keeps_the_last_tokens(tiny, reference) -> None:
+    llm = tiny_llm(tiny, max_model_len=32)
+    long = PROMPTS[4]  # 65 tokens, over max_model_len
+    out = llm.embed([long, long], [PoolingParams(truncate_prompt_tokens=10), PoolingParams(truncate_prompt_tokens=-1)])
+    assert out[0].prompt_token_ids == long[-10:] and out[1].prompt_token_ids == long[-32:]
+    assert_close(out[0].outputs.embedding, pool(hf_hidden(str(tiny), long[-10:]), "LAST"))
+    again = llm.embed(long, truncate_prompt_tokens=10)[0]  # the keyword (the prefix cache serves 8 tokens)
+    assert again.prompt_token_ids == long[-10:] and again.num_cached_tokens == 8
+    assert_close(again.outputs.embedding, torch.tensor(out[0].outputs.embedding))
+    with pytest.raises(ValueError, match=r"truncate_prompt_tokens value \(33\) is greater than max_model_len \(32\)"):
+        llm.embed(long, truncate_prompt_tokens=33)
+    with pytest.raises(ValueError, match="-1 or a positive integer"):
+        PoolingParams(truncate_prompt_tokens=0)
+
+
 def test_refusals_are_clear_and_leave_nothing_behind(tiny, tmp_path) -> None:
     llm = tiny_llm(tiny, max_model_len=64)
     with pytest.raises(ValueError, match="maximum context length is 64 tokens. However, you requested 65 tokens"):

@@ -105,6 +105,19 @@ def test_matryoshka_dimensions(client, server, checkpoint, expected) -> None:
         assert error.value.body["param"] == "dimensions"
 
 
+def test_truncate_prompt_tokens(client, server, checkpoint, expected) -> None:
+    ids, _ = expected
+    result = client.embeddings.create(model=server.model, input=TEXTS[1], encoding_format="float",
+                                      extra_body={"truncate_prompt_tokens": 8})
+    assert result.usage.prompt_tokens == 8
+    assert_matches(result.data[0].embedding, pool(hf_hidden(str(checkpoint), ids[1][-8:]), "LAST"))
+    assert len(client.embeddings.create(model=server.model, input=[[1] * 300],
+                                        extra_body={"truncate_prompt_tokens": -1}).data) == 1
+    with pytest.raises(openai.BadRequestError, match="greater than max_model_len") as error:
+        client.embeddings.create(model=server.model, input="w1", extra_body={"truncate_prompt_tokens": 129})
+    assert error.value.body["param"] == "truncate_prompt_tokens"
+
+
 def test_bad_inputs_are_openai_400s(client, server) -> None:
     with pytest.raises(openai.BadRequestError, match="maximum context length is 128 tokens. However, you "
                                                      "requested 129 tokens") as error:

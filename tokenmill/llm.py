@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 from tqdm import tqdm
@@ -71,13 +72,17 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         pooling_params: PoolingParams | Sequence[PoolingParams] | None = None,
         use_tqdm: bool = False,
+        truncate_prompt_tokens: int | None = None,
     ) -> list[EmbeddingRequestOutput]:
         """One embedding per prompt, in order (`output.outputs.embedding`), as vLLM's
         `LLM.embed`; needs `runner="pooling"`. Each prompt is prefilled once, batched and
         chunked by the scheduler like any prompt, and its final hidden states pooled as the
-        pooler config says. Every prompt is validated before any is queued."""
+        pooler config says. Every prompt is validated before any is queued.
+        `truncate_prompt_tokens`: embed only the last k tokens of each (-1: max_model_len)."""
         prompts = _as_prompt_list(prompts)
         params = _as_list(pooling_params, PoolingParams, len(prompts), "pooling params") or [PoolingParams()] * len(prompts)
+        if truncate_prompt_tokens is not None:
+            params = [dataclasses.replace(p, truncate_prompt_tokens=truncate_prompt_tokens) for p in params]
         engine = self.engine
         requests = [engine.input_processor.process(engine.new_request_id(), prompt, arrival_time=engine.clock(),
                                                    pooling_params=p)

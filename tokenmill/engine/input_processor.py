@@ -188,6 +188,16 @@ class InputProcessor:
             raise AdmissionError(f"the input has {num_prompt_tokens} tokens, which can never fit in the KV cache "
                                  f"({capacity} tokens); shorten it or raise kv_cache_memory", prompt_param)
 
+    def truncate(self, prompt_ids: list[int], truncate_prompt_tokens: int | None) -> list[int]:
+        """The last k ids (vLLM's left truncation; -1: the last max_model_len)."""
+        k, limit = truncate_prompt_tokens, self.limits.max_model_len
+        if k is None:
+            return prompt_ids
+        if k > limit:
+            raise AdmissionError(f"truncate_prompt_tokens value ({k}) is greater than max_model_len ({limit}). "
+                                 "Please, select a smaller truncation size.", "truncate_prompt_tokens")
+        return prompt_ids[-(limit if k == -1 else k):]
+
     def check_pooling_params(self, params: PoolingParams) -> None:
         """`dimensions` only for a Matryoshka model, within its size (vLLM's messages)."""
         pooling, dimensions = self.limits.pooling, params.dimensions
@@ -262,6 +272,7 @@ class InputProcessor:
         self.check_slo(slo_ttft_ms, slo_tpot_ms)
         prompt_text, prompt_ids = self.tokenize(prompt, prompt_param)
         if pooling_params is not None:
+            prompt_ids = self.truncate(prompt_ids, pooling_params.truncate_prompt_tokens)
             self.check_pooling_params(pooling_params)
             self.check_pooling(len(prompt_ids), prompt_param)
             request = Request(request_id, prompt_ids, SamplingParams(max_tokens=1), max_total_tokens=len(prompt_ids),

@@ -44,10 +44,10 @@ async def create_embedding(serving: OpenAIServing, body: EmbeddingRequest, raw: 
                           param="input")
     serving.limits.check_sequences(len(inputs), 1)
     try:
-        params = PoolingParams(dimensions=body.dimensions, normalize=body.normalize)
+        params = PoolingParams(body.dimensions, body.normalize, body.truncate_prompt_tokens)
     except ValueError as error:
-        raise bad_request(str(error), param="dimensions") from error
-    prompts = await serving.off_loop(_tokenize_inputs, serving.processor, inputs)
+        raise from_value_error(error) from error
+    prompts = await serving.off_loop(_tokenize_inputs, serving.processor, inputs, params.truncate_prompt_tokens)
     _admit(serving, prompts, params, body.priority)
     request_id = f"embd-{uuid.uuid4().hex}"
     stream = await serving._submit(request_id, [p.token_ids for p in prompts], SamplingParams(max_tokens=1),
@@ -56,9 +56,10 @@ async def create_embedding(serving: OpenAIServing, body: EmbeddingRequest, raw: 
     return JSONResponse(_response(request_id, model, finals, prompts, body.encoding_format))
 
 
-def _tokenize_inputs(processor: Any, inputs: list[str | list[int]]) -> list[Prompt]:
+def _tokenize_inputs(processor: Any, inputs: list[str | list[int]], truncate: int | None) -> list[Prompt]:
+    """Token ids of every input (the last `truncate` of them, as vLLM's truncate_prompt_tokens)."""
     tokenized = [processor.tokenize(text, "input") for text in inputs]
-    return [Prompt(ids, text) for text, ids in tokenized]
+    return [Prompt(processor.truncate(ids, truncate), text) for text, ids in tokenized]
 
 
 def _admit(serving: OpenAIServing, prompts: list[Prompt], params: PoolingParams, priority: int) -> None:

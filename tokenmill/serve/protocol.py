@@ -194,6 +194,7 @@ class EmbeddingRequest(RequestBody):
     dimensions: StrictInt | None = None  # a Matryoshka model's; else 400
     user: str | None = None
     normalize: bool | None = None  # vLLM's: None follows the server's pooler config
+    truncate_prompt_tokens: StrictInt | None = None  # vLLM's: embed the last k tokens (-1: max_model_len)
     priority: StrictInt = 0
 
 
