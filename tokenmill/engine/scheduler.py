@@ -179,16 +179,22 @@ class Scheduler:
         """The tokens `request` still has to compute before it samples: what is not
         computed, less what the prefix cache holds for one not yet admitted."""
         left = request.num_tokens - request.num_computed_tokens
-        if request.status == RequestStatus.WAITING:
-            left -= self.kv.peek_cached_tokens(request)
-        return left
+        if request.status != RequestStatus.WAITING:
+            return left
+        # Queued: its block hashes are kept (freed with it); else a prediction for one not added.
+        return left - self._cached(request)
 
     def _prompt_cost_tokens(self, request: Request) -> int:
         """The prompt tokens `request` computes (or computed) once: its prompt less its
         prefix-cache hit."""
         if request.first_scheduled_time is not None:
             return request.num_prompt_tokens - request.num_cached_tokens
-        return request.num_prompt_tokens - self.kv.peek_cached_tokens(request)
+        return request.num_prompt_tokens - min(self._cached(request), request.num_prompt_tokens)
+
+    def _cached(self, request: Request) -> int:
+        if request.request_id in self.requests:
+            return self.kv.get_computed_blocks(request)[1]
+        return self.kv.peek_cached_tokens(request)
 
     def _allowances(self) -> tuple[int, list[tuple[Request, float]]]:
         """(decode rows, [(stream, the longest step it allows)]) over the decoding streams
