@@ -229,3 +229,17 @@ def test_a_checkpoint_without_lm_head_loads_for_pooling(tmp_path) -> None:
         LLM(str(tmp_path), runner="generate", dtype="float32", kv_cache_memory="4MiB")  # generation needs the head
     # --runner auto: a bare decoder is an embedding model (vLLM's auto detection).
     assert LLM(str(tmp_path), dtype="float32", kv_cache_memory="4MiB").engine.facts.runner == "pooling"
+
+
+@pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2)])
+def test_tensor_and_pipeline_parallel_embeddings_equal_one_process(tiny, reference, tp, pp) -> None:
+    """Each rank builds its pooler; the output rank (rank 0, the last stage) pools."""
+    llm = LLM(str(tiny), runner="pooling", dtype="float32", block_size=4, kv_cache_memory="4MiB",
+              max_num_batched_tokens=16, tensor_parallel_size=tp, pipeline_parallel_size=pp, num_threads=1,
+              pooler_config={"pooling_type": "MEAN"}, distributed_timeout=60.0)
+    try:
+        for output, hidden in zip(llm.embed(PROMPTS), reference):
+            assert_close(output.outputs.embedding, pool(hidden, "MEAN"))
+        assert_engine_idle(llm)
+    finally:
+        llm.engine.executor.close()

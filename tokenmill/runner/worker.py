@@ -164,8 +164,9 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltRank
 def resolve_runner(config: EngineConfig, path: str) -> str:
     """generate or pooling. `auto`, as vLLM's: pooling for an embedding checkpoint (a
     sentence-transformers pooling config, or a bare decoder such as Qwen3Model), else
-    generate. The pooling runner prefills and pools: no speculation, and (for now) one
-    process."""
+    generate. The pooling runner prefills and pools, nothing is sampled: no speculation.
+    Under tensor/pipeline parallelism every rank builds its pooler; the rank whose output
+    the executor returns (rank 0, or the last stage) has the hidden states it pools."""
     runner = config.model.runner
     if runner == "auto":
         runner = "pooling" if model_pooling(path).is_embedding_model else "generate"
@@ -175,9 +176,6 @@ def resolve_runner(config: EngineConfig, path: str) -> str:
         return runner
     if config.speculative.speculative_config is not None:
         raise ValueError("the pooling runner samples nothing: speculative_config does not apply to it")
-    if config.parallel.world_size > 1:
-        raise ValueError("the pooling runner runs in one process for now: tensor/pipeline parallelism is not "
-                         "supported with --runner pooling")
     return runner
 
 
