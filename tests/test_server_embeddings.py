@@ -173,3 +173,18 @@ def test_data_parallel_router_forwards_embeddings(checkpoint, expected) -> None:
         assert sum(v for k, v in routed.items() if k.startswith("tokenmill:router_requests_total")) == 2
     finally:
         assert process.stop() == 0, process.log_tail()
+
+
+def test_chat_messages_are_embedded_with_the_chat_template(client, server, checkpoint) -> None:
+    """vLLM's chat embedding request: the conversation rendered by the model's template
+    (the tiny one joins the contents), without a generation prompt."""
+    from tokenmill.tokenizer import Tokenizer
+
+    messages = [{"role": "user", "content": "w3 w4"}, {"role": "assistant", "content": "w5"}]
+    result = client.embeddings.create(model=server.model, input=[], encoding_format="float",
+                                      extra_body={"messages": messages, "input": None})
+    ids = Tokenizer.from_hf_dir(str(checkpoint)).encode("w3 w4 w5 ", add_special_tokens=False)
+    assert result.usage.prompt_tokens == len(ids)
+    assert_matches(result.data[0].embedding, pool(hf_hidden(str(checkpoint), ids), "LAST"))
+    both = server.post("/v1/embeddings", json={"input": "w1", "messages": messages})
+    assert both.status_code == 400 and "exactly one of 'input' or 'messages'" in both.text

@@ -1,6 +1,7 @@
 """POST /v1/embeddings: OpenAI's embeddings API on the pooling runner (`--runner pooling`).
 
-Each input (a text, a list of token ids, or a batch of either) becomes one pooling request:
+Each input (a text, a list of token ids, or a batch of either; or, vLLM's chat form, a
+conversation in `messages` rendered with the chat template) becomes one pooling request:
 prefilled with the scheduler's normal batching and chunking, its final hidden states pooled
 (serve's pooler config; docs/models.md), the vector returned as floats or, with
 `encoding_format: base64`, as the base64 of its little-endian float32 bytes (what the
@@ -38,16 +39,23 @@ async def create_embedding(serving: OpenAIServing, body: EmbeddingRequest, raw: 
     serving.check_accepting()
     model = serving.check_model(body.model)
     serving.check_runner("pooling", "Embeddings API")
-    inputs = _prompt_list(body.input)
+    if (body.input is None) == (body.messages is None):
+        raise bad_request("send exactly one of 'input' or 'messages'", param="input")
     if body.input == []:
         raise bad_request("input must not be empty: send a string, a list of token ids, or a list of either",
                           param="input")
-    serving.limits.check_sequences(len(inputs), 1)
     try:
         params = PoolingParams(body.dimensions, body.normalize, body.truncate_prompt_tokens)
     except ValueError as error:
         raise from_value_error(error) from error
-    prompts = await serving.off_loop(_tokenize_inputs, serving.processor, inputs, params.truncate_prompt_tokens)
+    if body.messages is not None:  # vLLM's chat embedding request: one conversation, one vector
+        ids = await serving.encode_chat(body.messages, body.add_generation_prompt, body.chat_template,
+                                        body.chat_template_kwargs)
+        prompts = [Prompt(await serving.off_loop(serving.processor.truncate, ids, params.truncate_prompt_tokens))]
+    else:
+        inputs = _prompt_list(body.input)
+        serving.limits.check_sequences(len(inputs), 1)
+        prompts = await serving.off_loop(_tokenize_inputs, serving.processor, inputs, params.truncate_prompt_tokens)
     _admit(serving, prompts, params, body.priority)
     request_id = f"embd-{uuid.uuid4().hex}"
     stream = await serving._submit(request_id, [p.token_ids for p in prompts], SamplingParams(max_tokens=1),

@@ -185,11 +185,17 @@ class ChatCompletionRequest(SamplingFields):
 
 
 class EmbeddingRequest(RequestBody):
-    """OpenAI's embeddings request (and vLLM's `normalize` and `priority`)."""
+    """OpenAI's embeddings request, and vLLM's fields: `normalize`, `truncate_prompt_tokens`,
+    `priority`, and its chat form (`messages` instead of `input`, rendered with the chat
+    template, without the generation prompt unless asked)."""
 
     model: str | None = None
-    # One input (text or token ids) or a batch of them.
-    input: str | TokenIds | list[str] | list[TokenIds]
+    # One input (text or token ids) or a batch of them; or a conversation in `messages`.
+    input: str | TokenIds | list[str] | list[TokenIds] | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_generation_prompt: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     encoding_format: Literal["float", "base64"] = "float"
     dimensions: StrictInt | None = None  # a Matryoshka model's; else 400
     user: str | None = None
