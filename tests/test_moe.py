@@ -107,6 +107,38 @@ def test_experts_run_as_one_gemm_per_active_expert() -> None:
     torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
+@torch.inference_mode()
+def test_native_grouped_call_equals_expert_by_expert(monkeypatch: pytest.MonkeyPatch,
+                                                     weight_dtype: torch.dtype) -> None:
+    """Skinny-kernel tiles: a decode batch's experts run as one native call per matrix
+    (kernels.grouped_skinny_linear), equal to calling the experts one by one; a group past
+    the kernel's rows (prefill) goes expert by expert."""
+    from tokenmill import kernels
+    from tokenmill.model.layers import Experts
+    from tokenmill.runner.plan import apply_plan, cpu_native_plan
+
+    if not kernels.cpu_kernels_available():
+        pytest.fail("the native CPU kernels did not build (python -m tokenmill.kernels -v shows why)")
+    model = ours_from(tiny_moe_model("qwen3_moe"))
+    plan = apply_plan(model, cpu_native_plan(weight_dtype))
+    moe = model.layers[1].mlp
+    calls = []
+    grouped = kernels.grouped_skinny_linear
+    monkeypatch.setattr(kernels, "grouped_skinny_linear", lambda *a: calls.append(len(a[2])) or grouped(*a))
+    x = torch.randn(6, 64)
+    got = moe(x)
+    active = len(torch.unique(moe.route(x)[1]))
+    assert calls == [active, active]
+    monkeypatch.setattr(Experts, "grouped_mlp", lambda *a: None)
+    torch.testing.assert_close(got, moe(x), atol=1e-5, rtol=1e-5)
+    monkeypatch.undo()
+    calls.clear()
+    many = torch.randn(4 * plan.weight_format.choice.skinny_max_rows + 8, 64)
+    moe(many)
+    assert calls == []
+
+
 @pytest.mark.parametrize("backend_name", ["torch_sdpa", "cpu_native"])
 @torch.inference_mode()
 def test_paged_batched_steps_equal_dense(backend_name: str) -> None:
@@ -142,6 +174,7 @@ def test_quantized_experts(method: str) -> None:
     experts = quantized.layers[1].mlp.experts
     assert experts.gate_up_proj is None and len(experts.expert_weights) == 8
     assert all(isinstance(w, QuantizedWeights) for pair in experts.expert_weights for w in pair)
+    assert not isinstance(quantized.layers[1].mlp.gate.weights, QuantizedWeights)  # the router stays float
     ref_experts = reference.layers[1].mlp.experts
     for e, (gate_up, down) in enumerate(experts.expert_weights):
         ref_experts.gate_up_proj[e] = gate_up.dequantize()

@@ -33,7 +33,7 @@ _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [
     _CSRC / name for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_ops.cpp", "cpu_decoder.cpp", "cpu_quant.cpp")
 ]
-_OPS = ("paged_decode_attention", "skinny_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary_",
+_OPS = ("paged_decode_attention", "skinny_linear", "grouped_skinny_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary_",
         "llama_decode_layer", "write_kv_cache", "hadamard_", "quant_linear", "quant_dequantize",
         "quantize_activations_q8", "quant_isa")
 _NAME = "tokenmill_cpu_kernels"
@@ -161,6 +161,13 @@ def skinny_linear(x: torch.Tensor, tiled: torch.Tensor, n: int) -> torch.Tensor:
     """x [M, K] float32 (contiguous) @ W[n, K]^T with W given by tile_for_skinny (float32
     or bfloat16). Built for few rows; any M works."""
     return torch.ops.tokenmill.skinny_linear(x, tiled, n)
+
+
+def grouped_skinny_linear(x: torch.Tensor, offsets: Sequence[int], tiled: Sequence[torch.Tensor], n: int) -> torch.Tensor:
+    """Rows offsets[g]:offsets[g + 1] of x [M, K] float32 (contiguous) times the g-th tiled
+    weight [n, K] (all of one shape and dtype), as one parallel loop: a mixture of experts'
+    matrix for the step's tokens grouped by expert. [M, n]."""
+    return torch.ops.tokenmill.grouped_skinny_linear(x, list(offsets), list(tiled), n)
 
 
 def quant_linear(

@@ -3,14 +3,18 @@ MLPs, and the stacked weights of a mixture of experts."""
 
 from __future__ import annotations
 
+import itertools
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from tokenmill import kernels
 from tokenmill.kernels.ops import REFERENCE_OPS, TorchOps, apply_rotary
 from tokenmill.quantization import LinearWeights, WeightFormat
+from tokenmill.quantization.dense import CPUDenseWeights
 
 __all__ = ["Experts", "GatedMLP", "Linear", "RMSNorm", "RotaryEmbedding", "SwiGLU", "apply_rotary", "rope_inv_freq",
            "set_weight_format"]
@@ -25,10 +29,12 @@ class Linear(nn.Module):
     parameter is dropped. Unformatted, the layer is a reference F.linear.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, many_rows: bool = True) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, many_rows: bool = True,
+                 quantize: bool = True) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.many_rows = many_rows  # False: an LM head (a row per sampling sequence), see WeightFormat.make
+        self.quantize = quantize  # False: kept in the format's float form (WeightFormat.float_format)
         self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.weights: LinearWeights | None = None
@@ -39,17 +45,22 @@ class Linear(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def set_format(self, fmt: WeightFormat) -> None:
-        self.weights = fmt.make(self.weight.detach(), many_rows=self.many_rows)
+        self.weights = self._format(fmt).make(self.weight.detach(), many_rows=self.many_rows)
         self.weight = None
 
     def load_weight(self, weight: torch.Tensor, fmt: WeightFormat | None = None) -> None:
         """Take a whole checkpoint weight: into `fmt` at once, or as the plain parameter."""
         if fmt is not None:
-            self.weights = fmt.make(weight.detach() if isinstance(weight, torch.Tensor) else weight,
-                                    many_rows=self.many_rows)
+            if not self.quantize and not isinstance(weight, torch.Tensor):
+                weight = weight.dequantize()
+            self.weights = self._format(fmt).make(weight.detach() if isinstance(weight, torch.Tensor) else weight,
+                                                  many_rows=self.many_rows)
             self.weight = None
         else:
             self.weight = nn.Parameter(weight.detach(), requires_grad=False)
+
+    def _format(self, fmt: WeightFormat) -> WeightFormat:
+        return fmt if self.quantize else fmt.float_format
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weights is None:
@@ -192,6 +203,23 @@ class Experts(nn.Module):
                         for e in range(self.num_experts)]
         self.gate_up_proj = None
         self.down_proj = None
+
+    def grouped_mlp(self, rows: torch.Tensor, active: list[tuple[int, int]],
+                    act_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:
+        """Every active expert's MLP on its run of `rows` (`active`: (expert, rows) in the
+        rows' order) with one native call per matrix (kernels.grouped_skinny_linear), when
+        the experts are skinny-kernel tiles and no run is past the rows that kernel takes;
+        None otherwise (the caller then runs expert by expert)."""
+        if self.expert_weights is None or rows.dtype != torch.float32:
+            return None
+        pairs = [self.expert_weights[e] for e, _ in active]
+        if not all(isinstance(w, CPUDenseWeights) for pair in pairs for w in pair) \
+                or max(n for _, n in active) > pairs[0][0].choice.skinny_max_rows:
+            return None
+        offsets = [0, *itertools.accumulate(n for _, n in active)]
+        h = kernels.grouped_skinny_linear(rows.contiguous(), offsets, [g.tiled for g, _ in pairs], 2 * self.intermediate)
+        return kernels.grouped_skinny_linear(act_and_mul(h).contiguous(), offsets, [d.tiled for _, d in pairs],
+                                             self.hidden)
 
     def gate_up(self, expert: int, x: torch.Tensor) -> torch.Tensor:
         if self.expert_weights is None:

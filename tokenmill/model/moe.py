@@ -6,10 +6,13 @@ probabilities, renormalised to sum to 1 where the family does (`norm_topk_prob`)
 each Hugging Face model computes it.
 
 The experts run as grouped GEMMs: the step's (token, expert) pairs are sorted by expert,
-and each expert that has tokens multiplies its group of rows in one call per matrix
-(`Experts.gate_up` / `down`, the weight format's kernels: the skinny kernel for a few
-rows, a GEMM for many), never a loop over tokens. A decode step at batch 1 reads
-`top_k` experts' weights, as a dense MLP of `top_k` times an expert's width would.
+and each expert that has tokens multiplies its group of rows at once, never a loop over
+tokens. With the skinny-kernel tiles (float32 / bf16 weights, the native plan) and groups
+of few rows (decode), every active expert's matrix runs in one native call
+(`kernels.grouped_skinny_linear`: the threads meet once per matrix, as for a dense MLP);
+otherwise each expert calls its weight format (a GEMM for many rows, int8 / int4 kernels).
+A decode step at batch 1 reads `top_k` experts' weights, as a dense MLP of `top_k` times
+an expert's width would.
 
 Under tensor parallelism a rank holds either every expert's slice of the intermediate
 columns or (expert parallelism) whole experts; it routes every token, computes what it
@@ -25,18 +28,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill.kernels.ops import REFERENCE_OPS, TorchOps
-from tokenmill.model.layers import Experts
+from tokenmill.model.layers import Experts, Linear
 from tokenmill.model_arch import ModelArchConfig
 from tokenmill.parallel.layout import ShardLayout
-
-
-class Router(nn.Module):
-    """The gate: a logit per expert, [num_experts, hidden] (every rank holds all of it)."""
-
-    def __init__(self, num_experts: int, hidden: int) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden))
-        nn.init.uniform_(self.weight, -hidden**-0.5, hidden**-0.5)
 
 
 class SparseMoE(nn.Module):
@@ -45,7 +39,9 @@ class SparseMoE(nn.Module):
     def __init__(self, cfg: ModelArchConfig, layout: ShardLayout) -> None:
         super().__init__()
         self.top_k, self.norm_topk_prob, self.act = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act
-        self.gate = Router(cfg.num_experts, cfg.hidden_size)
+        # The router, a logit per expert (every rank holds all of it): a linear in the plan's
+        # float format, never quantized (a quantized router would pick other experts).
+        self.gate = Linear(cfg.hidden_size, cfg.num_experts, quantize=False)
         self.experts = Experts(layout.experts.size, cfg.hidden_size, layout.expert_intermediate.size)
         self.first_expert = layout.experts.start  # this rank's experts are [first, first + experts.num_experts)
         self.partial = layout.experts.size < cfg.num_experts
@@ -56,7 +52,7 @@ class SparseMoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each token's top-k (weights in x's dtype, expert ids), [tokens, top_k] each."""
-        probs = F.softmax(F.linear(x, self.gate.weight.to(x.dtype)).float(), dim=-1)
+        probs = F.softmax(self.gate(x).float(), dim=-1)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -65,28 +61,42 @@ class SparseMoE(nn.Module):
     def run_experts(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """sum over a token's experts held here of weight * expert(token), [tokens, hidden]."""
         groups = expert_groups(ids, self.first_expert, self.experts.num_experts, self.partial)
-        rows = x[groups.tokens]  # the pairs' tokens, grouped by expert
-        out = torch.empty_like(rows)
-        start = 0
-        for expert, count in enumerate(groups.counts):
-            if count:
+        rows = x.index_select(0, groups.tokens)  # the pairs' tokens, grouped by expert
+        active = [(expert, count) for expert, count in enumerate(groups.counts) if count]
+        if not active:  # expert parallelism: no token of this step chose an expert held here
+            return torch.zeros_like(x)
+        out = self.experts.grouped_mlp(rows, active, lambda h: self.ops.act_and_mul(h, self.act))
+        if out is None:  # quantized experts, or groups past the skinny kernel's rows: an expert at a time
+            out, start = torch.empty_like(rows), 0
+            for expert, count in active:
                 group = rows[start : start + count]
                 out[start : start + count] = self.experts.down(
                     expert, self.ops.act_and_mul(self.experts.gate_up(expert, group), self.act))
                 start += count
-        out.mul_(weights.flatten()[groups.pairs].unsqueeze(1))
-        return torch.zeros_like(x).index_add_(0, groups.tokens, out)
+        # Back to (token, k) order (a zero row for pairs held by other ranks), then each
+        # token's weighted sum over its k experts: no scatter-add.
+        tokens, top_k = ids.shape
+        if self.partial:
+            out = torch.cat([out, out.new_zeros(1, out.shape[1])])
+        per_pair = out.index_select(0, groups.inverse)
+        return (per_pair.view(tokens, top_k, -1) * weights.unsqueeze(-1)).sum(dim=1)
 
 
 @dataclass
 class ExpertGroups:
     """The step's (token, expert) pairs that fall on this rank's experts, sorted by expert:
-    `pairs` indexes the flattened [tokens, top_k] routing, `tokens` the pair's token, and
-    `counts[e]` how many pairs local expert e has (consecutive in that order)."""
+    `tokens` the pairs' tokens in that order, `counts[e]` how many pairs local expert e has
+    (consecutive), and `inverse`, for each pair of the flattened [tokens, top_k] routing,
+    its row in that order (the row past the last for a pair held by another rank).
 
-    pairs: torch.Tensor
+    Index tensors are applied with index_select throughout: on this CPU build advanced
+    indexing (x[idx], x[idx] = y) runs a threaded loop even for a few rows, and a
+    threaded loop per layer costs what a whole expert's matrix does when the cores are
+    shared."""
+
     tokens: torch.Tensor
     counts: list[int]
+    inverse: torch.Tensor
 
 
 def expert_groups(ids: torch.Tensor, first: int, num_local: int, partial: bool) -> ExpertGroups:
@@ -95,10 +105,16 @@ def expert_groups(ids: torch.Tensor, first: int, num_local: int, partial: bool) 
     top_k = ids.shape[1]
     local = ids.flatten() - first
     pairs = torch.arange(local.numel())
+    held = None
     if partial:  # expert parallelism: the pairs of the experts held here
         held = (local >= 0) & (local < num_local)
-        pairs, local = pairs[held], local[held]
+        pairs = held.nonzero().squeeze(1)
+        local = local.index_select(0, pairs)
     order = torch.argsort(local, stable=True)  # stable: a token's pairs keep their top-k order within an expert
-    pairs, local = pairs[order], local[order]
     counts = torch.bincount(local, minlength=num_local).tolist()
-    return ExpertGroups(pairs, pairs // top_k, counts)
+    sorted_pairs = pairs.index_select(0, order)
+    rank = torch.argsort(order)  # each held pair's row in expert order (pairs ascending)
+    if held is not None:
+        before = (held.cumsum(0) - 1).clamp(min=0)
+        rank = torch.where(held, rank.index_select(0, before), len(order))
+    return ExpertGroups(torch.div(sorted_pairs, top_k, rounding_mode="floor"), counts, rank)

@@ -70,5 +70,11 @@ class WeightFormat(ABC):
         which multiplies a row per sampling sequence (few at batch 1, tens in a batch of
         decodes), never a whole prompt: a format may keep less for many rows there."""
 
+    @property
+    def float_format(self) -> WeightFormat:
+        """The format this one keeps float weights in (itself, unless it quantizes): for a
+        weight that is not to be quantized (a mixture of experts' router, as vLLM keeps it)."""
+        return self
+
     def describe(self) -> str:
         return self.name

@@ -76,6 +76,10 @@ class QuantizedFormat(WeightFormat):
         self.shard_alignment = {"stored": 32, "int8": 1, "int4": group_size}[method]
         self.name = {"stored": "as stored", "int8": "int8", "int4": f"int4-g{group_size}"}[method]
 
+    @property
+    def float_format(self) -> WeightFormat:
+        return self.dense
+
     def make(self, weight: torch.Tensor | QuantizedTensor, many_rows: bool = True) -> LinearWeights:
         if isinstance(weight, QuantizedTensor):
             return self._weights(weight, describe_quantized(weight))

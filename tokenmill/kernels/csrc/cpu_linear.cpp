@@ -18,6 +18,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <vector>
 
 #include "cpu_kernels.h"
 #include "cpu_vec.h"
@@ -134,12 +135,51 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& tiled, int64_t N
   return y;
 }
 
+// Several weights of one shape, each against its own run of rows: y[offsets[g]:offsets[g+1]]
+// = x[offsets[g]:offsets[g+1]] . W_g^T. A mixture of experts' step: the rows are the step's
+// tokens grouped by expert, W_g an expert's matrix. One parallel loop over every (weight,
+// tile) pair, so the threads meet once per call, not once per expert: a decode step of
+// eight experts costs the barriers of one dense matrix.
+at::Tensor grouped_skinny_linear(const at::Tensor& x, at::IntArrayRef offsets, at::TensorList tiled, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  const int64_t groups = static_cast<int64_t>(tiled.size());
+  TORCH_CHECK(groups > 0 && static_cast<int64_t>(offsets.size()) == groups + 1, "offsets: one more than the weights");
+  TORCH_CHECK(offsets[0] == 0 && offsets[groups] == x.size(0), "offsets must run from 0 to the rows of x");
+  const int64_t K = x.size(1), tiles = tiled[0].size(0);
+  for (const auto& w : tiled) {
+    TORCH_CHECK(w.dim() == 4 && w.is_contiguous() && w.size(0) == tiles && w.size(1) * kKBlock == K &&
+                    w.size(2) == kTileRows && w.size(3) == kKBlock && w.scalar_type() == tiled[0].scalar_type(),
+                "weights: contiguous [ceil(N/4), K/16, 4, 16] of one shape and dtype (see tile_for_skinny)");
+  }
+  TORCH_CHECK(N > (tiles - 1) * kTileRows && N <= tiles * kTileRows, "N does not match the number of weight tiles");
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  float* yp = y.data_ptr<float>();
+  const int64_t total = groups * tiles;
+  const int64_t grain = std::max<int64_t>(8, total / (4 * at::get_num_threads()));
+  AT_DISPATCH_V2(tiled[0].scalar_type(), "grouped_skinny_linear", AT_WRAP([&] {
+    std::vector<const scalar_t*> wps(groups);
+    for (int64_t g = 0; g < groups; ++g) wps[g] = tiled[g].data_ptr<scalar_t>();
+    at::parallel_for(0, total, grain, [&](int64_t begin, int64_t end) {
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t g = i / tiles, t = i % tiles, row = offsets[g], M = offsets[g + 1] - row;
+        if (M > 0)
+          tile_times_x(xp + row * K, M, K, wps[g] + t * kTileRows * K, yp + row * N + t * kTileRows, N,
+                       std::min(kTileRows, N - t * kTileRows));
+      }
+    });
+  }), at::kFloat, at::kBFloat16);
+  return y;
+}
+
 }  // namespace tokenmill
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("skinny_linear(Tensor x, Tensor tiled, int n) -> Tensor");
+  m.def("grouped_skinny_linear(Tensor x, int[] offsets, Tensor[] tiled, int n) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("skinny_linear", &tokenmill::skinny_linear);
+  m.impl("grouped_skinny_linear", &tokenmill::grouped_skinny_linear);
 }
