@@ -90,3 +90,19 @@ def test_tune_command_prints_the_recommendation_and_applies_it(tmp_path, capsys)
     settings = yaml.safe_load(out.read_text())
     assert settings["max_num_batched_tokens"] == 512 and settings["max_num_seqs"] in (4, 32)
     assert f"--max-num-seqs {settings['max_num_seqs']} " in printed
+
+
+def test_confirm_measures_a_candidate_on_a_real_server() -> None:
+    """--confirm's step: a fresh `tokenmill serve` (the default model) with the candidate's
+    flags, the load sent by bench serve, the measured goodput set on the candidate."""
+    from tokenmill.simulator.tune import confirm
+    from tokenmill.workloads.load_client import ServeConfig
+
+    candidate = Candidate({"max_num_seqs": 4, "max_num_batched_tokens": 256, "scheduling_policy": "fcfs",
+                           "slo_ttft_ms": 60000.0, "slo_tpot_ms": 60000.0}, 1.0, 100.0, 1.0)
+    load = ServeConfig(dataset=DatasetConfig(name="random", num_prompts=6, input_len=32, output_len=8),
+                       request_rate=2.0, goodput={"ttft": 60000.0, "tpot": 60000.0}, disable_tqdm=True)
+    confirm([candidate], ["--dtype", "float32", "--num-threads", "1"], load)
+    assert candidate.measured["completed"] == 6 and candidate.measured["failed"] == 0
+    assert candidate.measured_goodput == 1.0  # a minute per token: every request meets it
+    assert candidate.measured["p99_ttft_ms"] > 0
