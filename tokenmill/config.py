@@ -34,6 +34,7 @@ KV_CACHE_DTYPES = KV_CACHE_DTYPE_CHOICES
 ATTENTION_BACKENDS = ("auto", "cpu_native", "torch_sdpa")
 ALL_REDUCE_BACKENDS = ("auto", "shm", "gloo", "nccl")
 SCHEDULING_POLICIES = ("fcfs", "priority")
+KV_OFFLOADING_BACKENDS = ("native",)
 STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar",)
 RUNNERS = ("auto", "generate", "pooling")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
@@ -224,8 +225,20 @@ class CacheConfig:
                                                  "so attention is unchanged), as llama.cpp does: a smaller "
                                                  "quantization error")
 
+    kv_offloading_size: float | None = setting(None, metavar="GIB",
+                                               help="a host-RAM tier for the KV cache, GiB (vLLM's flag): a prefix "
+                                                    "block evicted from the pool is copied there (least recently "
+                                                    "used out first) instead of dropped, and a later prefix hit on "
+                                                    "it is copied back instead of recomputed (docs/kv-tiers.md)")
+    kv_offloading_backend: str = setting("native", choices=KV_OFFLOADING_BACKENDS,
+                                         help="what keeps the offloaded KV (vLLM's flag): native, tokenmill's own "
+                                              "host tier")
+
     def __post_init__(self) -> None:
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        _check_choice("kv_offloading_backend", self.kv_offloading_backend, KV_OFFLOADING_BACKENDS)
+        if self.kv_offloading_size is not None and self.kv_offloading_size <= 0:
+            raise ValueError(f"kv_offloading_size must be a positive number of GiB, got {self.kv_offloading_size}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -18,7 +18,7 @@ from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling.logprobs import TokenLogprobs
 from tokenmill.sampling.params import SamplingParams
 
-__all__ = ["NewRequestData", "ScheduledRequest", "SchedulerOutput", "TokenLogprobs", "PromptLogprobsChunk",
+__all__ = ["NewRequestData", "ScheduledRequest", "KVTransfers", "SchedulerOutput", "TokenLogprobs", "PromptLogprobsChunk",
            "RunnerOutput", "RequestState", "StepRequest", "RequestTable"]
 
 
@@ -61,10 +61,27 @@ class ScheduledRequest:
 
 
 @dataclass
+class KVTransfers:
+    """The copies between the KV pool and the host tier a step needs before its forward
+    (the scheduler side of a KV connector decided them; the runner side copies). Every
+    `store` runs before every `load`: a pool block evicted in this step is saved before a
+    load (or the step's own KV) overwrites it, and a block loaded in this step is read
+    only by this step's forward, after the loads."""
+
+    num_host_blocks: int  # the host tier's capacity in blocks (the runner sizes its buffer by it)
+    store: list[tuple[int, int]] = field(default_factory=list)  # (pool block, host slot): demotions
+    load: list[tuple[int, int]] = field(default_factory=list)  # (host slot, pool block): promotions
+
+    def __bool__(self) -> bool:
+        return bool(self.store or self.load)
+
+
+@dataclass
 class SchedulerOutput:
     scheduled: list[ScheduledRequest]
     preempted_ids: list[str] = field(default_factory=list)  # the runner drops their state
     finished_ids: list[str] = field(default_factory=list)  # the runner drops their state
+    kv_transfers: KVTransfers | None = None  # host-tier copies to make before the forward
 
     @property
     def num_batched_tokens(self) -> int:

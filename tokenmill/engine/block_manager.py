@@ -17,6 +17,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from tokenmill.engine.batch import KVTransfers
+from tokenmill.engine.kv_tiers import HostTier
 from tokenmill.engine.request import Request
 
 BlockHash = bytes
@@ -65,7 +67,20 @@ class KVSnapshot:
 @dataclass
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up at admission
-    hits: int = 0  # of those, tokens served from the cache
+    hits: int = 0  # of those, tokens served from the cache (the pool or a lower tier)
+
+
+class PrefixHit(list):
+    """A prefix hit: the pool's blocks (the list), then `host`, the hashes of the blocks
+    that follow them in the host tier (loaded into new pool blocks when allocated)."""
+
+    def __init__(self, pool_blocks: list[int] = (), host: list[BlockHash] = ()) -> None:
+        super().__init__(pool_blocks)
+        self.host = list(host)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self) + len(self.host)
 
 
 NULL_BLOCK = 0  # in a sliding-window pool: a table entry whose block was let go (never read)
@@ -76,7 +91,8 @@ class KVBlockManager:
     # blocks no query can see any more (position-aligned tables, as vLLM's null block).
     reserves_null = False
 
-    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
+                 host_tier: HostTier | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
@@ -93,6 +109,8 @@ class KVBlockManager:
         self.req_hashes: dict[str, list[BlockHash]] = {}
         self.req_num_hashed_blocks: dict[str, int] = {}
         self.stats = PrefixCacheStats()
+        # A lower tier evicted cached blocks go to instead of being dropped (None: dropped).
+        self.host_tier = host_tier if enable_caching else None
 
     # ----- queries -------------------------------------------------------------------
 
@@ -124,20 +142,27 @@ class KVBlockManager:
     def get_block_ids(self, request_id: str) -> list[int]:
         return self.req_blocks.get(request_id, [])
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
-        """The longest run of cached full blocks that prefixes the request's tokens,
-        and the number of tokens they cover. Never covers the last token: that one
-        must be computed so that its logits can be sampled."""
+    def get_computed_blocks(self, request: Request) -> tuple[PrefixHit, int]:
+        """The longest run of cached full blocks that prefixes the request's tokens (in
+        the pool, then continued in the host tier), and the number of tokens they cover.
+        Never covers the last token: that one must be computed so that its logits can be
+        sampled."""
         if not self.enable_caching or request.params.prompt_logprobs is not None:
-            return [], 0  # prompt logprobs need every prompt position computed
+            return PrefixHit(), 0  # prompt logprobs need every prompt position computed
         max_blocks = (request.num_tokens - 1) // self.block_size
-        hits: list[int] = []
-        for block_hash in self._block_hashes(request)[:max_blocks]:
+        hashes = self._block_hashes(request)[:max_blocks]
+        hits = PrefixHit()
+        for block_hash in hashes:
             block_id = self.cached_blocks.get(block_hash)
             if block_id is None:
                 break
             hits.append(block_id)
-        return hits, len(hits) * self.block_size
+        if self.host_tier is not None:
+            for block_hash in hashes[len(hits):]:
+                if block_hash not in self.host_tier:
+                    break
+                hits.host.append(block_hash)
+        return hits, hits.num_blocks * self.block_size
 
     def peek_cached_tokens(self, request: Request) -> int:
         """The tokens `get_computed_blocks` would find cached now, keeping nothing for the
@@ -169,20 +194,27 @@ class KVBlockManager:
         `computed_blocks` (at admission) are prefix-cache hits to take over first.
         Returns False, changing nothing, when there are not enough free blocks.
         """
-        computed_blocks = computed_blocks or []
+        computed_blocks = [] if computed_blocks is None else computed_blocks
         if not self.can_allocate(request, num_new_tokens, computed_blocks):
             return False
         held = self.req_blocks.get(request.request_id, [])
-        num_tokens_after = request.num_computed_tokens + len(computed_blocks) * self.block_size + num_new_tokens
+        host_hits = getattr(computed_blocks, "host", [])
+        num_hit_blocks = len(computed_blocks) + len(host_hits)
+        num_tokens_after = request.num_computed_tokens + num_hit_blocks * self.block_size + num_new_tokens
         num_new_blocks = self.blocks_needed(num_tokens_after) - len(held) - len(computed_blocks)
 
         for block_id in computed_blocks:
             self._take(block_id)
+        if host_hits:  # no demotion while the new blocks are taken may reuse their slots
+            self.host_tier.pin(host_hits)
         new_blocks = [self._pop_free_block() for _ in range(max(num_new_blocks, 0))]
-        self.req_blocks[request.request_id] = held + computed_blocks + new_blocks
+        if host_hits:  # promotions: the first new blocks get the host tier's KV before the forward
+            self.host_tier.load(host_hits, new_blocks[: len(host_hits)])
+            self.host_tier.stats.hit_tokens += len(host_hits) * self.block_size
+        self.req_blocks[request.request_id] = held + list(computed_blocks) + new_blocks
         if request.request_id not in self.req_num_hashed_blocks:  # admission
             self.stats.queries += request.num_tokens
-            self.stats.hits += len(computed_blocks) * self.block_size
+            self.stats.hits += num_hit_blocks * self.block_size
             self.req_num_hashed_blocks[request.request_id] = 0
         # The KV of these tokens is written in this step, before any later step can
         # read it, so their full blocks can be offered to other requests right away.
@@ -191,9 +223,10 @@ class KVBlockManager:
 
     def can_allocate(self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
         """Whether allocate_slots would succeed (it changes nothing)."""
-        computed_blocks = computed_blocks or []
+        computed_blocks = [] if computed_blocks is None else computed_blocks
         held = self.req_blocks.get(request.request_id, [])
-        num_computed = request.num_computed_tokens + len(computed_blocks) * self.block_size
+        num_hit_blocks = len(computed_blocks) + len(getattr(computed_blocks, "host", []))
+        num_computed = request.num_computed_tokens + num_hit_blocks * self.block_size
         num_new_blocks = self.blocks_needed(num_computed + num_new_tokens) - len(held) - len(computed_blocks)
         # Hits sitting in the free queue are taken out of it, so they are not free for new blocks.
         num_revived = sum(1 for b in computed_blocks if not self._is_null(b) and self.blocks[b].ref_count == 0)
@@ -226,7 +259,13 @@ class KVBlockManager:
         for block in self.blocks:
             block.block_hash = None
         self.cached_blocks.clear()
+        if self.host_tier is not None:
+            self.host_tier.clear()
         return True
+
+    def take_transfers(self) -> KVTransfers | None:
+        """The host-tier copies decided since the last call, for the step's runner."""
+        return self.host_tier.take_transfers() if self.host_tier is not None else None
 
     # ----- internals -----------------------------------------------------------------
 
@@ -244,9 +283,11 @@ class KVBlockManager:
     def _pop_free_block(self) -> int:
         block_id, _ = self.free_queue.popitem(last=False)
         block = self.blocks[block_id]
-        if block.block_hash is not None:  # evict its cached content
+        if block.block_hash is not None:  # evict its cached content (to the host tier, if any)
             if self.cached_blocks.get(block.block_hash) == block_id:
                 del self.cached_blocks[block.block_hash]
+                if self.host_tier is not None:
+                    self.host_tier.store(block.block_hash, block_id)
             block.block_hash = None
         block.ref_count = 1
         return block_id
@@ -304,6 +345,8 @@ class KVBlockManager:
                 )
         for block_hash, block_id in self.cached_blocks.items():
             assert self.blocks[block_id].block_hash == block_hash, f"cache maps to block {block_id} wrongly"
+        if self.host_tier is not None:
+            self.host_tier.check_integrity()
 
 
 class SlidingKVBlockManager(KVBlockManager):
@@ -437,6 +480,9 @@ class HybridKVBlockManager:
 
     def reset_prefix_cache(self) -> bool:
         return self.full.reset_prefix_cache() and self.sliding.reset_prefix_cache()
+
+    def take_transfers(self) -> None:
+        return None  # no host tier for a hybrid cache (yet)
 
     def check_integrity(self) -> None:
         self.full.check_integrity()

@@ -24,6 +24,7 @@ from tokenmill.config import EngineConfig, EngineFacts
 from tokenmill.engine.batch import RunnerOutput, SchedulerOutput
 from tokenmill.engine.block_manager import HybridKVBlockManager, KVBlockManager
 from tokenmill.engine.input_processor import AdmissionLimits, InputProcessor, ProcessedRequest
+from tokenmill.engine.kv_tiers import HostTier
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import SLO_HEADROOM, Request, RequestStatus, slo_aim
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
@@ -159,14 +160,23 @@ class StepObserver:
     def on_aborted(self, output: RequestOutput) -> None: ...
 
 
-def make_block_manager(facts: EngineFacts, enable_caching: bool) -> KVBlockManager | HybridKVBlockManager:
+def make_block_manager(facts: EngineFacts, enable_caching: bool,
+                       offloading_gib: float | None = None) -> KVBlockManager | HybridKVBlockManager:
     """One pool, or (sliding-window layers in a hybrid cache) a pool per layer kind. MEAN
-    and CLS pooling compute every prompt position: no prefix hits for them."""
+    and CLS pooling compute every prompt position: no prefix hits for them. With
+    `offloading_gib`, a host tier of that size behind the pool (docs/kv-tiers.md)."""
     enable_caching = enable_caching and (facts.pooling is None or facts.pooling.uses_prefix_cache)
     if facts.num_sliding_blocks:
+        if offloading_gib:
+            raise ValueError("kv_offloading_size: the host KV tier does not take a hybrid KV cache (sliding-window "
+                             "layers) yet; add --disable-hybrid-kv-cache-manager")
         return HybridKVBlockManager(facts.num_blocks, facts.num_sliding_blocks, facts.block_size,
                                     facts.sliding_window, enable_caching)
-    return KVBlockManager(facts.num_blocks, facts.block_size, enable_caching)
+    host = None
+    if offloading_gib and enable_caching:
+        bytes_per_block = facts.kv_bytes_per_token * facts.block_size
+        host = HostTier(int(offloading_gib * 2**30) // bytes_per_block, bytes_per_block)
+    return KVBlockManager(facts.num_blocks, facts.block_size, enable_caching, host)
 
 
 class LLMEngine:
@@ -187,7 +197,7 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.facts = facts
         self.clock = clock
-        kv = make_block_manager(facts, config.cache.enable_prefix_caching)
+        kv = make_block_manager(facts, config.cache.enable_prefix_caching, config.cache.kv_offloading_size)
         sched = config.scheduler
         # SLO mode aims a little under the targets: its step costs are predictions.
         limits = SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, facts.max_model_len,
@@ -326,7 +336,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         started = self.clock()
         batch = self.scheduler.schedule()
-        if batch.is_empty and not batch.finished_ids:
+        if batch.is_empty and not batch.finished_ids and not batch.kv_transfers:
             return []
         scheduled = self.clock()
         num_prefill, context, pairs = self._step_shape(batch)

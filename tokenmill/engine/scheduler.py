@@ -112,7 +112,8 @@ class Scheduler:
         else:
             scheduled, preempted = self._schedule_fcfs()
         finished, self._finished_since_last_step = self._finished_since_last_step, []
-        return SchedulerOutput(scheduled=scheduled, preempted_ids=preempted, finished_ids=finished)
+        return SchedulerOutput(scheduled=scheduled, preempted_ids=preempted, finished_ids=finished,
+                               kv_transfers=self.kv.take_transfers())
 
     def _schedule_fcfs(self) -> tuple[list[ScheduledRequest], list[str]]:
         budget = self.config.max_num_batched_tokens
@@ -387,7 +388,9 @@ class Scheduler:
         worse = [r for r in self.running[index:] if self.rank(r) > rank]
         room_seqs = self.config.max_num_seqs - (len(self.running) - len(worse))
         room_blocks = self.kv.num_free_blocks + sum(len(self.kv.get_block_ids(r.request_id)) for r in worse)
-        hit_blocks = num_hit_tokens // self.kv.block_size  # (a hybrid cache's hits are a pair of tables)
+        # Blocks the hit brings from the pool (a host-tier hit needs new ones; a hybrid
+        # cache's hits are a pair of tables)
+        hit_blocks = len(hits) if isinstance(hits, list) else num_hit_tokens // self.kv.block_size
         if room_seqs < 1 or self.kv.blocks_needed(num_hit_tokens + num_new) - hit_blocks > room_blocks:
             return None  # preempting every worse-ranked request would not make room
         while len(self.running) >= self.config.max_num_seqs or not self.kv.allocate_slots(request, num_new, hits):

@@ -18,6 +18,7 @@ from tokenmill.attention.kv_cache import PagedKVCache
 from tokenmill.engine.batch import PromptLogprobsChunk, RequestTable, RunnerOutput, SchedulerOutput, StepRequest
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.pooling import Pooler
+from tokenmill.runner.kv_offload import HostKVBuffer
 from tokenmill.runner.plan import ExecutionPlan
 from tokenmill.runner.threads import ThreadGovernor
 from tokenmill.sampling.rejection import RejectionSampler, Verification
@@ -60,6 +61,7 @@ class ModelRunner:
         self.structured_output: StructuredOutputManager | None = None
         # The pooling runner's (set by the builder): pooling requests' vectors instead of tokens.
         self.pooler: Pooler | None = None
+        self.host_kv: HostKVBuffer | None = None  # the host KV tier's memory, made at its first transfer
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
@@ -69,6 +71,10 @@ class ModelRunner:
             self.structured_output.release([*batch.finished_ids, *batch.preempted_ids])
         if self.pooler is not None:
             self.pooler.release([*batch.finished_ids, *batch.preempted_ids])
+        if batch.kv_transfers:  # the host tier's copies, before anything reads or writes the pool
+            if self.host_kv is None:
+                self.host_kv = HostKVBuffer(self.kv_cache)
+            self.host_kv.apply(batch.kv_transfers)
         return self.run(self.requests.apply(batch))
 
     @torch.inference_mode()

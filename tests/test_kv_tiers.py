@@ -1,0 +1,173 @@
+"""The host KV tier (docs/kv-tiers.md): the block manager's bookkeeping on tiny sizes
+(exact transfers, LRU, pinning, integrity after every operation), then the default model
+with a pool too small to keep a prefix: demoted, promoted back, the same greedy tokens."""
+
+from __future__ import annotations
+
+import pytest
+from fakes import make_request
+
+from tests.conftest import assert_engine_idle, sibling
+from tokenmill import SamplingParams
+from tokenmill.engine.batch import KVTransfers
+from tokenmill.engine.block_manager import KVBlockManager, hash_block
+from tokenmill.engine.kv_tiers import HostTier
+
+BS = 4
+
+
+def chain(token_ids: list[int]) -> list[bytes]:
+    hashes: list[bytes] = []
+    for i in range(len(token_ids) // BS):
+        hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * BS : (i + 1) * BS]))
+    return hashes
+
+
+def run_once(kv: KVBlockManager, request) -> tuple[list[int], int]:
+    """Admit, compute the whole prompt, finish: (its pool hits, its hit tokens)."""
+    hits, num_hit = kv.get_computed_blocks(request)
+    assert kv.allocate_slots(request, request.num_tokens - num_hit, hits)
+    kv.check_integrity()
+    request.num_computed_tokens = request.num_tokens
+    kv.free(request)
+    kv.check_integrity()
+    return list(hits), num_hit
+
+
+def make_kv(num_blocks: int = 4, host_blocks: int = 8) -> KVBlockManager:
+    return KVBlockManager(num_blocks, BS, host_tier=HostTier(host_blocks, bytes_per_block=100))
+
+
+def test_evicted_block_is_demoted_and_a_later_hit_promotes_it() -> None:
+    kv = make_kv()
+    a = list(range(100, 109))  # two full blocks and one token
+    run_once(kv, make_request("a", a))
+    assert kv.take_transfers() is None  # nothing evicted yet
+    block_of = {h: kv.cached_blocks[h] for h in chain(a)}
+    # 13 tokens: four blocks, so both of a's cached blocks are evicted (LRU: free-queue head first).
+    run_once(kv, make_request("b", list(range(200, 213))))
+    transfers = kv.take_transfers()
+    assert sorted(transfers.store) == sorted((block_of[h], kv.host_tier.entries[h]) for h in chain(a))
+    assert transfers.load == [] and transfers.num_host_blocks == 8
+    assert all(h not in kv.cached_blocks for h in chain(a))
+    # a again: both blocks come back from the host tier into new pool blocks, before the forward.
+    again = make_request("a2", a)
+    hits, num_hit = kv.get_computed_blocks(again)
+    assert list(hits) == [] and hits.host == chain(a) and num_hit == 8
+    assert kv.allocate_slots(again, again.num_tokens - num_hit, hits)
+    kv.check_integrity()
+    transfers = kv.take_transfers()
+    blocks = kv.get_block_ids("a2")
+    assert transfers.load == [(kv.host_tier.entries[h], b) for h, b in zip(chain(a), blocks[:2])]
+    assert [kv.cached_blocks[h] for h in chain(a)] == blocks[:2]  # cached in the pool again
+    assert kv.stats.hits == 8 and kv.host_tier.stats.hit_tokens == 8
+    assert kv.host_tier.stats.loaded_blocks == 2
+
+
+def test_a_promoted_block_evicted_again_needs_no_copy() -> None:
+    kv = make_kv()
+    a = list(range(100, 109))
+    run_once(kv, make_request("a", a))
+    run_once(kv, make_request("b", list(range(200, 213))))
+    kv.take_transfers()
+    run_once(kv, make_request("a2", a))
+    kv.take_transfers()
+    stored = kv.host_tier.stats.stored_blocks
+    run_once(kv, make_request("c", list(range(300, 313))))  # evicts a's blocks again
+    transfers = kv.take_transfers()
+    assert kv.host_tier.stats.stored_blocks - stored == len(transfers.store)
+    stored_hashes = {h for h, s in kv.host_tier.entries.items() if s in {slot for _, slot in transfers.store}}
+    assert not stored_hashes & set(chain(a))  # a's blocks were still in the tier, unchanged
+
+
+def test_host_tier_is_lru_bounded_and_reports_what_it_dropped() -> None:
+    kv = make_kv(num_blocks=4, host_blocks=2)
+    a, b = list(range(100, 109)), list(range(200, 209))
+    run_once(kv, make_request("a", a))
+    run_once(kv, make_request("b", b))  # a's two blocks: free, still cached in the pool
+    run_once(kv, make_request("c", list(range(300, 313))))  # evicts a and b (4 blocks) into 2 slots
+    kv.check_integrity()
+    assert len(kv.host_tier) == 2 and kv.host_tier.stats.evicted_blocks == 2
+    assert set(kv.host_tier.removed) == set(chain(a))  # the least recently used went out
+    transfers = kv.take_transfers()
+    assert len(transfers.store) == 2  # a reused slot keeps only its last store
+    assert {kv.host_tier.entries[h] for h in chain(b)} == {slot for _, slot in transfers.store}
+
+
+def test_a_slot_being_loaded_is_never_reused_in_the_same_step() -> None:
+    # One host slot: a's first block is loaded while the allocation of its new pool blocks
+    # evicts another cached block; that demotion must be refused, not overwrite the slot.
+    kv = make_kv(num_blocks=3, host_blocks=1)
+    a = list(range(100, 105))  # one full block and one token
+    run_once(kv, make_request("a", a))
+    run_once(kv, make_request("b", list(range(200, 209))))  # evicts a's block -> host slot 0
+    kv.take_transfers()
+    again = make_request("a2", a)
+    hits, num_hit = kv.get_computed_blocks(again)
+    assert hits.host == chain(a)
+    assert kv.allocate_slots(again, again.num_tokens - num_hit, hits)  # evicts a cached block of b
+    kv.check_integrity()
+    transfers = kv.take_transfers()
+    assert transfers.store == [] and transfers.load == [(0, kv.get_block_ids("a2")[0])]
+    assert kv.host_tier.stats.rejected_blocks >= 1
+    assert list(kv.host_tier.entries) == chain(a)
+
+
+def test_no_prefix_caching_means_no_tier() -> None:
+    kv = KVBlockManager(4, BS, enable_caching=False, host_tier=HostTier(4, 100))
+    assert kv.host_tier is None and kv.take_transfers() is None
+
+
+def test_reset_prefix_cache_clears_the_host_tier() -> None:
+    kv = make_kv()
+    run_once(kv, make_request("a", list(range(100, 109))))
+    run_once(kv, make_request("b", list(range(200, 213))))
+    assert len(kv.host_tier) == 2
+    assert kv.reset_prefix_cache()
+    assert len(kv.host_tier) == 0 and kv.take_transfers() is None
+    kv.check_integrity()
+
+
+def test_transfers_are_falsy_when_empty() -> None:
+    assert not KVTransfers(4)
+    assert KVTransfers(4, store=[(1, 0)])
+
+
+# ----- the default model ----------------------------------------------------------------
+
+TEXT = ("The history of the lighthouse keepers of the northern coast is a story of long winters, "
+        "careful records and small kindnesses passed from one keeper to the next. ")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+
+
+def test_prefix_evicted_from_a_small_pool_comes_back_from_the_host_tier(llm_f32) -> None:
+    ids = llm_f32.tokenizer.encode(TEXT * 20)
+    prefix = ids[:384]  # 24 blocks of 16
+    returning = prefix + ids[400:420]
+    others = [[t + 1 + i for t in ids[:400]] for i in range(2)]  # no shared blocks with the prefix
+    # 32 blocks (512 tokens): one request at a time fits; the next one evicts the prefix.
+    tiered = sibling(llm_f32, num_blocks=32, enable_prefix_caching=True, kv_offloading_size=0.05)
+    plain = sibling(llm_f32, num_blocks=32, enable_prefix_caching=True)
+    outputs = {}
+    for name, llm in (("tiered", tiered), ("plain", plain)):
+        first = llm.generate([prefix + ids[384:390]], GREEDY)[0]
+        for other in others:
+            llm.generate([other], GREEDY)
+        outputs[name] = llm.generate([returning], GREEDY)[0]
+        assert_engine_idle(llm)
+        assert first.num_cached_tokens == 0
+    host = tiered.engine.scheduler.kv.host_tier
+    assert outputs["plain"].num_cached_tokens == 0  # the pool alone lost the prefix
+    assert outputs["tiered"].num_cached_tokens == 384  # every prefix block came back from the host tier
+    assert host.stats.hit_tokens == 384 and host.stats.loaded_blocks == 24
+    assert outputs["tiered"].outputs[0].token_ids == outputs["plain"].outputs[0].token_ids
+    reference = sibling(llm_f32, enable_prefix_caching=False).generate([returning], GREEDY)[0]
+    assert outputs["tiered"].outputs[0].token_ids == reference.outputs[0].token_ids
+
+
+@pytest.mark.parametrize("gib", [0.0, -1.0])
+def test_offloading_size_must_be_positive(gib) -> None:
+    from tokenmill.config import EngineConfig
+
+    with pytest.raises(ValueError, match="kv_offloading_size"):
+        EngineConfig().replace(kv_offloading_size=gib)

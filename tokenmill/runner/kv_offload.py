@@ -1,0 +1,66 @@
+"""The host tier's memory and copies: the runner side of tokenmill's KV connector.
+
+The engine's `HostTier` (torch-free) decides which pool block goes to which host slot
+and back; each step's `KVTransfers` reach the runner with the `SchedulerOutput`, and
+`HostKVBuffer.apply` makes the copies before the step's forward: every store (pool ->
+host) first, then every load (host -> pool). The buffer keeps, per layer, each cache
+tensor's blocks (K, V and an 8-bit cache's scales) as bytes, `[num_host_blocks, ...]`,
+allocated when the first transfer names the tier's size (so engines sharing a runner
+size it from their own settings).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tokenmill.attention.kv_cache import PagedKVCache
+from tokenmill.engine.batch import KVTransfers
+
+
+def _block_tensors(kv_cache: PagedKVCache) -> list[torch.Tensor]:
+    """Every tensor of the cache indexed by block, viewed as bytes (index_copy_ has no
+    float8 kernel; bytes copy any dtype)."""
+    tensors = []
+    for layer in kv_cache:
+        for t in (layer.k, layer.v, layer.k_scale, layer.v_scale):
+            if t is not None:
+                tensors.append(t.view(torch.uint8))
+    return tensors
+
+
+class HostKVBuffer:
+    def __init__(self, kv_cache: PagedKVCache) -> None:
+        if kv_cache.num_sliding_blocks:
+            raise ValueError("the host KV tier does not take a hybrid KV cache (sliding-window layers)")
+        self.pool = _block_tensors(kv_cache)
+        self.host: list[torch.Tensor] = []
+        self.num_blocks = 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() for t in self.host)
+
+    def apply(self, transfers: KVTransfers) -> None:
+        if transfers.num_host_blocks != self.num_blocks:
+            self._allocate(transfers.num_host_blocks)
+        device = self.pool[0].device
+        if transfers.store:
+            blocks, slots = zip(*transfers.store)
+            blocks, slots = _index(blocks, device), _index(slots, "cpu")
+            for pool, host in zip(self.pool, self.host):
+                host.index_copy_(0, slots, pool.index_select(0, blocks).to("cpu"))
+        if transfers.load:
+            slots, blocks = zip(*transfers.load)
+            slots, blocks = _index(slots, "cpu"), _index(blocks, device)
+            for pool, host in zip(self.pool, self.host):
+                pool.index_copy_(0, blocks, host.index_select(0, slots).to(device))
+
+    def _allocate(self, num_blocks: int) -> None:
+        # Not zeroed: a slot is always written before it is read. Host memory: pinned on a
+        # GPU machine would let the copies overlap compute; plain here (CPU pool).
+        self.host = [torch.empty((num_blocks, *t.shape[1:]), dtype=torch.uint8) for t in self.pool]
+        self.num_blocks = num_blocks
+
+
+def _index(ids: tuple[int, ...], device: torch.device | str) -> torch.Tensor:
+    return torch.tensor(ids, dtype=torch.long, device=device)
