@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from tokenmill.config import EngineConfig, EngineFacts
 from tokenmill.engine.engine import LLMEngine, Proposer
+from tokenmill.kv_events.publisher import make_publisher
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.runner.worker import build_rank
 from tokenmill.spec_decode.draft import DraftModelProposer
@@ -30,7 +31,12 @@ class BuiltExecutor:
 
 def build_engine(config: EngineConfig) -> LLMEngine:
     built = build_executor(config)
-    return LLMEngine(config, built.executor, built.tokenizer, built.facts, proposer=built.proposer)
+    engine = LLMEngine(config, built.executor, built.tokenizer, built.facts, proposer=built.proposer)
+    publisher = make_publisher(config.cache.kv_events_config)
+    if publisher is not None:  # vLLM's KV events for a KV-aware router
+        engine.kv_event_sink = publisher.publish_events
+        engine.kv_event_publisher = publisher
+    return engine
 
 
 def build_executor(config: EngineConfig) -> BuiltExecutor:

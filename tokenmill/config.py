@@ -35,6 +35,7 @@ ATTENTION_BACKENDS = ("auto", "cpu_native", "torch_sdpa")
 ALL_REDUCE_BACKENDS = ("auto", "shm", "gloo", "nccl")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 KV_OFFLOADING_BACKENDS = ("native",)
+KV_EVENT_PUBLISHERS = ("null", "zmq")
 STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar",)
 RUNNERS = ("auto", "generate", "pooling")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
@@ -203,6 +204,58 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's `--kv-events-config`, with its key names: publish the prefix cache's
+    BlockStored / BlockRemoved / AllBlocksCleared events (msgspec over ZMQ) for a router."""
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None  # "zmq" or "null"; default: zmq when enabled
+    endpoint: str = "tcp://*:5557"  # a PUB socket: bound when it has * (or ipc/inproc), else connected
+    replay_endpoint: str | None = None  # a ROUTER socket serving missed batches by sequence number
+    buffer_steps: int = 10_000  # batches kept for replay
+    hwm: int = 100_000  # the PUB socket's high-water mark
+    max_queue_size: int = 100_000  # batches waiting for the publisher thread
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+        _check_choice("kv_events_config publisher", self.publisher, KV_EVENT_PUBLISHERS)
+        if not isinstance(self.enable_kv_cache_events, bool):
+            raise ValueError(f"kv_events_config: enable_kv_cache_events must be true or false, "
+                             f"got {self.enable_kv_cache_events!r}")
+
+    @property
+    def publishes(self) -> bool:
+        return self.enable_kv_cache_events and self.publisher != "null"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    def __str__(self) -> str:  # the flag's JSON (engine_args rebuilds a command line with it)
+        return json.dumps(self.to_dict())
+
+
+def parse_kv_events_config(value: str | dict | KVEventsConfig | None) -> KVEventsConfig | None:
+    """A JSON string (the flag), a dict (`LLM(...)`, YAML) or a config -> KVEventsConfig;
+    unknown keys are refused by name."""
+    if value is None or isinstance(value, KVEventsConfig):
+        return value
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"kv_events_config is not valid JSON: {exc}") from None
+    if not isinstance(value, dict):
+        raise ValueError(f"kv_events_config must be a JSON object or a dict, got {type(value).__name__}")
+    known = {f.name for f in dataclasses.fields(KVEventsConfig)}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise ValueError(f"kv_events_config: unknown key(s) {unknown}; known: {sorted(known)}")
+    return KVEventsConfig(**value)
+
+
+@dataclass(frozen=True)
 class CacheConfig:
     """The paged KV cache."""
 
@@ -230,6 +283,12 @@ class CacheConfig:
                                                     "block evicted from the pool is copied there (least recently "
                                                     "used out first) instead of dropped, and a later prefix hit on "
                                                     "it is copied back instead of recomputed (docs/kv-tiers.md)")
+    kv_events_config: KVEventsConfig | None = setting(
+        None, parse=parse_kv_events_config, metavar="JSON",
+        help='publish prefix-cache events as vLLM does (BlockStored / BlockRemoved / AllBlocksCleared, msgspec '
+             'over ZMQ, each block with its medium: GPU = the pool, CPU = the host tier), for a KV-aware router: '
+             '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
+             '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}. Default: off')
     kv_offloading_backend: str = setting("native", choices=KV_OFFLOADING_BACKENDS,
                                          help="what keeps the offloaded KV (vLLM's flag): native, tokenmill's own "
                                               "host tier")

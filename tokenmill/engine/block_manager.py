@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenmill.engine.batch import KVTransfers
+from tokenmill.engine.kv_events import MEDIUM_HOST, MEDIUM_POOL, BlockMeta, KVEventLog
 from tokenmill.engine.kv_tiers import HostTier
 from tokenmill.engine.request import Request
 
@@ -111,6 +112,7 @@ class KVBlockManager:
         self.stats = PrefixCacheStats()
         # A lower tier evicted cached blocks go to instead of being dropped (None: dropped).
         self.host_tier = host_tier if enable_caching else None
+        self.events: KVEventLog | None = None  # vLLM's KV events, when someone publishes them
 
     # ----- queries -------------------------------------------------------------------
 
@@ -261,7 +263,14 @@ class KVBlockManager:
         self.cached_blocks.clear()
         if self.host_tier is not None:
             self.host_tier.clear()
+            self.host_tier.removed.clear()
+        if self.events is not None:
+            self.events.cleared()
         return True
+
+    def take_events(self) -> list:
+        """The KV events since the last call (none unless `events` was set)."""
+        return self.events.take() if self.events is not None else []
 
     def take_transfers(self) -> KVTransfers | None:
         """The host-tier copies decided since the last call, for the step's runner."""
@@ -286,11 +295,30 @@ class KVBlockManager:
         if block.block_hash is not None:  # evict its cached content (to the host tier, if any)
             if self.cached_blocks.get(block.block_hash) == block_id:
                 del self.cached_blocks[block.block_hash]
-                if self.host_tier is not None:
-                    self.host_tier.store(block.block_hash, block_id)
+                self._demote(block.block_hash, block_id)
             block.block_hash = None
         block.ref_count = 1
         return block_id
+
+    def _demote(self, block_hash: BlockHash, block_id: int) -> None:
+        """An evicted cached block: to the host tier if there is one, and its events."""
+        host, events = self.host_tier, self.events
+        was_in_host = host is not None and block_hash in host
+        kept = host is not None and host.store(block_hash, block_id)
+        if host is not None and host.removed:  # the tier's LRU made room
+            dropped, host.removed = host.removed, []
+            if events is not None:
+                events.removed(dropped, MEDIUM_HOST)
+                for h in dropped:
+                    if h not in self.cached_blocks:
+                        events.forget(h)
+        if events is None:
+            return
+        events.removed([block_hash], MEDIUM_POOL)
+        if kept and not was_in_host and block_hash in events.meta:
+            events.stored([block_hash], [events.meta[block_hash]], MEDIUM_HOST)
+        elif not kept:
+            events.forget(block_hash)
 
     def _block_hashes(self, request: Request) -> list[BlockHash]:
         """Hashes of the request's full blocks, extended as tokens arrive."""
@@ -310,6 +338,7 @@ class KVBlockManager:
         if end <= start:
             return
         hashes = self._block_hashes(request)
+        stored: list[int] = []
         for i in range(start, end):
             if self._is_null(self.req_blocks[rid][i]):
                 continue  # a prefix-hit entry before the window: no block of its own
@@ -317,9 +346,15 @@ class KVBlockManager:
             if block.block_hash is None and hashes[i] not in self.cached_blocks:
                 block.block_hash = hashes[i]
                 self.cached_blocks[hashes[i]] = block.block_id
+                stored.append(i)
             # else: already cached (a hit), or the same content computed twice at
             # once; the duplicate stays unhashed and is freed like any other block.
         self.req_num_hashed_blocks[rid] = end
+        if self.events is not None and stored:
+            size, tokens = self.block_size, request.all_token_ids
+            metas = [BlockMeta(hashes[i - 1] if i else None, tokens[i * size : (i + 1) * size],
+                               request.cache_salt if i == 0 else None) for i in stored]
+            self.events.stored([hashes[i] for i in stored], metas, MEDIUM_POOL)
 
     # ----- checks --------------------------------------------------------------------
 
@@ -483,6 +518,18 @@ class HybridKVBlockManager:
 
     def take_transfers(self) -> None:
         return None  # no host tier for a hybrid cache (yet)
+
+    @property
+    def events(self) -> KVEventLog | None:
+        """KV events of the full-attention pool (vLLM's group 0; the sliding pool's are not published)."""
+        return self.full.events
+
+    @events.setter
+    def events(self, log: KVEventLog | None) -> None:
+        self.full.events = log
+
+    def take_events(self) -> list:
+        return self.full.take_events()
 
     def check_integrity(self) -> None:
         self.full.check_integrity()

@@ -24,6 +24,7 @@ from tokenmill.config import EngineConfig, EngineFacts
 from tokenmill.engine.batch import RunnerOutput, SchedulerOutput
 from tokenmill.engine.block_manager import HybridKVBlockManager, KVBlockManager
 from tokenmill.engine.input_processor import AdmissionLimits, InputProcessor, ProcessedRequest
+from tokenmill.engine.kv_events import KVEvent, KVEventLog
 from tokenmill.engine.kv_tiers import HostTier
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import SLO_HEADROOM, Request, RequestStatus, slo_aim
@@ -198,6 +199,12 @@ class LLMEngine:
         self.facts = facts
         self.clock = clock
         kv = make_block_manager(facts, config.cache.enable_prefix_caching, config.cache.kv_offloading_size)
+        events = config.cache.kv_events_config
+        if events is not None and events.enable_kv_cache_events:
+            kv.events = KVEventLog(facts.block_size)
+        # Where each step's KV events go (the builder attaches a publisher); None: dropped.
+        self.kv_event_sink: Callable[[list[KVEvent]], None] | None = None
+        self.kv_event_publisher: object | None = None  # what owns the sink (its sockets and thread)
         sched = config.scheduler
         # SLO mode aims a little under the targets: its step costs are predictions.
         limits = SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, facts.max_model_len,
@@ -336,6 +343,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         started = self.clock()
         batch = self.scheduler.schedule()
+        self._publish_kv_events()
         if batch.is_empty and not batch.finished_ids and not batch.kv_transfers:
             return []
         scheduled = self.clock()
@@ -371,6 +379,11 @@ class LLMEngine:
         )
 
     # ----- internals -----------------------------------------------------------------
+
+    def _publish_kv_events(self) -> None:
+        events = self.scheduler.kv.take_events()
+        if events and self.kv_event_sink is not None:
+            self.kv_event_sink(events)
 
     def _step_shape(self, batch: SchedulerOutput) -> tuple[int, int, int]:
         """(prefill tokens, decode context tokens, prefill attention pairs): chunks that

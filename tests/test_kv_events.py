@@ -1,0 +1,220 @@
+"""KV events (docs/kv-tiers.md): the block manager's event log on tiny sizes, then the
+wire — a subscriber built from vLLM's example subscriber (its msgspec structs, its ZMQ
+SUB and replay REQ sockets) decoding what a real engine and a real server publish."""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Optional, Union
+
+import msgspec
+import pytest
+import zmq
+from fakes import make_request
+
+from tests.conftest import assert_engine_idle, sibling
+from tests.server_utils import ServerProcess, free_port
+from tokenmill import SamplingParams
+from tokenmill.config import KVEventsConfig, parse_kv_events_config
+from tokenmill.engine import kv_events as ev
+from tokenmill.engine.block_manager import KVBlockManager, hash_block
+from tokenmill.engine.kv_tiers import HostTier
+from tokenmill.kv_events.publisher import ZmqEventPublisher, external_hash
+
+BS = 4
+
+
+# ----- vLLM's example subscriber's types (examples/online_serving/kv_events_subscriber.py) -----
+
+
+class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Any]
+
+
+class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
+    """Base class for all KV cache-related events"""
+
+
+class BlockStored(KVCacheEvent):
+    block_hashes: list[int]
+    parent_block_hash: Optional[int]  # noqa: UP045 (as the example spells it)
+    token_ids: list[int]
+    block_size: int
+    lora_id: Optional[int]  # noqa: UP045
+    medium: Optional[str]  # noqa: UP045
+
+
+class BlockRemoved(KVCacheEvent):
+    block_hashes: list[int]
+    medium: Optional[str]  # noqa: UP045
+
+
+class AllBlocksCleared(KVCacheEvent):
+    pass
+
+
+class KVEventBatch(EventBatch):
+    events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]  # noqa: UP007
+
+
+class Subscriber:
+    """The example subscriber's sockets: SUB on the topic, REQ for replays."""
+
+    def __init__(self, port: int, replay_port: int, topic: str) -> None:
+        self.ctx = zmq.Context()
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.connect(f"tcp://127.0.0.1:{port}")
+        self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)
+        self.replay = self.ctx.socket(zmq.REQ)
+        self.replay.connect(f"tcp://127.0.0.1:{replay_port}")
+        self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+
+    def receive(self, until, timeout: float = 60.0) -> list[tuple[int, KVEventBatch]]:
+        """Batches until `until(events so far)` holds."""
+        got: list[tuple[int, KVEventBatch]] = []
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and not until([e for _, b in got for e in b.events]):
+            if self.sub.poll(100):
+                _, seq, payload = self.sub.recv_multipart()
+                got.append((int.from_bytes(seq, "big"), self.decoder.decode(payload)))
+        return got
+
+    def replay_from(self, seq: int) -> list[tuple[int, KVEventBatch]]:
+        self.replay.send(seq.to_bytes(8, "big"))
+        got = []
+        while self.replay.poll(5000):
+            seq_bytes, payload = self.replay.recv_multipart()
+            if not payload:
+                break
+            got.append((int.from_bytes(seq_bytes, "big"), self.decoder.decode(payload)))
+        return got
+
+    def close(self) -> None:
+        self.ctx.destroy(linger=0)
+
+
+def settle_subscription() -> None:
+    time.sleep(0.5)  # a SUB socket misses what is sent before its subscription arrives (ZMQ's slow joiner)
+
+
+def chain(token_ids: list[int], size: int = BS) -> list[bytes]:
+    hashes: list[bytes] = []
+    for i in range(len(token_ids) // size):
+        hashes.append(hash_block(hashes[-1] if hashes else None, token_ids[i * size : (i + 1) * size]))
+    return hashes
+
+
+# ----- the event log ----------------------------------------------------------------------
+
+
+def run_once(kv: KVBlockManager, request) -> None:
+    hits, num_hit = kv.get_computed_blocks(request)
+    assert kv.allocate_slots(request, request.num_tokens - num_hit, hits)
+    request.num_computed_tokens = request.num_tokens
+    kv.take_transfers()  # the step's end (unpins what it loaded)
+    kv.free(request)
+    kv.check_integrity()
+
+
+def test_event_log_follows_blocks_through_pool_and_host_tier() -> None:
+    kv = KVBlockManager(4, BS, host_tier=HostTier(2, bytes_per_block=100))
+    kv.events = ev.KVEventLog(BS)
+    a, b = list(range(100, 109)), list(range(200, 213))
+    run_once(kv, make_request("a", a))
+    assert kv.take_events() == [ev.BlockStored(chain(a), None, a[:8], BS, ev.MEDIUM_POOL)]
+    run_once(kv, make_request("b", b))  # evicts a's two blocks (its end first) into the host tier
+    a0, a1 = chain(a)
+    assert kv.take_events() == [
+        ev.BlockRemoved([a1], "GPU"), ev.BlockStored([a1], a0, a[4:8], BS, "CPU"),
+        ev.BlockRemoved([a0], "GPU"), ev.BlockStored([a0], None, a[:4], BS, "CPU"),
+        ev.BlockStored(chain(b), None, b[:12], BS, "GPU"),
+    ]
+    run_once(kv, make_request("a2", a))  # promoted back: stored in the pool again; b's blocks make room
+    # (the host tier refuses them: both its slots are being loaded in this step)
+    assert kv.take_events() == [ev.BlockRemoved([chain(b)[2]], "GPU"), ev.BlockRemoved([chain(b)[1]], "GPU"),
+                                ev.BlockStored([a0, a1], None, a[:8], BS, "GPU")]
+    c = list(range(300, 313))
+    run_once(kv, make_request("c", c))  # evicts b0, a1 (already in the host tier: no copy), a0
+    b0 = chain(b)[0]
+    assert kv.take_events() == [
+        ev.BlockRemoved([a0], "CPU"), ev.BlockRemoved([b0], "GPU"), ev.BlockStored([b0], None, b[:4], BS, "CPU"),
+        ev.BlockRemoved([a1], "GPU"),
+        ev.BlockRemoved([b0], "CPU"), ev.BlockRemoved([a0], "GPU"), ev.BlockStored([a0], None, a[:4], BS, "CPU"),
+        ev.BlockStored(chain(c), None, c[:12], BS, "GPU"),
+    ]
+    assert set(kv.events.meta) == {a0, a1, *chain(c)}  # what some tier still holds
+    assert kv.reset_prefix_cache()
+    assert kv.take_events() == [ev.AllBlocksCleared()]
+    assert kv.events.meta == {}
+
+
+def test_kv_events_config_is_vllms() -> None:
+    config = parse_kv_events_config('{"enable_kv_cache_events": true, "endpoint": "tcp://*:6000", "topic": "kv"}')
+    assert config.publisher == "zmq" and config.publishes and config.replay_endpoint is None
+    assert not parse_kv_events_config({"enable_kv_cache_events": False}).publishes
+    assert json.loads(str(config))["topic"] == "kv"
+    with pytest.raises(ValueError, match="unknown key"):
+        parse_kv_events_config('{"enable_kv_cache_events": true, "port": 1}')
+    with pytest.raises(ValueError, match="publisher"):
+        parse_kv_events_config('{"enable_kv_cache_events": true, "publisher": "kafka"}')
+
+
+# ----- on the wire ------------------------------------------------------------------------
+
+
+def test_example_subscriber_decodes_a_real_engines_events(llm_f32) -> None:
+    port, replay_port = free_port(), free_port()
+    config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}",
+                            replay_endpoint=f"tcp://*:{replay_port}", topic="kv-events")
+    llm = sibling(llm_f32, enable_prefix_caching=True, kv_events_config=config)
+    publisher = ZmqEventPublisher(config)
+    llm.engine.kv_event_sink = publisher.publish_events
+    subscriber = Subscriber(port, replay_port, "kv-events")
+    try:
+        settle_subscription()
+        prompt = llm.tokenizer.encode("The lighthouse keepers of the northern coast kept careful records. " * 6)
+        llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True))
+        full = len(prompt) // 16
+        expected = [external_hash(h) for h in chain(prompt, 16)]
+
+        def stored(events) -> list[int]:
+            return [h for e in events if isinstance(e, BlockStored) for h in e.block_hashes]
+
+        got = subscriber.receive(lambda events: len(stored(events)) >= full)
+        events = [e for _, batch in got for e in batch.events]
+        assert stored(events)[:full] == expected
+        first = next(e for e in events if isinstance(e, BlockStored))
+        assert first.parent_block_hash is None and first.block_size == 16 and first.medium == "GPU"
+        assert first.token_ids == prompt[: 16 * len(first.block_hashes)]
+        # A subscriber that missed batches asks for them again by sequence number.
+        replayed = subscriber.replay_from(got[0][0])
+        assert [seq for seq, _ in replayed][: len(got)] == [seq for seq, _ in got]
+        assert replayed[0][1].events == got[0][1].events
+    finally:
+        subscriber.close()
+        publisher.shutdown()
+    assert_engine_idle(llm)
+
+
+def test_server_publishes_kv_events_for_a_request() -> None:
+    port = free_port()
+    config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{port}",
+              "replay_endpoint": f"tcp://*:{free_port()}", "topic": "kv-events"}
+    server = ServerProcess("--kv-events-config", json.dumps(config), "--kv-offloading-size", "0.05")
+    server.start()
+    subscriber = Subscriber(port, free_port(), "kv-events")
+    try:
+        settle_subscription()
+        prompt = list(range(1000, 1040))  # 40 token ids: two full blocks
+        response = server.post("/v1/completions", json={"model": server.model, "prompt": prompt, "max_tokens": 2})
+        assert response.status_code == 200, response.text
+        got = subscriber.receive(lambda events: any(isinstance(e, BlockStored) for e in events))
+        stored = [e for _, batch in got for e in batch.events if isinstance(e, BlockStored)]
+        assert stored, server.log_tail()
+        assert stored[0].block_hashes[:2] == [external_hash(h) for h in chain(prompt, 16)]
+        assert stored[0].token_ids[:32] == prompt[:32] and stored[0].medium == "GPU"
+    finally:
+        subscriber.close()
+        assert server.stop() == 0, server.log_tail()
