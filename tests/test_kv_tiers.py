@@ -160,6 +160,9 @@ def test_prefix_evicted_from_a_small_pool_comes_back_from_the_host_tier(llm_f32)
     assert outputs["plain"].num_cached_tokens == 0  # the pool alone lost the prefix
     assert outputs["tiered"].num_cached_tokens == 384  # every prefix block came back from the host tier
     assert host.stats.hit_tokens == 384 and host.stats.loaded_blocks == 24
+    stats = tiered.engine.stats()
+    assert stats.external_prefix_cache_hits == 384 and stats.kv_offload_loaded_blocks == 24
+    assert stats.kv_offload_used_blocks == len(host) > 0
     assert outputs["tiered"].outputs[0].token_ids == outputs["plain"].outputs[0].token_ids
     reference = sibling(llm_f32, enable_prefix_caching=False).generate([returning], GREEDY)[0]
     assert outputs["tiered"].outputs[0].token_ids == reference.outputs[0].token_ids
@@ -171,3 +174,38 @@ def test_offloading_size_must_be_positive(gib) -> None:
 
     with pytest.raises(ValueError, match="kv_offloading_size"):
         EngineConfig().replace(kv_offloading_size=gib)
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    for line in text.splitlines():
+        if line.startswith(name + "{") and all(f'{k}="{v}"' in line for k, v in labels.items()):
+            return float(line.rsplit(" ", 1)[1])
+    raise AssertionError(f"{name} {labels} not in /metrics")
+
+
+def test_server_metrics_count_the_host_tier() -> None:
+    from tests.server_utils import ServerProcess
+
+    # 34 blocks of 16 (f32 KV of the default model: 720 KiB a block): one 400-token prompt at a time.
+    server = ServerProcess("--kv-cache-memory", "24MiB", "--kv-offloading-size", "0.05").start()
+    try:
+        def complete(prompt: list[int]) -> dict:
+            response = server.post("/v1/completions", json={"model": server.model, "prompt": prompt,
+                                                            "max_tokens": 2, "temperature": 0})
+            assert response.status_code == 200, response.text
+            return response.json()
+
+        prefix = list(range(1000, 1384))  # 24 blocks
+        complete(prefix + [7, 8, 9])
+        complete(list(range(2000, 2400)))
+        complete(list(range(3000, 3400)))  # the prefix is in the host tier now
+        complete(prefix + [5, 6])
+        text = server.get("/metrics").text
+        bytes_per_block = 16 * 46080  # 30 layers x 3 KV heads x 64 x 4 bytes x K and V, per token
+        assert _metric(text, "tokenmill:external_prefix_cache_hits_total") == 384
+        assert _metric(text, "tokenmill:external_prefix_cache_queries_total") >= 384
+        assert _metric(text, "tokenmill:kv_offload_total_bytes_total", transfer_type="CPU_to_GPU") == 24 * bytes_per_block
+        assert _metric(text, "tokenmill:kv_offload_total_bytes_total", transfer_type="GPU_to_CPU") >= 24 * bytes_per_block
+        assert 0 < _metric(text, "tokenmill:kv_offload_cpu_cache_usage_perc") <= 1
+    finally:
+        assert server.stop() == 0, server.log_tail()

@@ -69,6 +69,10 @@ class KVSnapshot:
 class PrefixCacheStats:
     queries: int = 0  # prompt tokens looked up at admission
     hits: int = 0  # of those, tokens served from the cache (the pool or a lower tier)
+    # vLLM's external prefix cache (a KV connector's; here the host tier): the prompt
+    # tokens looked up past the pool's hit, and those of them it served.
+    external_queries: int = 0
+    external_hits: int = 0
 
 
 class PrefixHit(list):
@@ -217,6 +221,9 @@ class KVBlockManager:
         if request.request_id not in self.req_num_hashed_blocks:  # admission
             self.stats.queries += request.num_tokens
             self.stats.hits += num_hit_blocks * self.block_size
+            if self.host_tier is not None and self.enable_caching:
+                self.stats.external_queries += request.num_tokens - len(computed_blocks) * self.block_size
+                self.stats.external_hits += len(host_hits) * self.block_size
             self.req_num_hashed_blocks[request.request_id] = 0
         # The KV of these tokens is written in this step, before any later step can
         # read it, so their full blocks can be offered to other requests right away.

@@ -68,6 +68,17 @@ class SchedulerStats:
     prefix_cache_queries: int
     prefix_cache_hits: int
     num_preemptions: int
+    # The host KV tier (all 0 without one): vLLM's external prefix cache counters (tokens),
+    # its copies and its occupancy (blocks).
+    external_prefix_cache_queries: int = 0
+    external_prefix_cache_hits: int = 0
+    kv_offload_blocks: int = 0  # capacity
+    kv_offload_used_blocks: int = 0
+    kv_offload_bytes_per_block: int = 0
+    kv_offload_stored_blocks: int = 0  # pool -> host
+    kv_offload_loaded_blocks: int = 0  # host -> pool
+    kv_offload_evicted_blocks: int = 0
+    kv_offload_stores_skipped: int = 0
 
 
 class Scheduler:
@@ -460,6 +471,20 @@ class Scheduler:
             prefix_cache_queries=self.kv.stats.queries,
             prefix_cache_hits=self.kv.stats.hits,
             num_preemptions=self.num_preemptions,
+            **self._host_tier_stats(),
+        )
+
+    def _host_tier_stats(self) -> dict[str, int]:
+        host = getattr(self.kv, "host_tier", None)
+        if host is None:
+            return {}
+        return dict(
+            external_prefix_cache_queries=self.kv.stats.external_queries,
+            external_prefix_cache_hits=self.kv.stats.external_hits,
+            kv_offload_blocks=host.num_blocks, kv_offload_used_blocks=len(host),
+            kv_offload_bytes_per_block=host.bytes_per_block, kv_offload_stored_blocks=host.stats.stored_blocks,
+            kv_offload_loaded_blocks=host.stats.loaded_blocks, kv_offload_evicted_blocks=host.stats.evicted_blocks,
+            kv_offload_stores_skipped=host.stats.rejected_blocks,
         )
 
     # ----- internals -----------------------------------------------------------------

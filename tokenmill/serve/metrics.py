@@ -199,6 +199,8 @@ class _EngineStatsCollector(Collector):
             family = CounterMetricFamily(PREFIX + metric, doc, labels=["model_name"])
             family.add_metric([name], float(getattr(stats, field)) if stats else 0.0)
             yield family
+        if stats is not None and stats.kv_offload_blocks:
+            yield from host_tier_metrics(stats, name)
         facts = self._facts()
         if facts is not None:
             yield cache_config_info(facts)
@@ -232,6 +234,39 @@ class _ServerCollector(Collector):
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
+
+
+def host_tier_metrics(stats: EngineStats, name: str) -> Iterator[Metric]:
+    """The host KV tier (--kv-offloading-size) under vLLM's names: its external prefix
+    cache counters, its offloading connector's bytes per direction, occupancy, evictions."""
+    counters = [
+        ("external_prefix_cache_queries", stats.external_prefix_cache_queries,
+         "Prompt tokens looked up in the external (host-tier) prefix cache, past the pool's hit."),
+        ("external_prefix_cache_hits", stats.external_prefix_cache_hits,
+         "Prompt tokens served from the external (host-tier) prefix cache."),
+        ("kv_offload_stores_skipped", stats.kv_offload_stores_skipped,
+         "Evicted blocks the host tier could not take (every slot being loaded in that step)."),
+        ("kv_offload_block_eviction", stats.kv_offload_evicted_blocks,
+         "Blocks dropped from the host tier to make room (least recently used first)."),
+    ]
+    for metric, value, doc in counters:
+        family = CounterMetricFamily(PREFIX + metric, doc, labels=["model_name"])
+        family.add_metric([name], float(value))
+        yield family
+    family = CounterMetricFamily(PREFIX + "kv_offload_total_bytes", "KV bytes copied between the pool and the "
+                                 "host tier, by direction (GPU = the pool, as vLLM names it).",
+                                 labels=["model_name", "transfer_type"])
+    family.add_metric([name, "GPU_to_CPU"], float(stats.kv_offload_stored_blocks * stats.kv_offload_bytes_per_block))
+    family.add_metric([name, "CPU_to_GPU"], float(stats.kv_offload_loaded_blocks * stats.kv_offload_bytes_per_block))
+    yield family
+    family = GaugeMetricFamily(PREFIX + "kv_offload_cpu_cache_usage_perc",
+                               "Fraction of the host tier's blocks holding KV (1 = full).", labels=["model_name"])
+    family.add_metric([name], stats.kv_offload_used_blocks / stats.kv_offload_blocks)
+    yield family
+    family = GaugeMetricFamily(PREFIX + "kv_offload_cpu_cache_bytes",
+                               "Bytes of KV the host tier holds.", labels=["model_name"])
+    family.add_metric([name], float(stats.kv_offload_used_blocks * stats.kv_offload_bytes_per_block))
+    yield family
 
 
 def cache_config_info(facts: EngineFacts) -> GaugeMetricFamily:
