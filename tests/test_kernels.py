@@ -16,13 +16,15 @@ def _kernels() -> None:
         pytest.fail("the native CPU kernels did not build (python -m tokenmill.kernels -v shows why)")
 
 
-def _reference(q, k_cache, v_cache, tables, lens, scale):
-    """The pure-PyTorch decode path: gather each sequence's history, then SDPA."""
+def _reference(q, k_cache, v_cache, tables, lens, scale, window=0):
+    """The pure-PyTorch decode path: gather each sequence's history (its last `window`
+    tokens when `window`), then SDPA."""
     block_size, num_kv_heads, head_dim = k_cache.shape[1:]
     out = []
     for s in range(q.shape[0]):
         n = int(lens[s])
-        slots = (tables[s].long().unsqueeze(1) * block_size + torch.arange(block_size)).flatten()[:n]
+        first = max(0, n - window) if window else 0
+        slots = (tables[s].long().unsqueeze(1) * block_size + torch.arange(block_size)).flatten()[first:n]
         k = k_cache.reshape(-1, num_kv_heads, head_dim)[slots].float().transpose(0, 1).unsqueeze(0)
         v = v_cache.reshape(-1, num_kv_heads, head_dim)[slots].float().transpose(0, 1).unsqueeze(0)
         o = F.scaled_dot_product_attention(
@@ -95,6 +97,48 @@ def test_paged_decode_attention_writes_into_a_view_and_reads_only_its_blocks() -
     paged_decode_attention(big[1:3], q, k_cache, v_cache, tables, lens_t, 0.2)
     torch.testing.assert_close(big[1:3], _reference(q, k_cache, v_cache, tables, lens_t, 0.2), atol=1e-5, rtol=1e-5)
     assert big[0].abs().sum() == 0 and big[3:].abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("window", [1, 5, 16, 37, 500])
+def test_paged_decode_attention_with_a_sliding_window(window, dtype) -> None:
+    """`window`: each row attends its last `window` keys (a Gemma 3 / Mistral sliding
+    layer's), starting mid-block; blocks wholly before the window are never read (NaN
+    here, as the hybrid cache's freed sliding blocks may be reused by anything)."""
+    lens = [1, 17, 64, 5, 200, 33, 48]
+    q, k_cache, v_cache, tables, lens_t = _case(len(lens), 9, 3, 64, 16, lens, dtype=dtype, seed=4)
+    read = {int(t) for s, n in enumerate(lens) for t in tables[s, max(0, n - window) // 16: -(-n // 16)]}
+    for b in set(range(k_cache.shape[0])) - read:
+        k_cache[b] = v_cache[b] = float("nan")
+    out = torch.full_like(q, float("nan"))
+    paged_decode_attention(out, q, k_cache, v_cache, tables, lens_t, 0.125, window=window)
+    expected = _reference(q, k_cache, v_cache, tables, lens_t, 0.125, window)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(out.float(), expected, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("window", [0, 24])
+def test_paged_decode_attention_rows_are_batch_and_thread_invariant(window) -> None:
+    """Deterministic inference (runner/plan.py batch_invariant_plan) rests on this: a row's
+    output is bitwise the same whether it is computed alone, among other rows (which change
+    the work split from one head per item to whole sequences) or on one thread."""
+    lens = [1, 2, 3, 16, 17, 31, 33, 64, 100, 130, 7, 90]
+    q, k_cache, v_cache, tables, lens_t = _case(len(lens), 9, 3, 64, 16, lens, seed=5)
+    together = torch.empty_like(q)
+    paged_decode_attention(together, q, k_cache, v_cache, tables, lens_t, 0.125, window=window)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one_thread = torch.empty_like(q)
+        paged_decode_attention(one_thread, q, k_cache, v_cache, tables, lens_t, 0.125, window=window)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one_thread, together)
+    for s in range(len(lens)):
+        alone = torch.empty_like(q[s:s + 1])
+        paged_decode_attention(alone, q[s:s + 1], k_cache, v_cache, tables[s:s + 1], lens_t[s:s + 1], 0.125,
+                               window=window)
+        assert torch.equal(alone, together[s:s + 1]), f"row {s} differs alone and in the batch"
 
 
 def test_paged_decode_attention_rejects_bad_shapes() -> None:

@@ -467,3 +467,41 @@ def test_linear_and_row_lookup_with_and_without_the_kernels(native, monkeypatch)
     monkeypatch.setattr(kernels, "cpu_kernels_available", lambda: False)
     torch.testing.assert_close(qt.linear(x), F.linear(x, qt.dequantize()))
     assert torch.equal(qt.lookup_rows(ids), qt.dequantize()[ids.flatten()])
+
+
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q4_K", "Q6_K", "Q8_0", "int8", "int4-g32"])
+def test_integer_rows_are_batch_and_thread_invariant(native, fmt) -> None:
+    """Deterministic inference (runner/plan.py batch_invariant_plan) runs the integer kernel
+    at every row count: a row's output must be bitwise the same alone, among 1-130 other
+    rows (the kernel's row tiles and their tails) and on one thread."""
+    from tokenmill.runner.plan import EVERY_ROW
+
+    qt = FORMATS[fmt]()
+    x = torch.randn(130, qt.shape[1], generator=torch.Generator().manual_seed(7))
+    together = kernels.quant_linear(x, qt.packed, qt.format, None, EVERY_ROW)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernels.quant_linear(x, qt.packed, qt.format, None, EVERY_ROW), together)
+    finally:
+        torch.set_num_threads(threads)
+    for m in (1, 2, 3, 5, 17, 64):
+        part = kernels.quant_linear(x[-m:].contiguous(), qt.packed, qt.format, None, EVERY_ROW)
+        assert torch.equal(part, together[-m:]), f"the last {m} rows differ from the same rows among 130"
+
+
+@pytest.mark.parametrize("tile_dtype", [torch.float32, torch.bfloat16])
+def test_skinny_rows_are_batch_and_thread_invariant(native, tile_dtype) -> None:
+    """The dense half of the same guarantee: the skinny kernel at any row count."""
+    w = torch.randn(200, 576, generator=torch.Generator().manual_seed(8))
+    tiled = kernels.tile_for_skinny(w, tile_dtype)
+    x = torch.randn(70, 576, generator=torch.Generator().manual_seed(9))
+    together = kernels.skinny_linear(x, tiled, 200)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernels.skinny_linear(x, tiled, 200), together)
+    finally:
+        torch.set_num_threads(threads)
+    for m in (1, 3, 16, 33):
+        assert torch.equal(kernels.skinny_linear(x[-m:].contiguous(), tiled, 200), together[-m:]), f"last {m} rows"

@@ -193,6 +193,10 @@ class DeviceConfig:
     pack_weights: bool = setting(True, env="TOKENMILL_PACK_WEIGHTS",
                                  help="on CPU, also keep linear weights in oneDNN's packed layout for inputs of many "
                                       "rows (faster prefill, more memory; env TOKENMILL_PACK_WEIGHTS=0 turns it off)")
+    enable_deterministic_inference: bool = setting(
+        False, help="SGLang's deterministic inference: batch-invariant kernels, so a request's output (greedy, or "
+                    "sampled with a seed) does not depend on what it is batched with, how its prompt is chunked, "
+                    "prefix-cache hits, threads or preemption; slower prompts (docs/determinism.md)")
 
     def __post_init__(self) -> None:
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)

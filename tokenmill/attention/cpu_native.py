@@ -7,20 +7,19 @@ as they are. Prefill chunks go through the shared SDPA path (`paged_sdpa`), whic
 flash kernel already does well. An 8-bit cache is written by the native write (one op
 instead of a dozen per layer), to the same bytes as the PyTorch write.
 
-The native decode kernel attends to a whole context: a sliding-window layer whose
-decodes reach past the window attends them by the shared padded SDPA path instead,
-narrowed to the window (as are its prefill chunks).
+A sliding-window layer's decodes attend natively over their last `window` keys (the
+kernel's `window`); its prefill chunks through SDPA narrowed to the window.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, BatchLayout, padded_block_tables
-from tokenmill.attention.paged_sdpa import (PaddedDecode, PrefillSpan, attend_padded_decode, attend_prefills,
-                                            padded_decode, prefill_spans, windowed_spans, write_kv)
+from tokenmill.attention.paged_sdpa import PrefillSpan, attend_prefills, prefill_spans, windowed_spans, write_kv
 from tokenmill.kernels import hadamard_, paged_decode_attention, write_kv_cache
 
 
@@ -29,12 +28,13 @@ class NativeDecode:
     rows: torch.Tensor | slice  # query rows of the decodes (a slice when contiguous)
     block_tables: torch.Tensor  # int32 [decodes, max_blocks]
     context_lens: torch.Tensor  # int32 [decodes]
+    window: int = 0  # a sliding-window layer's: each row attends its last `window` keys
 
 
 @dataclass
 class NativeMetadata:
     slot_mapping: torch.Tensor  # [tokens]
-    decode: NativeDecode | PaddedDecode | None
+    decode: NativeDecode | None
     prefills: list[PrefillSpan]
     layout: BatchLayout | None = None
     windowed: dict[int, NativeMetadata] = field(default_factory=dict)  # per sliding window, built on first use
@@ -43,11 +43,7 @@ class NativeMetadata:
         if window is None or self.layout is None:
             return self
         if window not in self.windowed:
-            layout = self.layout
-            decodes = [i for i, n in enumerate(layout.query_lens) if n == 1]
-            decode = self.decode
-            if decodes and max(layout.context_lens[i] for i in decodes) > window:
-                decode = padded_decode(layout, decodes, device, window)
+            decode = None if self.decode is None else dataclasses.replace(self.decode, window=window)
             self.windowed[window] = NativeMetadata(self.slot_mapping, decode,
                                                    windowed_spans(self.prefills, window, device))
         return self.windowed[window]
@@ -77,9 +73,7 @@ class CPUNativeBackend(AttentionBackend):
                 hadamard_(t, kv_cache.rotation)
             write_kv_cache(k, v, (kv_cache.k, kv_cache.v), kv_cache.scales, metadata.slot_mapping)
         out = torch.empty_like(q)
-        if isinstance(metadata.decode, PaddedDecode):
-            attend_padded_decode(q, kv_cache, metadata.decode, scale, out)
-        elif metadata.decode is not None:
+        if metadata.decode is not None:
             self._decode(q, kv_cache, metadata.decode, scale, out)
         attend_prefills(q, k, v, kv_cache, metadata.prefills, scale, out, metadata.slot_mapping, self.prefill_dtype)
         if native and kv_cache.rotation:
@@ -92,12 +86,12 @@ class CPUNativeBackend(AttentionBackend):
         k_cache, v_cache = kv_cache
         if isinstance(native.rows, slice):  # write straight into the output rows
             paged_decode_attention(out[native.rows], q[native.rows], k_cache, v_cache, native.block_tables,
-                                   native.context_lens, scale, kv_cache.scales)
+                                   native.context_lens, scale, kv_cache.scales, native.window)
             return
         qd = q[native.rows]
         od = torch.empty_like(qd)
         paged_decode_attention(od, qd, k_cache, v_cache, native.block_tables, native.context_lens, scale,
-                               kv_cache.scales)
+                               kv_cache.scales, native.window)
         out[native.rows] = od
 
 

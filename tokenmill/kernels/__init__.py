@@ -99,13 +99,15 @@ def paged_decode_attention(
     context_lens: torch.Tensor,
     scale: float,
     kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
+    window: int = 0,
 ) -> None:
     """out[s] = softmax(q[s] K_s^T * scale) V_s over sequence s's first context_lens[s]
-    cached tokens, read through its block table (int32 [num_seqs, max_blocks]). An int8/fp8
-    cache comes with its float16 scales per (token, head), `kv_scales` = (k, v) (reference:
-    `LayerKVCache.read` then SDPA)."""
+    cached tokens (`window` > 0: its last `window` of them, a sliding-window layer's), read
+    through its block table (int32 [num_seqs, max_blocks]). An int8/fp8 cache comes with its
+    float16 scales per (token, head), `kv_scales` = (k, v) (reference: `LayerKVCache.read`
+    then SDPA). A row's keys are reduced in position order whatever else is in the call."""
     torch.ops.tokenmill.paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, scale,
-                                               *(kv_scales or (None, None)))
+                                               *(kv_scales or (None, None)), window)
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],

@@ -15,6 +15,10 @@ This module (with what it imports) answers "which kernel runs for this step":
   `quant_integer_rows[bits]` rows and a bf16 GEMM beyond; a chunk of up to
   `short_chunk_tokens` tokens after earlier context attends as one-token rows
   (`chunk_as_rows`), so a step of such rows can run fused.
+- `batch_invariant_plan(plan)`: deterministic inference (SGLang's
+  `--enable-deterministic-inference`): every row of every step is computed by the same
+  kernels in the same order whatever else the step holds, so a request's tokens do not
+  depend on the batch, the chunking, the prefix cache, the thread count or preemption.
 - `apply_plan` hands the model, once at load, its weight format, its element-wise ops object
   and (for the fused tier) every layer's fused operands; a model whose layers declare a
   feature the fused op does not cover is refused the fused tier there, with a log line
@@ -37,8 +41,8 @@ from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.quantization import DenseFormat, WeightFormat
 from tokenmill.quantization.dense import CPUMatmulChoice
 
-__all__ = ["ExecutionPlan", "RowThresholds", "StepKind", "apply_plan", "cpu_native_plan", "quantized_plan",
-           "reference_plan"]
+__all__ = ["ExecutionPlan", "RowThresholds", "StepKind", "apply_plan", "batch_invariant_plan", "cpu_native_plan",
+           "quantized_plan", "reference_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -77,6 +81,9 @@ class ExecutionPlan:
     # AMX, and the K/V it reads are bf16 in the cache anyway.
     prefill_attention_dtype: torch.dtype | None = None
     short_chunk_tokens: int = ROWS.short_chunk_tokens
+    # Deterministic inference (batch_invariant_plan): every token of every chunk attends as a
+    # one-token row and every linear runs one row-invariant kernel at any row count.
+    batch_invariant: bool = False
 
     @property
     def tier(self) -> str:
@@ -96,6 +103,9 @@ class ExecutionPlan:
         parts.append(self.ops.name)
         if self.prefill_attention_dtype is not None:
             parts.append(f"prefill attention in {str(self.prefill_attention_dtype).removeprefix('torch.')}")
+        if self.batch_invariant:
+            parts.append("batch-invariant (deterministic inference): one kernel per op at every row count, every "
+                         "prompt token attends as a row of the paged kernel")
         return "; ".join(parts)
 
     def step_kind(self, num_rows: int, all_decode: bool) -> StepKind:
@@ -107,7 +117,11 @@ class ExecutionPlan:
 
     def chunk_as_rows(self, start_pos: int, num_tokens: int) -> bool:
         """Whether a request's chunk of `num_tokens` after `start_pos` cached tokens attends
-        as that many one-token rows (see RowThresholds.short_chunk_tokens)."""
+        as that many one-token rows (see RowThresholds.short_chunk_tokens). Under a
+        batch-invariant plan every chunk does: a row then reads its keys in the same order
+        whether its prompt came in one chunk, in several, or after a prefix-cache hit."""
+        if self.batch_invariant:
+            return num_tokens > 1
         return start_pos > 0 and 1 < num_tokens <= self.short_chunk_tokens
 
 
@@ -161,3 +175,37 @@ def quantized_plan(dense: ExecutionPlan, method: str, group_size: int = 32,
 
     fmt = QuantizedFormat(method, dense.weight_format, group_size, dict(rows.quant_integer_rows))
     return dataclasses.replace(dense, weight_format=fmt, fused_decode_max_rows=min(rows.quant_integer_rows.values()))
+
+
+# A row count no step reaches: "this kernel at every row count".
+EVERY_ROW = 2**31 - 1
+
+
+def batch_invariant_plan(plan: ExecutionPlan) -> ExecutionPlan:
+    """`plan` made batch-invariant, for deterministic inference. The default plan switches
+    kernels by row count (skinny kernel / oneDNN, integer dot products / bf16 GEMM, fused
+    layer / op by op, paged rows / SDPA over a chunk), and each switch changes a row's
+    rounding: a request's greedy tokens then depend on what shares its step. Here every
+    linear runs its row-wise kernel at any row count (the skinny kernel on dense tiles, no
+    oneDNN copy; the integer kernel on quantized weights), each of which computes an output
+    row from that input row alone, in a fixed order, whatever the thread split; every step
+    runs op by op (the fused layer's internal row thresholds are its own); attention runs
+    every token as a row of the paged kernel (`chunk_as_rows`), whose reduction over keys is
+    per row and in position order. Slower on prompts (docs/determinism.md)."""
+    from tokenmill.quantization.formats import QuantizedFormat
+
+    def dense_rowwise(fmt: DenseFormat) -> DenseFormat:
+        if not fmt.cpu_layout:
+            raise ValueError("deterministic inference needs the CPU-tiled weight layout of the native kernels")
+        return DenseFormat(fmt.weight_dtype, cpu_layout=True, onednn=False, choice=CPUMatmulChoice(EVERY_ROW))
+
+    fmt = plan.weight_format
+    if isinstance(fmt, QuantizedFormat):
+        fmt = QuantizedFormat(fmt.method, dense_rowwise(fmt.dense), fmt.group_size,
+                              {bits: EVERY_ROW for bits in fmt.integer_rows})
+    elif isinstance(fmt, DenseFormat):
+        fmt = dense_rowwise(fmt)
+    else:
+        raise ValueError(f"deterministic inference does not cover the weight format {fmt.describe()}")
+    return dataclasses.replace(plan, weight_format=fmt, fused_decode=False, prefill_attention_dtype=None,
+                               batch_invariant=True)

@@ -40,7 +40,8 @@ from tokenmill.quantization.dense import CPUMatmulChoice
 from tokenmill.runner import tune
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.runner.pipeline import PipelineRunner
-from tokenmill.runner.plan import ExecutionPlan, apply_plan, cpu_native_plan, quantized_plan, reference_plan
+from tokenmill.runner.plan import (EVERY_ROW, ExecutionPlan, apply_plan, batch_invariant_plan, cpu_native_plan,
+                                  quantized_plan, reference_plan)
 from tokenmill.runner.threads import ThreadGovernor
 from tokenmill.structured_output.compiler import compiler_for
 from tokenmill.structured_output.manager import StructuredOutputManager
@@ -402,17 +403,35 @@ def choose_plan(config: EngineConfig, device: torch.device, dtype: DtypePlan, ke
     weights and PyTorch ops."""
     weights = torch_dtype(dtype.weights)
     method = config.quantization.quantization
-    if not (device.type == "cpu" and dtype.compute == "float32" and kernels_ok):
+    native = device.type == "cpu" and dtype.compute == "float32" and kernels_ok
+    deterministic = config.device.enable_deterministic_inference
+    if deterministic:
+        check_deterministic_inference(config, native, backend, arch)
+    if not native:
         if method in ("int8", "int4"):
             raise ValueError(f"quantization {method} runs on tokenmill's native CPU kernels, which are turned off, "
                              "failed to build or are not for this device")
         return reference_plan(weights)
-    choice = cpu_matmul_choice(config, weights, arch)
+    # Deterministic inference runs one kernel at every row count: nothing to measure.
+    choice = CPUMatmulChoice(EVERY_ROW) if deterministic else cpu_matmul_choice(config, weights, arch)
     plan = cpu_native_plan(weights, onednn=config.device.pack_weights, choice=choice,
                            fused_decode=backend.name == "cpu_native")
     if keep_quantized or method in ("int8", "int4"):
-        return quantized_plan(plan, "stored" if keep_quantized else method, config.quantization.quantization_group_size)
-    return plan
+        plan = quantized_plan(plan, "stored" if keep_quantized else method, config.quantization.quantization_group_size)
+    return batch_invariant_plan(plan) if deterministic else plan
+
+
+def check_deterministic_inference(config: EngineConfig, native: bool, backend: AttentionBackend,
+                                  arch: ModelArchConfig | None) -> None:
+    """Refuse, naming the fix, what deterministic inference does not cover: its kernels are
+    tokenmill's native CPU ones (float32 activations) and the cpu_native attention backend."""
+    if not native or backend.name != "cpu_native":
+        raise ValueError("deterministic inference runs on tokenmill's native CPU kernels and the cpu_native attention "
+                         "backend (float32 activations on the CPU): drop --attention-backend torch_sdpa / "
+                         "TOKENMILL_KERNELS=0 / a GPU device, or turn --enable-deterministic-inference off")
+    if arch is not None and arch.num_experts:
+        raise ValueError("deterministic inference does not cover mixture-of-experts models yet (their grouped expert "
+                         "kernels switch by row count): turn --enable-deterministic-inference off")
 
 
 def quantized_as_stored(config: EngineConfig, stored: str | None, kernels_ok: bool) -> bool:

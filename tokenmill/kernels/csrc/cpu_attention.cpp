@@ -200,17 +200,20 @@ inline void prefetch_block(const T* block, int64_t rows, int64_t row_stride, int
 #endif
 }
 
-// Calls visit(t0, block, n) for the first ctx cached rows of one head, a block (n <= block_size
-// rows starting at token t0) at a time through the block table, prefetching each next
-// block. `head` points at the head's row in block 0.
+// Calls visit(t0, block, offset, rows, n) for the cached rows [first, ctx) of one head, a
+// block's part at a time (n rows from `offset` in block table[block], the first of them at
+// index t0 = position - first) through the block table, prefetching each next block.
+// `head` points at the head's row in block 0. `first` > 0: a sliding window's start.
 template <typename T, typename Visit>
-inline void for_each_cached_block(const T* head, const int32_t* table, int64_t ctx, int64_t block_size,
+inline void for_each_cached_block(const T* head, const int32_t* table, int64_t first, int64_t ctx, int64_t block_size,
                                   int64_t block_stride, int64_t token_stride, int64_t row_bytes, Visit visit) {
-  for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-    if (t0 + block_size < ctx)
-      prefetch_block(head + table[t0 / block_size + 1] * block_stride, std::min(block_size, ctx - t0 - block_size),
-                     token_stride, row_bytes);
-    visit(t0, head + table[t0 / block_size] * block_stride, std::min(block_size, ctx - t0));
+  for (int64_t pos = first; pos < ctx;) {
+    const int64_t b = pos / block_size, offset = pos % block_size;
+    const int64_t n = std::min(block_size - offset, ctx - pos), next = pos + n;
+    if (next < ctx)
+      prefetch_block(head + table[b + 1] * block_stride, std::min(block_size, ctx - next), token_stride, row_bytes);
+    visit(pos - first, table[b], offset, head + table[b] * block_stride + offset * token_stride, n);
+    pos = next;
   }
 }
 
@@ -228,11 +231,12 @@ struct RowScales {
   const at::Half* v = nullptr;
   int64_t block_stride = 0, head_stride = 0;
 
-  // rows[(h * group + g) * ctx + t0 + j] *= scale of (token t0 + j, head h) for one block's n rows.
-  void apply(const at::Half* scales, int64_t block, int64_t nh, int64_t group, int64_t ctx, int64_t t0, int64_t n,
-             float* rows) const {
+  // rows[(h * group + g) * ctx + t0 + j] *= scale of (the block's token offset + j, head h)
+  // for n rows of one block.
+  void apply(const at::Half* scales, int64_t block, int64_t offset, int64_t nh, int64_t group, int64_t ctx, int64_t t0,
+             int64_t n, float* rows) const {
     for (int64_t h = 0; h < nh; ++h) {
-      const at::Half* s = scales + block * block_stride + h * head_stride;
+      const at::Half* s = scales + block * block_stride + h * head_stride + offset;
       for (int64_t g = 0; g < group; ++g) {
         float* r = rows + (h * group + g) * ctx + t0;
         int64_t j = 0;
@@ -248,14 +252,15 @@ struct RowScales {
 
 template <int G, typename cache_t>
 inline void attend(const float* qf, const cache_t* k_heads, const cache_t* v_heads, int64_t nh, const int32_t* table,
-                   int64_t ctx, int64_t group, int64_t head_dim, int64_t block_size, int64_t block_stride,
+                   int64_t first, int64_t end, int64_t group, int64_t head_dim, int64_t block_size, int64_t block_stride,
                    int64_t token_stride, int64_t head_stride, const RowScales& row_scales, float* scores,
                    float* acc) {
   const int64_t row_bytes = ((nh - 1) * head_stride + head_dim) * static_cast<int64_t>(sizeof(cache_t));
   const int64_t rows = nh * group;  // query rows of the item; scores are [rows, ctx]
+  const int64_t ctx = end - first;  // keys attended: positions [first, end)
   // Pass 1: scores, each K row read once for the whole group.
-  for_each_cached_block(k_heads, table, ctx, block_size, block_stride, token_stride, row_bytes,
-                        [&](int64_t t0, const cache_t* block, int64_t n) {
+  for_each_cached_block(k_heads, table, first, end, block_size, block_stride, token_stride, row_bytes,
+                        [&](int64_t t0, int64_t block_id, int64_t offset, const cache_t* block, int64_t n) {
                           for (int64_t h = 0; h < nh; ++h) {
                             const float* qh = qf + h * group * head_dim;
                             float* sh = scores + h * group * ctx + t0;
@@ -268,15 +273,15 @@ inline void attend(const float* qf, const cache_t* k_heads, const cache_t* v_hea
                             }
                           }
                           if (row_scales.k != nullptr)  // q . (codes * s) = (q . codes) * s
-                            row_scales.apply(row_scales.k, table[t0 / block_size], nh, group, ctx, t0, n, scores);
+                            row_scales.apply(row_scales.k, block_id, offset, nh, group, ctx, t0, n, scores);
                         });
   for (int64_t r = 0; r < rows; ++r) softmax_(scores + r * ctx, ctx);
   // Pass 2: weighted sum of V, each V row read once for the whole group.
   std::fill(acc, acc + rows * head_dim, 0.f);
-  for_each_cached_block(v_heads, table, ctx, block_size, block_stride, token_stride, row_bytes,
-                        [&](int64_t t0, const cache_t* block, int64_t n) {
+  for_each_cached_block(v_heads, table, first, end, block_size, block_stride, token_stride, row_bytes,
+                        [&](int64_t t0, int64_t block_id, int64_t offset, const cache_t* block, int64_t n) {
                           if (row_scales.v != nullptr)  // sum w (codes * s) = sum (w * s) codes
-                            row_scales.apply(row_scales.v, table[t0 / block_size], nh, group, ctx, t0, n, scores);
+                            row_scales.apply(row_scales.v, block_id, offset, nh, group, ctx, t0, n, scores);
                           for (int64_t h = 0; h < nh; ++h) {
                             float* ah = acc + h * group * head_dim;
                             const float* sh = scores + h * group * ctx + t0;
@@ -295,7 +300,7 @@ template <typename scalar_t, typename cache_t>
 void decode_kernel(
     at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-    const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
+    const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale, int64_t window) {
   const int64_t num_seqs = q.size(0), num_heads = q.size(1), head_dim = q.size(2);
   const int64_t block_size = k_cache.size(1), num_kv_heads = k_cache.size(2);
   const int64_t group = num_heads / num_kv_heads;  // query heads sharing one KV head
@@ -336,19 +341,20 @@ void decode_kernel(
       const int64_t s = work / items_per_seq, h0 = (work % items_per_seq) * heads_per_item;
       const int64_t ctx = lens[s];
       TORCH_CHECK(ctx <= max_blocks * block_size, "context longer than its block table");
+      const int64_t first = window > 0 ? std::max<int64_t>(0, ctx - window) : 0;  // a sliding window's first key
       const int32_t* table = tables + s * max_blocks;
       // The item's query rows (heads h0 * group onwards), scaled, in float.
       for (int64_t r = 0; r < rows; ++r) {
         const scalar_t* src = q_ptr + s * q_seq_stride + (h0 * group + r) * q_head_stride;
         for (int64_t i = 0; i < head_dim; ++i) qf[r * head_dim + i] = to_float(src[i]) * fscale;
       }
-      scores.resize(rows * ctx);
+      scores.resize(rows * (ctx - first));
       const cache_t* k_heads = k_ptr + h0 * kv_head_stride;
       const cache_t* v_heads = v_ptr + h0 * kv_head_stride;
       RowScales row_scales = scales_0;
       if (row_scales.k != nullptr) row_scales.k += h0 * row_scales.head_stride, row_scales.v += h0 * row_scales.head_stride;
 #define TOKENMILL_ATTEND(G)                                                                                     \
-  attend<G>(qf.data(), k_heads, v_heads, heads_per_item, table, ctx, group, head_dim, block_size, kv_block_stride, \
+  attend<G>(qf.data(), k_heads, v_heads, heads_per_item, table, first, ctx, group, head_dim, block_size, kv_block_stride, \
             kv_token_stride, kv_head_stride, row_scales, scores.data(), acc.data())
       switch (variant) {
         case 1: TOKENMILL_ATTEND(1); break;
@@ -526,7 +532,8 @@ void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache
 void paged_decode_attention(
     at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
     const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-    const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale) {
+    const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale, int64_t window) {
+  TORCH_CHECK(window >= 0, "window must be 0 (the whole context) or positive");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [num_seqs, num_heads, head_dim]");
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "k/v cache must be [blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides(), "cache rows must be contiguous");
@@ -542,7 +549,8 @@ void paged_decode_attention(
   AT_DISPATCH_V2(q.scalar_type(), "paged_decode_attention_q", AT_WRAP([&] {
     using q_t = scalar_t;
     AT_DISPATCH_V2(k_cache.scalar_type(), "paged_decode_attention_kv", AT_WRAP([&] {
-      decode_kernel<q_t, scalar_t>(out, q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale);
+      decode_kernel<q_t, scalar_t>(out, q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale,
+                                   window);
     }), at::kFloat, at::kBFloat16, at::kHalf, at::kChar, at::kFloat8_e4m3fn);
   }), at::kFloat, at::kBFloat16, at::kHalf);
 }
@@ -552,7 +560,7 @@ void paged_decode_attention(
 TORCH_LIBRARY(tokenmill, m) {
   m.def(
       "paged_decode_attention(Tensor(a!) out, Tensor q, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-      "Tensor context_lens, float scale, Tensor? k_scale=None, Tensor? v_scale=None) -> ()");
+      "Tensor context_lens, float scale, Tensor? k_scale=None, Tensor? v_scale=None, int window=0) -> ()");
   m.def(
       "write_kv_cache(Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor(c!)? k_scale, "
       "Tensor(d!)? v_scale, Tensor slots) -> ()");

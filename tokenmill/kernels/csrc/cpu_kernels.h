@@ -56,7 +56,8 @@ void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
 // cpu_attention.cpp
 void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale,
-                            const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale);
+                            const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
+                            int64_t window = 0);
 // K and V rows (float32; head h of token t at k + t * k_strides[0] + h * k_strides[1]) into
 // their cache slots: cast, or quantized with a scale per (token, head) for int8/fp8 caches.
 void write_kv_rows(const float* k, const float* v, int64_t tokens, const int64_t k_strides[2],
