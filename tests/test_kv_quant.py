@@ -332,24 +332,29 @@ def _prompts(llm, n: int) -> list[list[int]]:
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
 
-def test_prefix_cache_hit_equals_miss_on_an_int8_cache(llm_int8) -> None:
+def test_prefix_cache_hit_equals_miss_on_an_int8_cache() -> None:
     """A hit reads the prefix's codes written by an earlier request; a miss computes the
-    prefix and (an 8-bit cache attends to its chunk as stored) reads the same codes."""
+    prefix and (an 8-bit cache attends to its chunk as stored) reads the same codes. Under
+    deterministic inference (the same kernels for the 20-token suffix after a hit and the
+    276-token prompt of a miss) tokens and logprobs are bitwise equal; by default the two
+    chunks' matmuls may differ by row count (issue 24), so that is where this is checked."""
     from tests.test_default_model import TEXT
+    from tokenmill.llm import LLM
 
-    ids = llm_int8.tokenizer.encode(TEXT * 3)
+    llm = LLM(dtype="float32", kv_cache_dtype="int8", max_model_len=1024, kv_cache_memory="64MiB", seed=0,
+              enable_prefix_caching=False, enable_deterministic_inference=True)
+    ids = llm.tokenizer.encode(TEXT * 3)
     prefix, suffix_a, suffix_b = ids[:256], ids[256:280], ids[280:300]
-    cached = sibling(llm_int8, enable_prefix_caching=True)
-    uncached = sibling(llm_int8, enable_prefix_caching=False)
+    cached = sibling(llm, enable_prefix_caching=True)
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
     cached.generate([prefix + suffix_a], params)
     hit = cached.generate([prefix + suffix_b], params)[0]
     assert hit.num_cached_tokens == 256
+    uncached = sibling(llm, enable_prefix_caching=False)
     miss = uncached.generate([prefix + suffix_b], params)[0]
     assert hit.outputs[0].token_ids == miss.outputs[0].token_ids
-    for a, b in zip(hit.outputs[0].logprobs, miss.outputs[0].logprobs):
-        for t in a:
-            assert abs(a[t].logprob - b[t].logprob) < 1e-3
+    assert [{t: p.logprob for t, p in a.items()} for a in hit.outputs[0].logprobs] == \
+        [{t: p.logprob for t, p in a.items()} for a in miss.outputs[0].logprobs]
     assert_engine_idle(cached)
 
 
