@@ -496,3 +496,58 @@ def test_the_build_name_includes_the_venv(monkeypatch) -> None:
         monkeypatch.undo()
         kernels.build_name.cache_clear()
     assert kernels.build_name() == here
+
+
+def test_onednn_row_buckets_are_few_and_tight() -> None:
+    """oneDNN's row counts are padded to buckets (issue 31: a primitive per shape grew the
+    server by ~620 MB): never fewer rows than asked, at most 12.5% more beyond 64 rows,
+    and at most 8 buckets per doubling."""
+    from tokenmill.quantization.dense import onednn_rows
+
+    for rows in range(1, 5000):
+        padded = onednn_rows(rows)
+        assert rows <= padded <= (rows + 7 if rows <= 64 else rows * 1.125), rows
+        assert onednn_rows(padded) == padded
+    assert len({onednn_rows(r) for r in range(3, 65)}) == 8
+    for low in (64, 128, 1024):
+        assert len({onednn_rows(r) for r in range(low + 1, 2 * low + 1)}) == 8
+
+
+_PRIMITIVE_GROWTH = r"""
+import json, os, torch
+from tokenmill.quantization.dense import CPUMatmulChoice, DenseFormat, bound_onednn_caches
+env = bound_onednn_caches()
+torch.set_num_threads(1)
+rss = lambda: int(open("/proc/self/status").read().split("VmRSS:")[1].split()[0]) / 1024
+weights = DenseFormat(torch.float32, cpu_layout=True, onednn=True, choice=CPUMatmulChoice(2)).make(torch.randn(1536, 576))
+weights.apply(torch.randn(3, 576))
+before = rss()
+for rows in range(3, 401):  # a new row count every call, as prompts of every length make
+    weights.apply(torch.randn(rows, 576))
+print(json.dumps({"growth_mb": rss() - before, "env": env}))
+"""
+
+
+def test_onednn_primitives_do_not_grow_with_row_counts() -> None:
+    """398 multiplies of 398 different row counts, in a fresh process: oneDNN's compiled
+    primitives (~0.6 MB per shape) stay bounded (without the row buckets: ~230 MB), and
+    both oneDNN caches are bounded unless the user set them."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from tokenmill.quantization.dense import ONEDNN_CACHE_CAPACITY
+
+    env = {k: v for k, v in os.environ.items() if k not in ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")}
+    out = subprocess.run([sys.executable, "-c", _PRIMITIVE_GROWTH], env=env, capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result["env"] == {"ONEDNN_PRIMITIVE_CACHE_CAPACITY": str(ONEDNN_CACHE_CAPACITY),
+                             "LRU_CACHE_CAPACITY": str(ONEDNN_CACHE_CAPACITY)}
+    assert result["growth_mb"] < 60, result
+    user = subprocess.run([sys.executable, "-c", "from tokenmill.quantization.dense import bound_onednn_caches as b; "
+                           "print(b()['LRU_CACHE_CAPACITY'])"], env={**env, "LRU_CACHE_CAPACITY": "7"},
+                          capture_output=True, text=True, timeout=60)
+    assert user.stdout.strip() == "7", user.stderr[-2000:]

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 
@@ -90,10 +92,14 @@ class CPUDenseWeights(LinearWeights):
             if x.shape[0] <= self.choice.skinny_max_rows:
                 return kernels.skinny_linear(x.contiguous(), self.tiled, self.out_features)
             if self.packed is not None:
+                rows = x.shape[0]
+                padded = onednn_rows(rows)
+                if padded != rows:  # zero rows up to the bucket: one oneDNN primitive per bucket
+                    x = F.pad(x, (0, 0, 0, padded - rows))
                 if self.packed.dtype == torch.bfloat16:
                     y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.packed, None, "none", [], "")
-                    return y.float()
-                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None, "none", [], "")
+                    return y[:rows].float()
+                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None, "none", [], "")[:rows]
             if self.choice.skinny_max_rows > 0:  # no copy: the tiles, a chunk of rows at a time
                 chunk = self.choice.skinny_max_rows
                 return torch.cat([kernels.skinny_linear(part.contiguous(), self.tiled, self.out_features)
@@ -117,6 +123,37 @@ class CPUDenseWeights(LinearWeights):
 
     def fused_decode_operand(self) -> DecodeOperand:
         return DecodeOperand(self.tiled, self.out_features)
+
+
+# oneDNN compiles a primitive (JIT code and buffers, ~0.6 MB each for the default model's
+# matrices on a Zen 4 core) for every (input rows, weight) shape it multiplies, and keeps it
+# in two LRU caches: its own (ONEDNN_PRIMITIVE_CACHE_CAPACITY) and ideep's, PyTorch's
+# wrapper (LRU_CACHE_CAPACITY), 1,024 entries each by default; an entry is freed only when
+# both have let it go. A step's row count is the sum of its chunks' tokens, so prompts of
+# every length made a new shape nearly every prefill step: under prefix-cache churn the
+# server grew by ~620 MB until the caches were full (issue 31). Two bounds: the rows are
+# padded up to a bucket (`onednn_rows`: about 8 shapes per doubling), and both caches hold
+# ONEDNN_CACHE_CAPACITY entries (`bound_onednn_caches`), unless the user set them.
+ONEDNN_CACHE_CAPACITY = 128
+ONEDNN_CACHE_VARIABLES = ("ONEDNN_PRIMITIVE_CACHE_CAPACITY", "LRU_CACHE_CAPACITY")
+
+
+def bound_onednn_caches(capacity: int = ONEDNN_CACHE_CAPACITY) -> dict[str, str]:
+    """Both oneDNN caches' capacity, set in the environment where the user has not set it.
+    oneDNN and ideep read them when the process makes its first primitive, so this is
+    called before any (the start of `runner.worker.build_rank`). Returns the values in
+    effect."""
+    return {name: os.environ.setdefault(name, str(capacity)) for name in ONEDNN_CACHE_VARIABLES}
+
+
+def onednn_rows(rows: int) -> int:
+    """The rows a oneDNN multiply of `rows` rows is run with (zero rows added): a multiple
+    of 8 up to 64, beyond a multiple of an eighth of the power of two below `rows` (at most
+    12.5% more rows; 65-128 in steps of 8, 129-256 in steps of 16, ...)."""
+    if rows <= 64:
+        return -(-rows // 8) * 8
+    step = 1 << (rows.bit_length() - 4)
+    return -(-rows // step) * step
 
 
 def onednn_available() -> bool:

@@ -36,7 +36,7 @@ from tokenmill.hardware import cpu_info
 from tokenmill.model.loader import LoadedModel, load_model, open_checkpoint
 from tokenmill.model_arch import ModelArchConfig
 from tokenmill.pooling import Pooler, model_pooling
-from tokenmill.quantization.dense import CPUMatmulChoice
+from tokenmill.quantization.dense import CPUMatmulChoice, bound_onednn_caches
 from tokenmill.runner import tune
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.runner.pipeline import PipelineRunner
@@ -81,6 +81,7 @@ def rank_setup(ctx, config: EngineConfig, num_threads: int) -> RankSetup:
 def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltRank:
     """Load the model (one rank's part of it, given `rank`), its plan, KV cache and runner."""
     start = time.perf_counter()
+    bound_onednn_caches()  # before the first oneDNN primitive (the tuning, the weights' copies)
     device = resolve_device(config.device.device)
     governor = compute_threads(config, device, rank.num_threads if rank else None)
     kernels_ok = device.type == "cpu" and config.device.native_kernels and _cpu_kernels_build()
