@@ -7,7 +7,8 @@ keeps it going and its mask is live at every step). Decode tokens/s is taken fro
 engine's own first/last token times (prefill excluded); runs alternate so drift in the
 machine's load hits both alike; medians reported.
 
-    .venv/bin/python benchmarks/structured_output.py --tokens 128 --repeats 5 [--batch 32]
+    .venv/bin/python benchmarks/structured_output.py --tokens 128 --repeats 5 [--batch 32] \
+        [--structured-outputs-backend guidance]
 """
 
 from __future__ import annotations
@@ -34,9 +35,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (the same prompt each)")
+    parser.add_argument("--structured-outputs-backend", default="xgrammar", choices=["xgrammar", "guidance"])
     args = parser.parse_args()
     settings = {"num_threads": args.num_threads} if args.num_threads else {}
-    llm = LLM(max_model_len=2048, kv_cache_memory="256MiB", **settings)
+    llm = LLM(max_model_len=2048, kv_cache_memory="256MiB", structured_outputs_backend=args.structured_outputs_backend,
+              **settings)
     prompt = llm.encode_chat([{"role": "user", "content": "List many small numbers as a JSON array."}])
     # Each item is at least 2 tokens ("7", ","): an array of tokens/2 items fills the run.
     schema = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 9},
@@ -53,7 +56,8 @@ def main() -> None:
             rates[name].append(rate)
             lengths[name] = tokens
     base = statistics.median(rates["unconstrained"])
-    print(f"batch {args.batch}, {llm.engine.facts.num_threads} threads, median of {args.repeats}")
+    print(f"batch {args.batch}, {llm.engine.facts.num_threads} threads, {args.structured_outputs_backend}, "
+          f"median of {args.repeats}")
     for name, values in rates.items():
         median = statistics.median(values)
         print(f"{name:>14}: {median:6.1f} tok/s decode ({lengths[name]} tokens; runs {', '.join(f'{v:.1f}' for v in values)})"

@@ -36,7 +36,7 @@ ALL_REDUCE_BACKENDS = ("auto", "shm", "gloo", "nccl")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 KV_OFFLOADING_BACKENDS = ("native",)
 KV_EVENT_PUBLISHERS = ("null", "zmq")
-STRUCTURED_OUTPUTS_BACKENDS = ("xgrammar",)
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
 RUNNERS = ("auto", "generate", "pooling")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
 
@@ -154,7 +154,8 @@ class ModelConfig:
     seed: int = setting(0, help="seed of the sampler's shared generator (requests without their own seed)")
     structured_outputs_backend: str = setting(
         "xgrammar", choices=STRUCTURED_OUTPUTS_BACKENDS,
-        help="grammar library that constrains output to a JSON schema, regex, choice or grammar")
+        help="grammar library that constrains output to a JSON schema, regex, choice or grammar: xgrammar, "
+             "guidance (llguidance), or auto (xgrammar, and llguidance for a constraint xgrammar refuses)")
     runner: str = setting("auto", choices=RUNNERS,
                           help="generate: text generation (completions, chat); pooling: embeddings (/v1/embeddings, "
                                "LLM.embed): each prompt is prefilled once and its final hidden states pooled, a "

@@ -2,7 +2,9 @@
 choice of strings or a grammar.
 
 The room's parts:
-- `compiler.py`: the grammar backend (xgrammar). A `GrammarCompiler` per tokenizer turns a
+- `backends.py`: the grammar libraries, xgrammar and llguidance (vLLM's `guidance`),
+  behind one interface (compile a constraint; a compiled grammar makes matchers).
+- `compiler.py`: `--structured-outputs-backend`'s choice. A `GrammarCompiler` per tokenizer turns a
   request's `StructuredOutputsParams` into a compiled grammar, once per constraint text (an
   LRU cache), with errors as `StructuredOutputError` naming what is wrong. The server
   compiles a request's constraint before admission, off the engine thread and bounded in

@@ -1,26 +1,33 @@
-"""Compiling constraints into grammars with xgrammar, once per constraint (LRU cache)."""
+"""Compiling constraints into grammars, once per constraint (LRU cache), with the
+backend `--structured-outputs-backend` names (vLLM's: `xgrammar`, `guidance` (llguidance),
+or `auto`: xgrammar, and llguidance for a constraint xgrammar refuses)."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import json
-import re
 import threading
 from collections import OrderedDict
 from typing import Any
 
 from tokenmill.sampling.structured_outputs import StructuredOutputsParams
+from tokenmill.structured_output.backends import (
+    BACKEND_CLASSES,
+    MAX_JSON_WHITESPACE,
+    BackendError,
+    clean_error,
+)
 from tokenmill.tokenizer import Tokenizer
 
-BACKENDS = ("xgrammar",)
+BACKENDS = ("auto", "xgrammar", "guidance")
 # A constraint's text is refused past this size: compile time and grammar memory grow
 # with it, and no sensible schema is this large.
 MAX_CONSTRAINT_CHARS = 256 * 1024
-# JSON may put at most this many whitespace characters between two tokens: enough for
-# pretty-printed output, and a small model cannot loop on spaces until max_tokens.
-MAX_JSON_WHITESPACE = 8
 DEFAULT_CACHE_SIZE = 256
 DEFAULT_COMPILE_TIMEOUT_S = 10.0
+
+__all__ = ["BACKENDS", "MAX_JSON_WHITESPACE", "GrammarCompiler", "StructuredOutputError", "choice_grammar",
+           "clean_error", "compiler_for"]
 
 
 class StructuredOutputError(ValueError):
@@ -28,31 +35,46 @@ class StructuredOutputError(ValueError):
 
 
 class GrammarCompiler:
-    """xgrammar's compiler for one tokenizer, with an LRU cache of compiled grammars keyed
+    """The grammar compiler for one tokenizer, with an LRU cache of compiled grammars keyed
     by the constraint (kind, canonical text, whitespace mode). Thread-safe: the server
-    compiles on a thread pool while the runner reads the cache."""
+    compiles on a thread pool while the runner reads the cache. A compiled grammar makes
+    the matchers (`grammar.matcher()`) of the backend that compiled it."""
 
     def __init__(self, tokenizer: Tokenizer, vocab_size: int, backend: str = "xgrammar",
                  cache_size: int = DEFAULT_CACHE_SIZE) -> None:
         if backend not in BACKENDS:
             raise ValueError(f"structured outputs backend {backend!r} is not supported; choose one of {BACKENDS}")
-        import xgrammar as xgr
-
         self.backend = backend
         self.vocab_size = vocab_size
-        # Byte-level BPE or sentencepiece, read from the tokenizer's own description.
-        metadata = xgr.TokenizerInfo._detect_metadata_from_hf(tokenizer.backend.to_str())
-        self.tokenizer_info = xgr.TokenizerInfo(
-            _encoded_vocab(tokenizer), vocab_type=metadata["vocab_type"], vocab_size=vocab_size,
-            stop_token_ids=list(tokenizer.eos_token_ids), add_prefix_space=bool(metadata["add_prefix_space"]))
-        # xgrammar's own cache is off: ours is bounded by entries and keyed as we choose.
-        self._compiler = xgr.GrammarCompiler(self.tokenizer_info, max_threads=1, cache_enabled=False)
+        self.stop_token_ids = list(tokenizer.eos_token_ids)
+        self._tokenizer = tokenizer  # also keeps id(tokenizer) from being reused (compiler_for's key)
+        # The backends, built when first needed (llguidance's only for a fallback under auto).
+        self._backends: dict[str, Any] = {}
+        self._backends_lock = threading.Lock()
+        self._backend(self._order()[0])  # the tokenizer set-up is paid at start-up, not by a request
         self._cache: OrderedDict[tuple, Any] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-compile")
         self._pending: dict[tuple, concurrent.futures.Future] = {}
         self.num_compiled = 0  # compilations actually run (cache misses)
+        self._token_bytes: list[bytes] | None = None
+
+    def _order(self) -> tuple[str, ...]:
+        return ("xgrammar", "guidance") if self.backend == "auto" else (self.backend,)
+
+    def _backend(self, name: str) -> Any:
+        with self._backends_lock:
+            backend = self._backends.get(name)
+            if backend is None:
+                backend = self._backends[name] = BACKEND_CLASSES[name](self._tokenizer, self.vocab_size)
+            return backend
+
+    def token_bytes(self) -> list[bytes]:
+        """Each token's bytes, as the (first) backend decodes them."""
+        if self._token_bytes is None:
+            self._token_bytes = self._backend(self._order()[0]).token_bytes()
+        return self._token_bytes
 
     # ----- compiling -------------------------------------------------------------------
 
@@ -108,29 +130,17 @@ class GrammarCompiler:
         if len(text) > MAX_CONSTRAINT_CHARS:
             raise StructuredOutputError(
                 f"the {kind} constraint is {len(text)} characters; at most {MAX_CONSTRAINT_CHARS} are accepted")
-        compiler = self._compiler
-        try:
-            if kind == "json":
-                _check_json_schema(params.json)
-                whitespace = {"any_whitespace": False} if compact else {"max_whitespace_cnt": MAX_JSON_WHITESPACE}
-                return compiler.compile_json_schema(text, strict_mode=True, **whitespace)
-            if kind == "json_object":
-                return compiler.compile_json_schema('{"type": "object"}', strict_mode=False,
-                                                    **({"any_whitespace": False} if compact else
-                                                       {"max_whitespace_cnt": MAX_JSON_WHITESPACE}))
-            if kind == "regex":
-                return compiler.compile_regex(text)
-            if kind == "choice":
-                return compiler.compile_grammar(choice_grammar(params.choice))
-            if kind == "grammar":
-                return compiler.compile_grammar(text)
-            if kind == "structural_tag":
-                return compiler.compile_structural_tag(text)
-        except StructuredOutputError:
-            raise
-        except Exception as error:  # xgrammar raises RuntimeError/ValueError with a C++ location prefix
-            raise StructuredOutputError(f"invalid {_NAMES[kind]}: {clean_error(error)}") from None
-        raise StructuredOutputError(f"unknown constraint kind {kind!r}")
+        if kind == "json":
+            _check_json_schema(params.json)
+        elif kind == "choice":
+            kind, text = "grammar", choice_grammar(params.choice)
+        first_error: BackendError | None = None
+        for name in self._order():  # auto: llguidance only for what xgrammar refuses
+            try:
+                return self._backend(name).compile(kind, text, compact)
+            except BackendError as error:
+                first_error = first_error or error
+        raise StructuredOutputError(f"invalid {_NAMES[params.kind]}: {first_error}") from None
 
 
 _NAMES = {"json": "JSON schema", "json_object": "JSON object constraint", "regex": "regex",
@@ -141,14 +151,6 @@ def choice_grammar(choices: list[str]) -> str:
     """An EBNF grammar matching exactly one of `choices` (JSON string escapes are also
     EBNF string escapes)."""
     return "root ::= " + " | ".join(json.dumps(choice, ensure_ascii=False) for choice in choices)
-
-
-def clean_error(error: BaseException) -> str:
-    """xgrammar's message without its '[time] /project/cpp/file.cc:123: ' prefix."""
-    text = str(error).strip()
-    text = re.sub(r"^\[[0-9:]+\]\s*\S+?:\d+:\s*", "", text)
-    text = text.replace("Check failed: (error.empty()) is false: ", "")
-    return text.splitlines()[0] if text else type(error).__name__
 
 
 def _check_json_schema(schema: str | dict[str, Any]) -> None:
@@ -171,14 +173,6 @@ def _check_json_schema(schema: str | dict[str, Any]) -> None:
         raise StructuredOutputError(f"invalid JSON schema at {where}: {error.message}") from None
 
 
-# ----- the tokenizer as xgrammar sees it ---------------------------------------------------
-
-
-def _encoded_vocab(tokenizer: Tokenizer) -> list[str]:
-    backend = tokenizer.backend
-    return [backend.id_to_token(i) or "" for i in range(tokenizer.vocab_size)]
-
-
 _COMPILERS: dict[tuple[int, int, str], GrammarCompiler] = {}
 _COMPILERS_LOCK = threading.Lock()
 
@@ -191,6 +185,5 @@ def compiler_for(tokenizer: Tokenizer, vocab_size: int, backend: str = "xgrammar
         compiler = _COMPILERS.get(key)
         if compiler is None:
             compiler = GrammarCompiler(tokenizer, vocab_size, backend)
-            compiler._tokenizer = tokenizer  # keeps id(tokenizer) from being reused
             _COMPILERS[key] = compiler
         return compiler

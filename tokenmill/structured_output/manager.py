@@ -1,11 +1,11 @@
 """The model runner's side of structured output: one grammar matcher per sequence.
 
 Per step, for every sampled request with a constraint, the runner asks for its
-logits rows' masks before the forward pass (`start`): a helper thread fills xgrammar's
-token bitmask from each matcher and unpacks it into a boolean "disallowed" mask while
-the forward runs (xgrammar and torch release the GIL), so the only work left on the
-critical path is one `masked_fill_` per constrained row (`apply`). After sampling,
-`advance` feeds each matcher the tokens the request gained.
+logits rows' masks before the forward pass (`start`): a helper thread fills the
+backend's token bitmask from each matcher and unpacks it into a boolean "disallowed"
+mask while the forward runs (xgrammar, llguidance and torch release the GIL), so the
+only work left on the critical path is one `masked_fill_` per constrained row
+(`apply`). After sampling, `advance` feeds each matcher the tokens the request gained.
 
 A request with proposed tokens (speculative decoding) gets one mask per verified row:
 the matcher is advanced through the proposals to fill each row and rolled back after,
@@ -76,7 +76,7 @@ class _Phase:
 
 @dataclass
 class _Sequence:
-    matcher: Any  # xgrammar.GrammarMatcher
+    matcher: Any  # the backend's matcher (backends.py: xgrammar's calls)
     num_accepted: int = 0  # output tokens taken (fed to the matcher, or read as reasoning)
     broken: bool = False
     phase: _Phase = field(default_factory=_Phase)
@@ -103,7 +103,7 @@ class StructuredOutputManager:
         self.sequences: dict[str, _Sequence] = {}
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="grammar-mask")
         self._eos_only: torch.Tensor | None = None
-        self._decoded_vocab: list[bytes] | None = None  # each token's bytes (xgrammar's)
+        self._decoded_vocab: list[bytes] | None = None  # each token's bytes (the backend's)
         self._opening: dict[bytes, torch.Tensor] = {}  # bitmasks of the tokens that open <think>
 
     def release(self, request_ids) -> None:
@@ -173,7 +173,7 @@ class StructuredOutputManager:
 
     def _token_bytes_all(self) -> list[bytes]:
         if self._decoded_vocab is None:
-            self._decoded_vocab = self.compiler.tokenizer_info.decoded_vocab
+            self._decoded_vocab = self.compiler.token_bytes()
         return self._decoded_vocab
 
     def _reasoning_phase(self, item: StepRequest) -> _Phase:
@@ -194,19 +194,15 @@ class StructuredOutputManager:
     def _new_sequence(self, item: StepRequest) -> _Sequence:
         """A fresh matcher. The API compiles every constraint before admission, so this
         finds it cached; one that fails here anyway ends its request, not the step."""
-        import xgrammar as xgr
-
         try:
             grammar = self.compiler.compile(item.params.structured_outputs)
         except ValueError as error:
             logger.error("request %s: structured output not compiled (%s); ending it", item.request_id, error)
             return _Sequence(None, broken=True)
-        return _Sequence(xgr.GrammarMatcher(grammar), phase=self._reasoning_phase(item))
+        return _Sequence(grammar.matcher(), phase=self._reasoning_phase(item))
 
     def _fill(self, sequences: list[tuple[_Sequence, StepRequest, int]], num_rows: int) -> torch.Tensor:
-        import xgrammar as xgr
-
-        bitmask = xgr.allocate_token_bitmask(num_rows, self.vocab_size)
+        bitmask = torch.full((num_rows, (self.vocab_size + 31) // 32), -1, dtype=torch.int32)
         index = 0
         for seq, item, _ in sequences:
             proposals = item.spec_token_ids
@@ -254,7 +250,7 @@ class StructuredOutputManager:
 
     def _eos_bitmask(self, words: int) -> torch.Tensor:
         if self._eos_only is None:
-            self._eos_only = _bits(self.compiler.tokenizer_info.stop_token_ids, words)
+            self._eos_only = _bits(self.compiler.stop_token_ids, words)
         return self._eos_only
 
     # ----- after the forward ---------------------------------------------------------
@@ -281,7 +277,7 @@ class StructuredOutputManager:
 
 
 def _bits(token_ids, words: int) -> torch.Tensor:
-    """An xgrammar bitmask row allowing exactly these tokens."""
+    """A bitmask row (xgrammar's and llguidance's layout) allowing exactly these tokens."""
     mask = torch.zeros(words, dtype=torch.int32)
     for token_id in token_ids:
         word, bit = divmod(token_id, 32)
