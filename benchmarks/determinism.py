@@ -1,0 +1,158 @@
+"""Deterministic inference: how often a request's greedy tokens change with what is around
+it (`matrix`), and what `--enable-deterministic-inference` costs (`cost`). Not part of CI.
+
+    # 16 W3 prompts: one at a time vs a batch of all, chunks of 64, prefix hits, one thread
+    PYTHONPATH=. .venv/bin/python benchmarks/determinism.py matrix --prompts 16 --mode default
+    PYTHONPATH=. .venv/bin/python benchmarks/determinism.py matrix --prompts 16 --mode deterministic
+    # W1-W4 (benchmarks/compare.py's shapes), default vs deterministic, alternated, medians
+    PYTHONPATH=. .venv/bin/python benchmarks/determinism.py cost --runs 3
+
+Prints the CPU (model and flags) and the load average with every table."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+from dataclasses import dataclass
+
+from tokenmill.hardware import cpu_info
+from tokenmill.llm import LLM
+from tokenmill.sampling.params import SamplingParams
+from tokenmill.workloads.offline import Sizes, build_requests, ordinary_token_ids, repetition_rng
+
+
+def machine() -> str:
+    return f"{cpu_info().describe()}; load average {os.getloadavg()[0]:.1f}"
+
+
+def make_llm(mode: str, dtype: str, skinny_max_rows: int | None = None, **settings) -> LLM:
+    """`skinny_max_rows`: fixes the default plan's measured row split (runner/tune.py), whose
+    measurement a busy machine can spoil; deterministic inference has none."""
+    if mode == "default" and skinny_max_rows is not None:
+        settings["skinny_max_rows"] = skinny_max_rows
+    return LLM(dtype=dtype, max_model_len=2048, kv_cache_memory="512MiB", seed=0,
+               enable_deterministic_inference=mode == "deterministic", **settings)
+
+
+def prompts_of(llm: LLM, workload: str, count: int | None = None) -> list[tuple[list[int], int]]:
+    pool = ordinary_token_ids(llm.tokenizer, llm.engine.facts.vocab_size)
+    requests = build_requests(workload, Sizes(), repetition_rng(0, workload, 0), pool)
+    return requests[:count] if count else requests
+
+
+# ----- matrix ------------------------------------------------------------------------------------
+
+
+def outputs(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], list]]:
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True, logprobs=1)
+    outs = llm.generate(prompts, params)
+    return [(o.outputs[0].token_ids, [{t: p.logprob for t, p in pos.items()} for pos in o.outputs[0].logprobs])
+            for o in outs]
+
+
+def matrix(args: argparse.Namespace) -> None:
+    llm = make_llm(args.mode, args.dtype, enable_prefix_caching=False)
+    prompts = [p for p, _ in prompts_of(llm, "W3", args.prompts)]
+    reference = [outputs(llm, [p], args.max_tokens)[0] for p in prompts]
+    sibling = lambda **s: LLM.from_engine(llm.engine.sibling(**s))  # noqa: E731
+    conditions = {f"batch of {len(prompts)}": lambda: outputs(llm, prompts, args.max_tokens),
+                  "prompts chunked by 64": lambda: outputs(sibling(max_num_batched_tokens=64), prompts,
+                                                           args.max_tokens)}
+
+    def prefix_hits() -> list:
+        cached = sibling(enable_prefix_caching=True)
+        outputs(cached, [p[: len(p) // 2] for p in prompts], 1)  # the first halves cached
+        return outputs(cached, prompts, args.max_tokens)
+
+    conditions["prefix-cache hit (half the prompt)"] = prefix_hits
+    conditions["one thread"] = lambda: outputs(make_llm(args.mode, args.dtype, num_threads=1), prompts,
+                                               args.max_tokens)
+    print(f"CPU: {machine()}")
+    print(f"mode {args.mode}, dtype {args.dtype}, {len(prompts)} W3 prompts, {args.max_tokens} greedy tokens; "
+          f"plan: {llm.engine.facts.execution_plan}")
+    print("| condition | same tokens | same tokens and logprobs |\n|---|---:|---:|")
+    for name, run in conditions.items():
+        got = run()
+        same_tokens = sum(a[0] == b[0] for a, b in zip(reference, got))
+        same_all = sum(a == b for a, b in zip(reference, got))
+        print(f"| {name} | {same_tokens}/{len(prompts)} | {same_all}/{len(prompts)} |", flush=True)
+
+
+# ----- cost --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Figures:
+    w1_decode: float  # tok/s
+    w1_ttft_ms: float
+    w2_prefill: float  # tok/s
+    w3_total: float  # generated tok/s of W3's first 16 requests at once
+    w4_wall: float  # s, prefix caching on
+
+
+def timed(llm: LLM, requests: list[tuple[list[int], int]]) -> float:
+    params = [SamplingParams(max_tokens=n, temperature=0, ignore_eos=True) for _, n in requests]
+    start = time.perf_counter()
+    llm.generate([p for p, _ in requests], params)
+    return time.perf_counter() - start
+
+
+def measure(llm: LLM, cached: LLM) -> Figures:
+    w1, w2 = prompts_of(llm, "W1"), prompts_of(llm, "W2")
+    ttft = timed(llm, [(w1[0][0], 1)])
+    w1_wall = timed(llm, w1)
+    w2_wall = timed(llm, [(w2[0][0], 1)])
+    w3 = prompts_of(llm, "W3", 16)
+    w3_wall = timed(llm, w3)
+    w4_wall = timed(cached, prompts_of(llm, "W4"))
+    return Figures(w1_decode=(w1[0][1] - 1) / (w1_wall - ttft), w1_ttft_ms=ttft * 1e3,
+                   w2_prefill=len(w2[0][0]) / w2_wall, w3_total=sum(n for _, n in w3) / w3_wall, w4_wall=w4_wall)
+
+
+def cost(args: argparse.Namespace) -> None:
+    systems = {mode: make_llm(mode, args.dtype, args.skinny_max_rows, enable_prefix_caching=False)
+               for mode in ("default", "deterministic")}
+    runs: dict[str, list[Figures]] = {mode: [] for mode in systems}
+    for r in range(args.runs + 1):  # run 0 warms up
+        for mode, llm in (systems.items() if r % 2 == 0 else reversed(systems.items())):
+            cached = LLM.from_engine(llm.engine.sibling(enable_prefix_caching=True))
+            figures = measure(llm, cached)
+            if r > 0:
+                runs[mode].append(figures)
+            print(f"run {r} {mode}: {figures}", flush=True)
+    print(f"\nCPU: {machine()}; dtype {args.dtype}; medians of {args.runs} runs (min-max)")
+    for mode, llm in systems.items():
+        print(f"{mode} plan: {llm.engine.facts.execution_plan}")
+    print("| | default | deterministic | deterministic / default |\n|---|---:|---:|---:|")
+    for key, label in (("w1_decode", "W1 decode tok/s"), ("w1_ttft_ms", "W1 TTFT ms"),
+                       ("w2_prefill", "W2 prefill tok/s (1024 tokens)"), ("w3_total", "W3 (16 requests) tok/s"),
+                       ("w4_wall", "W4 wall s (prefix caching on)")):
+        cells = []
+        for mode in systems:
+            values = [getattr(f, key) for f in runs[mode]]
+            cells.append((statistics.median(values), min(values), max(values)))
+        fmt = lambda c: f"{c[0]:,.1f} ({c[1]:,.1f}-{c[2]:,.1f})"  # noqa: E731
+        print(f"| {label} | {fmt(cells[0])} | {fmt(cells[1])} | {cells[1][0] / cells[0][0]:.2f}x |")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    m = sub.add_parser("matrix")
+    m.add_argument("--prompts", type=int, default=16)
+    m.add_argument("--max-tokens", type=int, default=32)
+    m.add_argument("--mode", choices=("default", "deterministic"), default="default")
+    m.add_argument("--dtype", default="auto")
+    c = sub.add_parser("cost")
+    c.add_argument("--runs", type=int, default=3)
+    c.add_argument("--dtype", default="auto")
+    c.add_argument("--skinny-max-rows", type=int, default=None,
+                   help="fix the default plan's skinny-kernel row limit instead of the measured one")
+    args = parser.parse_args()
+    matrix(args) if args.command == "matrix" else cost(args)
+
+
+if __name__ == "__main__":
+    main()
