@@ -52,32 +52,42 @@ def outputs(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tuple[l
             for o in outs]
 
 
-def matrix(args: argparse.Namespace) -> None:
-    llm = make_llm(args.mode, args.dtype, enable_prefix_caching=False)
-    prompts = [p for p, _ in prompts_of(llm, "W3", args.prompts)]
-    reference = [outputs(llm, [p], args.max_tokens)[0] for p in prompts]
+def run_matrix(mode: str, dtype: str, num_prompts: int, max_tokens: int,
+               batch_sizes: tuple[int, ...] = (8, 64), chunks: tuple[int, ...] = (64, 512)) -> dict[str, tuple[int, int]]:
+    """Condition -> (requests with the reference's tokens, with its tokens and logprobs), the
+    reference being each prompt alone, unchunked (2048-token steps), cold, on two threads."""
+    llm = make_llm(mode, dtype, enable_prefix_caching=False)
+    prompts = [p for p, _ in prompts_of(llm, "W3", num_prompts)]
+    reference = [outputs(llm, [p], max_tokens)[0] for p in prompts]
     sibling = lambda **s: LLM.from_engine(llm.engine.sibling(**s))  # noqa: E731
-    conditions = {f"batch of {len(prompts)}": lambda: outputs(llm, prompts, args.max_tokens),
-                  "prompts chunked by 64": lambda: outputs(sibling(max_num_batched_tokens=64), prompts,
-                                                           args.max_tokens)}
+
+    def batched(size: int) -> list:
+        wide = sibling(max_num_seqs=size)
+        return [r for i in range(0, len(prompts), size) for r in outputs(wide, prompts[i:i + size], max_tokens)]
 
     def prefix_hits() -> list:
         cached = sibling(enable_prefix_caching=True)
         outputs(cached, [p[: len(p) // 2] for p in prompts], 1)  # the first halves cached
-        return outputs(cached, prompts, args.max_tokens)
+        return outputs(cached, prompts, max_tokens)
 
+    conditions = {f"batches of {b}": (lambda b=b: batched(b)) for b in batch_sizes}
+    conditions.update({f"prompts chunked by {c}": (lambda c=c: outputs(sibling(max_num_batched_tokens=c), prompts,
+                                                                        max_tokens)) for c in chunks})
     conditions["prefix-cache hit (half the prompt)"] = prefix_hits
-    conditions["one thread"] = lambda: outputs(make_llm(args.mode, args.dtype, num_threads=1), prompts,
-                                               args.max_tokens)
-    print(f"CPU: {machine()}")
-    print(f"mode {args.mode}, dtype {args.dtype}, {len(prompts)} W3 prompts, {args.max_tokens} greedy tokens; "
-          f"plan: {llm.engine.facts.execution_plan}")
-    print("| condition | same tokens | same tokens and logprobs |\n|---|---:|---:|")
+    conditions["one thread"] = lambda: outputs(make_llm(mode, dtype, num_threads=1), prompts, max_tokens)
+    results = {}
     for name, run in conditions.items():
         got = run()
-        same_tokens = sum(a[0] == b[0] for a, b in zip(reference, got))
-        same_all = sum(a == b for a, b in zip(reference, got))
-        print(f"| {name} | {same_tokens}/{len(prompts)} | {same_all}/{len(prompts)} |", flush=True)
+        results[name] = (sum(a[0] == b[0] for a, b in zip(reference, got)), sum(a == b for a, b in zip(reference, got)))
+        print(f"| {name} | {results[name][0]}/{len(prompts)} | {results[name][1]}/{len(prompts)} |", flush=True)
+    return results
+
+
+def matrix(args: argparse.Namespace) -> None:
+    print(f"CPU: {machine()}")
+    print(f"mode {args.mode}, dtype {args.dtype}, {args.prompts} W3 prompts, {args.max_tokens} greedy tokens")
+    print("| condition | same tokens | same tokens and logprobs |\n|---|---:|---:|")
+    run_matrix(args.mode, args.dtype, args.prompts, args.max_tokens)
 
 
 # ----- cost --------------------------------------------------------------------------------------

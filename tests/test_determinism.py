@@ -166,8 +166,8 @@ def test_default_model_batch_prefix_and_chunking() -> None:
 
 def test_server_gives_one_answer_alone_and_under_load() -> None:
     """The issue's report, against a real server with the flag: the same chat request at
-    temperature 0 alone, streamed and not, and 10 times among other requests (streamed and
-    not, concurrently), comes back as one text."""
+    temperature 0 sent 20 times, 4 alone and 16 among other requests (streamed and not,
+    concurrently), comes back as one text."""
     from concurrent.futures import ThreadPoolExecutor
 
     # The default model as the issue's user served it (Q4_1 as stored, threads as free).
@@ -189,12 +189,26 @@ def test_server_gives_one_answer_alone_and_under_load() -> None:
             return client.completions.create(model=server.model, prompt=f"Story {i}: once upon a time",
                                              max_tokens=24 + i, temperature=0.8, seed=i).choices[0].text
 
-        alone = {ask(False), ask(True)}
-        with ThreadPoolExecutor(16) as pool:
+        alone = {ask(stream) for stream in (False, True, False, True)}
+        with ThreadPoolExecutor(22) as pool:
             load = [pool.submit(other, i) for i in range(6)]
-            asked = [pool.submit(ask, i % 2 == 1) for i in range(10)]
+            asked = [pool.submit(ask, i % 2 == 1) for i in range(16)]
             texts = {f.result() for f in asked}
             [f.result() for f in load]
         assert len(alone) == 1 and texts == alone, f"alone: {alone}, under load: {texts}"
     finally:
         assert server.stop() == 0, server.log_tail()
+
+
+@pytest.mark.slow
+def test_default_model_matrix_over_64_prompts() -> None:
+    """benchmarks/determinism.py's matrix on the default model: 64 W3 prompts (64-512
+    tokens), batches of 8 and 64, chunks of 64 and 512, half-prompt prefix hits, one thread:
+    every request bitwise equal to its solo run."""
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from determinism import run_matrix
+
+    results = run_matrix("deterministic", "auto", num_prompts=64, max_tokens=24)
+    assert all(same_all == 64 for _, same_all in results.values()), results
