@@ -188,8 +188,9 @@ def batch_invariant_plan(plan: ExecutionPlan) -> ExecutionPlan:
     rounding: a request's greedy tokens then depend on what shares its step. Here every
     linear runs its row-wise kernel at any row count (the skinny kernel on dense tiles, no
     oneDNN copy; the integer kernel on quantized weights), each of which computes an output
-    row from that input row alone, in a fixed order, whatever the thread split; every step
-    runs op by op (the fused layer's internal row thresholds are its own); attention runs
+    row from that input row alone, in a fixed order, whatever the thread split; the fused
+    decode layer only up to the rows at which its own built-in switch still picks those same
+    kernels (it then gives the per-op path's bits: tests/test_determinism.py); attention runs
     every token as a row of the paged kernel (`chunk_as_rows`), whose reduction over keys is
     per row and in position order. Slower on prompts (docs/determinism.md)."""
     from tokenmill.quantization.formats import QuantizedFormat
@@ -207,5 +208,5 @@ def batch_invariant_plan(plan: ExecutionPlan) -> ExecutionPlan:
         fmt = dense_rowwise(fmt)
     else:
         raise ValueError(f"deterministic inference does not cover the weight format {fmt.describe()}")
-    return dataclasses.replace(plan, weight_format=fmt, fused_decode=False, prefill_attention_dtype=None,
-                               batch_invariant=True)
+    return dataclasses.replace(plan, weight_format=fmt, prefill_attention_dtype=None, batch_invariant=True,
+                               fused_decode_max_rows=min(plan.fused_decode_max_rows, min(ROWS.quant_integer_rows.values())))
