@@ -35,7 +35,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--num-threads", type=int, default=None)
     parser.add_argument("--batch", type=int, default=1, help="sequences decoded together (the same prompt each)")
-    parser.add_argument("--structured-outputs-backend", default="xgrammar", choices=["xgrammar", "guidance"])
+    parser.add_argument("--structured-outputs-backend", default="auto", choices=["auto", "xgrammar", "guidance"])
     args = parser.parse_args()
     settings = {"num_threads": args.num_threads} if args.num_threads else {}
     llm = LLM(max_model_len=2048, kv_cache_memory="256MiB", structured_outputs_backend=args.structured_outputs_backend,

@@ -1,7 +1,8 @@
 """Structured output in the engine (offline API) on the default model: every constrained
 output parses and validates, through batching, sampling, speculative decoding and
 preemption; bad constraints fail before anything is queued. The schema, regex, choice
-and grammar cases run through both backends (`backend_llm`: xgrammar and llguidance)."""
+and grammar cases run through both backends (`backend_llm`: the default, auto, which
+compiles them with llguidance, and xgrammar)."""
 
 from __future__ import annotations
 
@@ -21,16 +22,17 @@ FORMATS = jsonschema.Draft202012Validator.FORMAT_CHECKER
 
 
 @pytest.fixture(scope="module")
-def guidance_llm() -> LLM:
-    """The default model with `--structured-outputs-backend guidance` (llguidance)."""
+def xgrammar_llm() -> LLM:
+    """The default model with `--structured-outputs-backend xgrammar`."""
     return LLM(dtype="float32", max_model_len=2048, kv_cache_memory="256MiB", seed=0, enable_prefix_caching=False,
-               structured_outputs_backend="guidance")
+               structured_outputs_backend="xgrammar")
 
 
-@pytest.fixture(params=["xgrammar", "guidance"])
+@pytest.fixture(params=["auto", "xgrammar"])
 def backend_llm(request) -> LLM:
-    """The default model with each structured-outputs backend."""
-    llm = request.getfixturevalue("llm_f32" if request.param == "xgrammar" else "guidance_llm")
+    """The default model with each structured-outputs backend: the default (auto:
+    llguidance for everything these tests send) and xgrammar."""
+    llm = request.getfixturevalue("llm_f32" if request.param == "auto" else "xgrammar_llm")
     assert llm.engine.config.model.structured_outputs_backend == request.param
     return llm
 
@@ -233,20 +235,25 @@ def test_rollback_over_eos_on_both_backends(llm_f32) -> None:
             assert not matcher.is_terminated() and all(matcher.accept_token(t) for t in then), (backend, regex)
 
 
-def test_auto_falls_back_to_llguidance_for_what_xgrammar_refuses(llm_f32) -> None:
-    """vLLM's `auto`: xgrammar first; a constraint it refuses (here a structural tag in the
-    triggers form xgrammar 0.2 no longer reads) is compiled by llguidance; a constraint
-    both refuse is an error with xgrammar's message."""
+def test_auto_is_llguidance_then_xgrammar_for_what_llguidance_refuses(llm_f32) -> None:
+    """The default, auto: llguidance first (it compiles a new schema in milliseconds); a
+    constraint it refuses (here a structural tag in xgrammar's own `format` form) is
+    compiled by xgrammar; one both refuse is an error with llguidance's message."""
+    assert llm_f32.engine.config.model.structured_outputs_backend == "auto"
     compiler = compiler_for(llm_f32.tokenizer, llm_f32.engine.facts.vocab_size, "auto")
-    assert compiler.compile(StructuredOutputsParams(regex="a+")).backend == "xgrammar"
-    tag = {"type": "structural_tag", "triggers": ["<function="], "structures": [
-        {"begin": "<function=get_weather>", "schema": {"type": "object", "properties": {"city": {"type": "string"}}},
-         "end": "</function>"}]}
+    assert compiler.compile(StructuredOutputsParams(json=PARITY_SCHEMA)).backend == "guidance"
+    tag = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<function="], "tags": [
+        {"begin": "<function=get_weather>", "end": "</function>", "content": {
+            "type": "json_schema", "json_schema": {"type": "object", "properties": {"city": {"type": "string"}}}}}]}}
     with pytest.raises(StructuredOutputError, match="structural tag"):
-        compiler_for(llm_f32.tokenizer, llm_f32.engine.facts.vocab_size, "xgrammar").compile(
+        compiler_for(llm_f32.tokenizer, llm_f32.engine.facts.vocab_size, "guidance").compile(
             StructuredOutputsParams(structural_tag=json.dumps(tag)))
-    assert compiler.compile(StructuredOutputsParams(structural_tag=json.dumps(tag))).backend == "guidance"
-    with pytest.raises(StructuredOutputError, match="invalid regex: Regex parsing error"):
+    grammar = compiler.compile(StructuredOutputsParams(structural_tag=json.dumps(tag)))
+    assert grammar.backend == "xgrammar"
+    matcher = grammar.matcher()
+    text = 'Let me look. <function=get_weather>{"city": "Paris"}</function>'
+    assert all(matcher.accept_token(t) for t in llm_f32.tokenizer.encode(text, add_special_tokens=False))
+    with pytest.raises(StructuredOutputError, match="invalid regex: .*regex parse error"):
         compiler.compile(StructuredOutputsParams(regex="(ab"))
 
 
