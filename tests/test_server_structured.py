@@ -57,6 +57,31 @@ def test_json_schema_response_format_streamed_and_not(server, client, name) -> N
     assert "".join(pieces) == whole.message.content and finish == "stop"
 
 
+def test_every_schema_validates_streamed(server, client) -> None:
+    """The whole suite (>= 30 schemas) through the server, streamed, sent together so the
+    engine batches them: every answer parses and validates."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def streamed(name: str) -> tuple[str, str, str | None]:
+        schema = SCHEMAS[name]
+        pieces, finish = [], None
+        for chunk in client.chat.completions.create(
+                model=server.model, messages=_ask(f"Reply with JSON matching: {json.dumps(schema)}"), temperature=0,
+                max_tokens=256, stream=True,
+                response_format={"type": "json_schema", "json_schema": {"name": name, "schema": schema}}):
+            for choice in chunk.choices:
+                pieces.append(choice.delta.content or "")
+                finish = choice.finish_reason or finish
+        return name, "".join(pieces), finish
+
+    assert len(SCHEMAS) >= 30
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        results = list(pool.map(streamed, SCHEMAS))
+    for name, text, finish in results:
+        assert finish == "stop", (name, text)
+        jsonschema.validate(json.loads(text), SCHEMAS[name], format_checker=FORMATS)
+
+
 def test_json_object_and_vllm_fields(server, client) -> None:
     prompt = _ask("Give a product code and a yes/no answer.")
     as_object = client.chat.completions.create(model=server.model, messages=_ask('Return {"ok": true} as JSON.'),

@@ -296,7 +296,8 @@ class OpenAIServing:
             return
         core = self.core
         compiler = compiler_for(core.tokenizer, core.vocab_size, core.config.model.structured_outputs_backend)
-        await self.off_loop(compile_constraint, compiler, constraint, param)
+        if not compiler.is_cached(constraint):  # a cached one needs no trip to the prompt threads
+            await self.off_loop(compile_constraint, compiler, constraint, param)
         if self.agent.reasoning_parser:
             # As vLLM: the reasoning is free, the grammar constrains the answer after it.
             parser = get_reasoning_parser(self.agent.reasoning_parser)
