@@ -1,0 +1,147 @@
+"""The host KV tier on a multi-turn chat trace whose working set is many times the pool.
+
+S sessions of T turns each. A session starts with its own H-token history (random ordinary
+token ids: a system prompt and earlier conversation); every turn appends a U-token user
+message, the model answers A tokens (greedy), and the answer joins the history. Turns go
+round-robin over the sessions (turn 1 of every session, then turn 2, ...), so every
+session returns after all the others have run: with a pool of P blocks and S x (H + T x
+(U + A)) tokens of history, the pool alone has evicted a session's prefix by the time it
+returns. Requests run one at a time (TTFT is the prefill of one turn, not a queue).
+
+Three engines on one loaded model (siblings sharing the KV tensors, a fresh one per run so
+no cache outlives its run), measured in alternation round by round:
+  pool       --num-blocks P, prefix caching (what tokenmill does without the tier: recompute)
+  pool+host  the same pool and --kv-offloading-size GIB
+  unbounded  a pool that holds the whole working set (the prefix hit rate to compare with)
+For each: the prefix hit rate (hit tokens / prompt tokens, all turns), and the median TTFT
+of the returning turns (turn >= 2). Not part of CI.
+
+    .venv/bin/python benchmarks/kv_tiers.py --sessions 12 --turns 4 --history 512 --rounds 3 --output kv_tiers.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+
+from tokenmill.hardware import cpu_info
+
+
+def make_sessions(args: argparse.Namespace, pool: list[int]) -> list[dict]:
+    rng = random.Random(args.seed)
+    return [{"history": [rng.choice(pool) for _ in range(args.history)],
+             "users": [[rng.choice(pool) for _ in range(args.user)] for _ in range(args.turns)]}
+            for _ in range(args.sessions)]
+
+
+def run_trace(llm, sessions: list[dict], args: argparse.Namespace) -> dict:
+    from tokenmill import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.answer, ignore_eos=True)
+    histories = [list(s["history"]) for s in sessions]
+    returning_ttft, first_ttft, answers = [], [], []
+    queries = hits = 0
+    start = time.perf_counter()
+    for turn in range(args.turns):
+        for i, session in enumerate(sessions):
+            prompt = histories[i] + session["users"][turn]
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
+            ttft = out.metrics.first_token_time - out.metrics.arrival_time
+            (returning_ttft if turn else first_ttft).append(ttft)
+            queries += len(prompt)
+            hits += out.num_cached_tokens
+            answer = list(out.outputs[0].token_ids)
+            answers.append(answer)
+            histories[i] = prompt + answer
+    stats = llm.engine.stats()
+    return {"hit_rate": hits / queries, "prompt_tokens": queries, "hit_tokens": hits,
+            "returning_ttft_ms": 1e3 * statistics.median(returning_ttft),
+            "first_turn_ttft_ms": 1e3 * statistics.median(first_ttft), "wall_s": time.perf_counter() - start,
+            "host_hit_tokens": stats.external_prefix_cache_hits, "host_loaded_blocks": stats.kv_offload_loaded_blocks,
+            "host_stored_blocks": stats.kv_offload_stored_blocks, "answers": answers}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sessions", type=int, default=12)
+    parser.add_argument("--turns", type=int, default=4)
+    parser.add_argument("--history", type=int, default=512, help="tokens of a session's history before turn 1")
+    parser.add_argument("--user", type=int, default=64, help="tokens of each user message")
+    parser.add_argument("--answer", type=int, default=16, help="tokens of each answer")
+    parser.add_argument("--pool-blocks", type=int, default=64)
+    parser.add_argument("--offloading-gib", type=float, default=0.5)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output", default=None)
+    args = parser.parse_args()
+
+    from tokenmill.llm import LLM
+    from tokenmill.workloads.offline import ordinary_token_ids
+
+    longest = args.history + args.turns * (args.user + args.answer)
+    base = LLM(dtype=args.dtype, num_threads=args.threads, max_model_len=longest + 64, seed=0,
+               kv_cache_memory="1GiB", enable_prefix_caching=False)
+    facts = base.engine.facts
+    working_set_blocks = args.sessions * -(-longest // facts.block_size)
+    if working_set_blocks > facts.num_blocks:
+        raise SystemExit(f"the unbounded pool ({facts.num_blocks} blocks) cannot hold the working set "
+                         f"({working_set_blocks} blocks)")
+    host_blocks = int(args.offloading_gib * 2**30) // (facts.kv_bytes_per_token * facts.block_size)
+    sessions = make_sessions(args, ordinary_token_ids(base.tokenizer, facts.vocab_size))
+    configs = {
+        "pool": dict(num_blocks=args.pool_blocks),
+        "pool+host": dict(num_blocks=args.pool_blocks, kv_offloading_size=args.offloading_gib),
+        "unbounded": dict(num_blocks=None),
+    }
+    runs: dict[str, list[dict]] = {name: [] for name in configs}
+    load = []
+    for rnd in range(args.rounds):
+        for name, settings in configs.items():
+            num_blocks = settings.get("num_blocks")
+            extra = {k: v for k, v in settings.items() if k != "num_blocks"}
+            llm = LLM.from_engine(base.engine.sibling(num_blocks, enable_prefix_caching=True, **extra))
+            load.append(os.getloadavg()[0])
+            result = run_trace(llm, sessions, args)
+            runs[name].append(result)
+            print(f"round {rnd} {name:10s} hit rate {result['hit_rate']:.3f} returning TTFT "
+                  f"{result['returning_ttft_ms']:.1f} ms (first turns {result['first_turn_ttft_ms']:.1f} ms) "
+                  f"host hits {result['host_hit_tokens']} tokens, wall {result['wall_s']:.1f} s", flush=True)
+    # Greedy answers against the unbounded pool's (same hits, so the same KV): the tier must
+    # match it exactly; recompute ("pool") may differ in bf16 (one prefill vs a cached prefix
+    # and a chunk round differently), not in float32.
+    same = {name: all(r["answers"] == runs["unbounded"][0]["answers"] for r in rs) for name, rs in runs.items()}
+    summary = {}
+    for name, rs in runs.items():
+        ttft = [r["returning_ttft_ms"] for r in rs]
+        summary[name] = {"hit_rate": statistics.median(r["hit_rate"] for r in rs),
+                         "returning_ttft_ms_median": statistics.median(ttft),
+                         "returning_ttft_ms_min": min(ttft), "returning_ttft_ms_max": max(ttft),
+                         "first_turn_ttft_ms_median": statistics.median(r["first_turn_ttft_ms"] for r in rs),
+                         "host_hit_tokens": rs[-1]["host_hit_tokens"]}
+    report = {
+        "cpu": cpu_info().model_name, "cores": cpu_info().num_cores,
+        "load_avg_1m_during": [round(x, 2) for x in load],
+        "trace": {k: getattr(args, k) for k in ("sessions", "turns", "history", "user", "answer", "seed")},
+        "pool_blocks": args.pool_blocks, "host_blocks": host_blocks, "block_size": facts.block_size,
+        "working_set_blocks": working_set_blocks, "working_set_over_pool": working_set_blocks / args.pool_blocks,
+        "kv_bytes_per_token": facts.kv_bytes_per_token, "dtype": facts.kv_cache_dtype,
+        "greedy_answers_identical_to_unbounded": same,
+        "hit_rate_vs_unbounded": summary["pool+host"]["hit_rate"] / summary["unbounded"]["hit_rate"],
+        "returning_ttft_vs_recompute": (summary["pool+host"]["returning_ttft_ms_median"]
+                                        / summary["pool"]["returning_ttft_ms_median"]),
+        "summary": summary,
+    }
+    print(json.dumps(report, indent=1))
+    if args.output:
+        with open(args.output, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
