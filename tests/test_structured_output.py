@@ -156,6 +156,27 @@ def test_bad_constraints_fail_before_queueing(backend_llm, constraint, message) 
     assert_engine_idle(backend_llm)
 
 
+def test_a_schema_naming_an_unknown_metaschema_fetches_nothing() -> None:
+    """Schemas are checked against their metaschema (jsonschema-rs, then jsonschema for the
+    message); a `$schema` that is not a shipped draft must not make the server fetch it."""
+    import socket
+
+    from tokenmill.structured_output.compiler import _check_json_schema
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        listener.setblocking(False)
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}/schema"
+        _check_json_schema({"$schema": url, "type": "object"})
+        with pytest.raises(StructuredOutputError, match="at type: 'objekt' is not valid"):
+            _check_json_schema({"$schema": url, "type": "objekt"})
+        with pytest.raises(BlockingIOError):
+            listener.accept()  # nobody connected
+    with pytest.raises(StructuredOutputError, match="at properties/a/minLength"):
+        _check_json_schema({"type": "object", "properties": {"a": {"minLength": "five"}}})
+
+
 def test_params_name_what_is_wrong() -> None:
     with pytest.raises(ValueError, match="exactly one of"):
         StructuredOutputsParams(json={"type": "integer"}, regex="a+")
