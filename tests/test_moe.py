@@ -4,13 +4,16 @@ parallelism equal to one process."""
 
 from __future__ import annotations
 
+import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
 from tests.test_model import _paged_logits
 from tests.test_model_families import _check_logits_and_greedy, _ids, ours_from
+from tests.test_quantization import _gguf_blocks
 from tests.tiny_checkpoint import MOE_FAMILIES, tiny_moe_model, write_tiny_moe
 from tokenmill import SamplingParams
 from tokenmill.model.llama import LlamaForCausalLM
@@ -192,11 +195,29 @@ def test_quantized_experts(method: str) -> None:
 GGUF_NAMES = {"qwen3_moe": ("qwen3moe", "QWEN3MOE"), "mixtral": ("llama", "LLAMA"), "olmoe": ("olmoe", "OLMOE")}
 
 
-def _write_moe_gguf(hf, path: Path, family: str) -> None:
+def _write_moe_gguf(hf, path: Path, family: str, expert_types: dict[str, str] | None = None) -> None:
     """The model's tensors as float32 GGUF tensors under llama.cpp's names: experts stacked
     (ffn_gate_exps / ffn_up_exps / ffn_down_exps, ffn_gate_inp the router), Mixtral as a
-    `llama` file with experts and its q/k rows permuted as llama.cpp's converter does."""
+    `llama` file with experts and its q/k rows permuted as llama.cpp's converter does.
+    `expert_types` ("gate" / "up" / "down" -> a GGML type name): those expert stacks in
+    quantized blocks (gguf's quantizer of the model's weights where it has one; for K-quants,
+    which it lacks, random blocks with sane scales, replacing the model's weights)."""
     import gguf
+
+    def add_experts(name: str, kind: str, stack: torch.Tensor) -> None:
+        qtype = (expert_types or {}).get(kind)
+        if qtype is None:
+            writer.add_tensor(name, stack.contiguous().numpy())
+            return
+        experts, rows, cols = stack.shape
+        # K-quant weights d * sc * q reach 63 * 15 * d (Q4_K), 127 * 32 * d (Q6_K): scales
+        # that keep them near the model's own (+-0.1), so the router sees a sane stream.
+        max_scale = {"Q4_K": 4e-4, "Q6_K": 1e-4}.get(qtype, 0.0)
+        blocks = np.stack([_gguf_blocks(qtype, rows, cols, seed=zlib.crc32(f"{name}.{e}".encode()), max_scale=max_scale)
+                           if qtype.endswith("_K")
+                           else gguf.quants.quantize(stack[e].numpy(), gguf.GGMLQuantizationType[qtype])
+                           for e in range(experts)])
+        writer.add_tensor(name, blocks, raw_dtype=gguf.GGMLQuantizationType[qtype])
 
     cfg = hf.config
     file_arch, enum = GGUF_NAMES[family]
@@ -232,11 +253,11 @@ def _write_moe_gguf(hf, path: Path, family: str) -> None:
         if name.endswith("experts.gate_up_proj"):
             gate, up = tensor.chunk(2, dim=1)
             base = name.removesuffix("gate_up_proj")
-            writer.add_tensor(name_map.get_name(base + "gate_proj") + ".weight", gate.contiguous().numpy())
-            writer.add_tensor(name_map.get_name(base + "up_proj") + ".weight", up.contiguous().numpy())
+            add_experts(name_map.get_name(base + "gate_proj") + ".weight", "gate", gate)
+            add_experts(name_map.get_name(base + "up_proj") + ".weight", "up", up)
             continue
         if name.endswith("experts.down_proj"):
-            writer.add_tensor(name_map.get_name(name) + ".weight", tensor.numpy())
+            add_experts(name_map.get_name(name) + ".weight", "down", tensor)
             continue
         base, suffix = name.rsplit(".", 1)
         if file_arch == "llama" and base.endswith(("q_proj", "k_proj")):  # llama.cpp's interleaved RoPE rows
@@ -263,6 +284,169 @@ def test_gguf_matches_transformers(tmp_path: Path, family: str) -> None:
     ids = _ids(25, 3)
     torch.testing.assert_close(loaded.model.compute_logits(loaded.model(ids, torch.arange(25))),
                                hf(ids.unsqueeze(0)).logits[0], atol=1e-4, rtol=1e-4)
+
+
+# ----- quantized experts as stored ------------------------------------------------------------------
+
+# Q4_0 experts quantized from the model's weights (gguf's quantizer); a *_K_M mix (gate/up
+# Q4_K, down Q6_K, as llama.cpp writes Q4_K_M files' experts) of random blocks, in a model
+# wide enough for 256-column super-blocks.
+EXPERT_MIXES = {"q4_0": ({"gate": "Q4_0", "up": "Q4_0", "down": "Q4_0"}, {}),
+                "q4_k_m": ({"gate": "Q4_K", "up": "Q4_K", "down": "Q6_K"},
+                           dict(hidden_size=256, moe_intermediate_size=256, intermediate_size=256))}
+
+
+def _quantized_moe_gguf(directory: Path, mix: str) -> Path:
+    types, overrides = EXPERT_MIXES[mix]
+    path = directory / f"moe-{mix}.gguf"
+    _write_moe_gguf(tiny_moe_model("qwen3_moe", **overrides), path, "qwen3_moe", types)
+    return path
+
+
+@pytest.fixture(scope="module", params=list(EXPERT_MIXES))
+def quantized_moe_gguf(request, tmp_path_factory) -> tuple[str, Path]:
+    return request.param, _quantized_moe_gguf(tmp_path_factory.mktemp("qmoe"), request.param)
+
+
+def _stored_and_dequantized(path: Path):
+    """The file served as stored (quantized plan, experts kept as their blocks) and its
+    dequantized float32 model (the reference)."""
+    from tokenmill import kernels
+    from tokenmill.runner.plan import apply_plan, cpu_native_plan, quantized_plan
+
+    if not kernels.cpu_kernels_available():
+        pytest.fail("the native CPU kernels did not build (python -m tokenmill.kernels -v shows why)")
+    plan = quantized_plan(cpu_native_plan(torch.float32, fused_decode=False), "stored", 32)
+    stored = load_model(str(path), "float32", torch.device("cpu"), weight_format=plan.weight_format,
+                        keep_quantized=True).model
+    apply_plan(stored, plan)
+    return stored, load_model(str(path), "float32", torch.device("cpu")).model
+
+
+@torch.inference_mode()
+def test_gguf_experts_are_kept_as_stored(quantized_moe_gguf) -> None:
+    """A GGUF's ffn_{gate,up,down}_exps stay quantized: one QuantizedTensor per expert and
+    matrix (gate and up fused in their blocks), equal to the file's values exactly, the
+    float stacks never allocated, and the experts' bytes within the packing's overhead of
+    the file's expert tensors."""
+    import gguf
+
+    from tokenmill.gguf_file import GGUFFile
+    from tokenmill.quantization.formats import QuantizedWeights
+
+    mix, path = quantized_moe_gguf
+    stored, dequantized = _stored_and_dequantized(path)
+    file_bytes = sum(int(t.n_bytes) for t in gguf.GGUFReader(str(path)).tensors if "_exps" in t.name)
+    ours = 0
+    for layer, ref in zip(stored.layers, dequantized.layers):
+        experts = layer.mlp.experts
+        assert experts.gate_up_proj is None and experts.down_proj is None
+        assert all(isinstance(w, QuantizedWeights) for pair in experts.expert_weights for w in pair)
+        bits = [(gu.qt.bits, down.qt.bits) for gu, down in experts.expert_weights]
+        assert set(bits) == ({(4, 4)} if mix == "q4_0" else {(4, 8)})  # Q6_K's 6-bit codes in bytes
+        for e, (gate_up, down) in enumerate(experts.expert_weights):
+            assert torch.equal(gate_up.dequantize(), ref.mlp.experts.gate_up_proj[e])
+            assert torch.equal(down.dequantize(), ref.mlp.experts.down_proj[e])
+        ours += experts.nbytes
+    assert GGUFFile(str(path)).metadata["general.architecture"] == "qwen3moe"
+    # The native kernels' packing (QuantizedTensor) as for dense layers: Q4_0's 18 bytes
+    # per 32 weights take 24, Q4_K's and Q6_K's 4.5 and 6.6 bits per weight take their
+    # per-32 (16) scales in float32 and Q6_K's codes a byte each.
+    assert file_bytes <= ours <= (1.34 if mix == "q4_0" else 1.6) * file_bytes, (ours, file_bytes)
+
+
+@torch.inference_mode()
+def test_gguf_experts_as_stored_match_the_dequantized_model(quantized_moe_gguf) -> None:
+    """Logits of a prompt (the quantized kernels' many-row path) and of each greedy step
+    (their int8-activation few-row path) within the kernels' error of the dequantized
+    float32 model's, and the same greedy tokens."""
+    _, path = quantized_moe_gguf
+    stored, dequantized = _stored_and_dequantized(path)
+    ids = _ids(24, 7)
+    got, want = (m.compute_logits(m(ids, torch.arange(24))) for m in (stored, dequantized))
+    assert ((got - want).norm() / want.norm()) < 0.02
+    seqs = [ids.tolist(), ids.tolist()]
+    for _ in range(8):  # greedy, the whole sequence recomputed (no cache): one decode row's logits
+        for seq, model in zip(seqs, (stored, dequantized)):
+            seq.append(int(model.compute_logits(model(torch.tensor(seq), torch.arange(len(seq))))[-1].argmax()))
+    assert seqs[0] == seqs[1]
+
+
+def test_llm_serves_quantized_experts_as_stored(tmp_path: Path) -> None:
+    """Through the engine (LLM: a quantized GGUF is served as stored by default) against
+    --dtype float32 (dequantized) and against expert parallelism over 2 ranks (each reading
+    only its experts' blocks): the same sequences (the prompts and the as-stored greedy
+    continuation) scored teacher-forced, every token's log-probability within the kernels'
+    noise. (Not greedy identity: the int8 activations of the quantized kernels turn a 1e-7
+    difference in the attention's sums, another thread split or rank's, into a 1e-3 one, and
+    a tiny random model's top-2 margins are down to 1e-2.)"""
+    from tokenmill.llm import LLM
+
+    path = _quantized_moe_gguf(tmp_path, "q4_0")
+
+    def run(prompts, params, **kwargs):
+        llm = LLM(model=str(path), max_model_len=256, block_size=4, distributed_timeout=60.0, **{"num_threads": 1, **kwargs})
+        try:
+            return llm.generate(prompts, params)
+        finally:
+            executor = llm.engine.executor
+            if hasattr(executor, "close"):
+                executor.close()
+
+    greedy = run(PROMPTS, SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    seqs = [prompt + out.outputs[0].token_ids for prompt, out in zip(PROMPTS, greedy)]
+    score = SamplingParams(temperature=0.0, max_tokens=1, prompt_logprobs=0)
+
+    def logprobs(**kwargs) -> torch.Tensor:
+        outs = run(seqs, score, **kwargs)
+        return torch.tensor([pos[tok].logprob for seq, out in zip(seqs, outs)
+                             for tok, pos in zip(seq[1:], out.prompt_logprobs[1:])])
+
+    # Measured: 2 threads instead of 1 mean 0.004 (max 0.014); dequantized 0.005 (0.037);
+    # EP 2 0.016 (0.146: a router's near-tie flipped by that noise, in the positions after it).
+    stored = logprobs()
+    for other in (logprobs(dtype="float32"), logprobs(tensor_parallel_size=2, enable_expert_parallel=True)):
+        diff = (stored - other).abs()
+        assert diff.median() < 0.01 and diff.mean() < 0.03 and diff.max() < 0.3, (diff.median(), diff.mean(), diff.max())
+
+
+@torch.inference_mode()
+def test_expert_parallel_ranks_hold_their_experts_as_stored(tmp_path: Path) -> None:
+    """Each rank of EP 2 loads only its experts' blocks (as stored), and the ranks' MoE
+    outputs summed (what the all-reduce does) equal one process's on the same input, up to
+    float summation order: the quantized kernels see the same rows either way."""
+    from tokenmill.parallel.model_parallel import ModelParallel
+    from tokenmill.quantization.formats import QuantizedWeights
+    from tokenmill.runner.plan import apply_plan, cpu_native_plan, quantized_plan
+
+    from tokenmill import kernels
+
+    if not kernels.cpu_kernels_available():
+        pytest.fail("the native CPU kernels did not build (python -m tokenmill.kernels -v shows why)")
+    path = _quantized_moe_gguf(tmp_path, "q4_0")
+    plan = quantized_plan(cpu_native_plan(torch.float32, fused_decode=False), "stored", 32)
+
+    def load(rank: int | None):
+        parallel = None if rank is None else \
+            (lambda arch, unit: ModelParallel(build_layout(arch, 2, rank, 1, 0, column_unit=unit, expert_parallel=True)))
+        model = load_model(str(path), "float32", torch.device("cpu"), weight_format=plan.weight_format,
+                           parallel=parallel, keep_quantized=True).model
+        apply_plan(model, plan)
+        return model
+
+    single, ranks = load(None), [load(r) for r in range(2)]
+    for layer in range(2):
+        held = [m.layers[layer].mlp.experts for m in ranks]
+        assert [e.num_experts for e in held] == [4, 4]
+        for r, experts in enumerate(held):
+            for e, (gate_up, down) in enumerate(experts.expert_weights):
+                assert isinstance(gate_up, QuantizedWeights) and isinstance(down, QuantizedWeights)
+                want = single.layers[layer].mlp.experts.expert_weights[4 * r + e]
+                assert torch.equal(gate_up.qt.packed, want[0].qt.packed) and torch.equal(down.qt.packed, want[1].qt.packed)
+        for rows in (1, 5, 40):  # the integer kernels' rows and the many-row GEMM
+            x = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows))
+            summed = sum(m.layers[layer].mlp(x) for m in ranks)
+            torch.testing.assert_close(summed, single.layers[layer].mlp(x), atol=1e-5, rtol=1e-5)
 
 
 # ----- parallel splits ------------------------------------------------------------------------

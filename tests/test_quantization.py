@@ -40,16 +40,16 @@ def _random_qtensor(n, k, bits, group, symmetric, scale_dtype=torch.float16, see
                                 code_offset=2 ** (bits - 1) if symmetric else None, scale_dtype=scale_dtype)
 
 
-def _gguf_blocks(name: str, rows: int, k: int, seed: int = 0) -> np.ndarray:
+def _gguf_blocks(name: str, rows: int, k: int, seed: int = 0, max_scale: float = 0.05) -> np.ndarray:
     """Blocks of a GGUF type: gguf's own quantizer where it has one, else random bytes with
-    sane float16 super-block scales."""
+    sane float16 super-block scales (up to `max_scale`)."""
     qtype = gguf.GGMLQuantizationType[name]
     rng = np.random.default_rng(seed)
     if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
         return gguf.quants.quantize(rng.standard_normal((rows, k)).astype(np.float32), qtype)
     block, size = gguf.GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, k // block, size), dtype=np.uint8)
-    sane = lambda: rng.uniform(0.001, 0.05, (rows, k // block, 1)).astype(np.float16).view(np.uint8)
+    sane = lambda: rng.uniform(max_scale / 50, max_scale, (rows, k // block, 1)).astype(np.float16).view(np.uint8)
     if name in ("Q4_K", "Q5_K"):  # d, dmin lead the block
         raw[..., 0:2], raw[..., 2:4] = sane(), sane()
     else:  # Q6_K: d ends it

@@ -115,6 +115,14 @@ class GGUFFile:
         return part
 
     @staticmethod
+    def decode(raw: np.ndarray, ggml_type: int) -> np.ndarray:
+        """Rows of raw blocks of a GGML type [..., row_bytes] (e.g. one expert of `blocks`'
+        [experts, rows, row_bytes]) -> float32 [..., columns]."""
+        import gguf
+
+        return GGUFFile._decode(raw, gguf.GGMLQuantizationType(ggml_type))
+
+    @staticmethod
     def _decode(raw: np.ndarray, qtype) -> np.ndarray:
         """Rows of raw blocks [..., row_bytes] -> float32 [..., columns]."""
         import gguf

@@ -186,7 +186,9 @@ class Experts(nn.Module):
     `set_format` then hands each expert's two matrices to the plan's `WeightFormat` (the
     skinny-kernel tiles, int8, int4, ... as for any linear) and drops the stacks: an expert
     multiplies its group of the step's tokens (SparseMoE) with the same kernels as a dense
-    MLP of its width."""
+    MLP of its width. A checkpoint loaded straight into a format never fills the stacks:
+    each expert's matrices go into it as they arrive (`set_expert`), float or quantized as
+    stored (a GGUF's blocks, one QuantizedTensor per expert and matrix)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int) -> None:
         super().__init__()
@@ -203,6 +205,23 @@ class Experts(nn.Module):
                         for e in range(self.num_experts)]
         self.gate_up_proj = None
         self.down_proj = None
+
+    def set_expert(self, expert: int, gate_up: LinearWeights, down: LinearWeights) -> None:
+        """One expert's matrices already in their format (loading into a format); the float
+        stacks, never filled then, are dropped once every expert has its own."""
+        if self.expert_weights is None:
+            self.expert_weights = [None] * self.num_experts
+        self.expert_weights[expert] = (gate_up, down)
+        if all(w is not None for w in self.expert_weights):
+            self.gate_up_proj = None
+            self.down_proj = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the experts' weights occupy in their format (the float stacks before it)."""
+        if self.expert_weights is None:
+            return sum(p.numel() * p.element_size() for p in (self.gate_up_proj, self.down_proj) if p is not None)
+        return sum(w.nbytes for pair in self.expert_weights if pair is not None for w in pair)
 
     def grouped_mlp(self, rows: torch.Tensor, active: list[tuple[int, int]],
                     act_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor | None:

@@ -26,7 +26,7 @@ from tokenmill.attention.backend import PagedDecode, get_forward_context
 from tokenmill.attention.kv_cache import LayerKVCache
 from tokenmill.kernels.fused_layer import FusedLayerOperands, LayerFeatures
 from tokenmill.kernels.ops import TorchOps
-from tokenmill.model.layers import GatedMLP, Linear, RMSNorm, RotaryEmbedding
+from tokenmill.model.layers import Experts, GatedMLP, Linear, RMSNorm, RotaryEmbedding
 from tokenmill.model.moe import SparseMoE
 from tokenmill.model_arch import ModelArchConfig
 from tokenmill.parallel.layout import ShardLayout
@@ -332,6 +332,7 @@ class LlamaForCausalLM(nn.Module):
         expected = {f"{n}#{s}" for n, s in self._expected_shards(params, linears)}
         layout = self.parallel.layout
         parts: dict[str, dict[int | None, torch.Tensor | QuantizedTensor]] = {}
+        expert_parts: dict[tuple[int, int], dict[int | None, torch.Tensor | QuantizedTensor]] = {}
         loaded: set[str] = set()
         for name, tensor in weights:
             name = name.removeprefix("model.")
@@ -345,7 +346,7 @@ class LlamaForCausalLM(nn.Module):
             tensor = _rank_part(layout, name, tensor)
             local_name = local_name.replace(".block_sparse_moe.", ".mlp.")  # Mixtral's name for its MoE MLP
             if ".mlp.experts." in local_name:
-                loaded.update(self._load_experts(local_name, tensor))
+                loaded.update(self._load_experts(local_name, tensor, fmt, expert_parts))
                 continue
             target, shard = self._target(local_name)
             if target == "embed_tokens.weight" and isinstance(tensor, QuantizedTensor) \
@@ -375,12 +376,17 @@ class LlamaForCausalLM(nn.Module):
         if missing:
             raise ValueError(f"the checkpoint lacks weights for: {', '.join(m.split('#')[0] for m in missing[:8])}")
 
-    def _load_experts(self, name: str, tensor: torch.Tensor | QuantizedTensor) -> list[str]:
-        """Copy one expert's matrix (`layers.L.mlp.experts.E.gate_proj.weight`, Mixtral's
+    def _load_experts(self, name: str, tensor: torch.Tensor | QuantizedTensor, fmt: WeightFormat | None,
+                      pending: dict[tuple[int, int], dict[int | None, torch.Tensor | QuantizedTensor]]) -> list[str]:
+        """Load one expert's matrix (`layers.L.mlp.experts.E.gate_proj.weight`, Mixtral's
         w1 / w3 / w2), or a layer's stacked ones as transformers >= 5 holds them in memory
-        (`layers.L.mlp.experts.gate_up_proj` [E, 2I, H], `.down_proj` [E, H, I]), into the
-        layer's stacks; E and I already this rank's (the layout cut per-expert tensors,
-        stacked ones are cut here). Returns what it loaded, as `loaded` counts it."""
+        (`layers.L.mlp.experts.gate_up_proj` [E, 2I, H], `.down_proj` [E, H, I]); E and I
+        already this rank's (the layout cut per-expert tensors, stacked ones are cut here).
+        Without a format they are copied into the layer's float stacks. With one, each
+        expert's matrices wait in `pending` until its gate, up and down are all here, then
+        go into the format as they are (`_format_expert`): quantized as stored stays
+        quantized, and no layer's float stacks are ever allocated. Returns what it loaded,
+        as `loaded` counts it."""
         match = _EXPERT_NAME.fullmatch(name)
         if match is None:
             raise ValueError(f"checkpoint tensor {name!r} has no place in the {self.cfg.architecture} model")
@@ -388,22 +394,54 @@ class LlamaForCausalLM(nn.Module):
         experts = self.layers[layer].mlp.experts if isinstance(self.layers[layer].mlp, SparseMoE) else None
         if experts is None:
             raise ValueError(f"checkpoint tensor {name!r}: layer {layer} of the model has a dense MLP, not experts")
-        if isinstance(tensor, QuantizedTensor):
-            tensor = tensor.dequantize()  # experts are formatted from float weights (Experts.set_format)
         stack = "down_proj" if kind in ("down_proj", "w2") else "gate_up_proj"
-        param = getattr(experts, stack).data
         key = f"layers.{layer}.mlp.experts.{stack}"
         width = experts.intermediate
-        with torch.no_grad():
-            if expert is None:  # a whole stack
-                _copy(param, self._rank_stack(tensor, stack), name)
-                halves = (0, 1) if stack == "gate_up_proj" else (None,)
-                return [f"{key}#{e}.{h}" for e in range(experts.num_experts) for h in halves]
+        halves = (0, 1) if stack == "gate_up_proj" else (None,)
+        if expert is None:  # a whole stack: each expert's matrices (and halves of gate_up) in turn
+            if isinstance(tensor, QuantizedTensor):
+                tensor = tensor.dequantize()
+            whole = self._rank_stack(tensor, stack)
+            shape = (experts.num_experts, *((2 * width, experts.hidden) if stack == "gate_up_proj"
+                                            else (experts.hidden, width)))
+            if tuple(whole.shape) != shape:
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(whole.shape)} (this rank's part), "
+                                 f"the model expects {shape}")
+            pieces = [(e, h, whole[e] if h is None else whole[e].narrow(0, h * width, width))
+                      for e in range(experts.num_experts) for h in halves]
+        else:
             e = int(expert)
-            half = None if stack == "down_proj" else (0 if kind in ("gate_proj", "w1") else 1)
-            target = param[e] if half is None else param[e].narrow(0, half * width, width)
-            _copy(target, tensor, name)
-        return [f"{key}#{e}.{half}"]
+            pieces = [(e, None if stack == "down_proj" else (0 if kind in ("gate_proj", "w1") else 1), tensor)]
+        for e, half, piece in pieces:
+            rows, cols = (experts.hidden, width) if half is None else (width, experts.hidden)
+            if tuple(piece.shape) != (rows, cols):
+                raise ValueError(f"checkpoint tensor {name!r} has shape {tuple(piece.shape)}, the model expects "
+                                 f"{(rows, cols)}")
+            if fmt is not None:
+                parts = pending.setdefault((layer, e), {})
+                parts[half] = piece
+                if len(parts) == 3:
+                    self._format_expert(experts, e, pending.pop((layer, e)), fmt)
+                continue
+            param = getattr(experts, stack)
+            if param.is_meta:  # not allocated by the loader: only experts loaded without a format need the stacks
+                param = nn.Parameter(torch.empty(param.shape, device=self.norm.weight.device,
+                                                 dtype=self.norm.weight.dtype), requires_grad=False)
+                setattr(experts, stack, param)
+            target = param.data[e] if half is None else param.data[e].narrow(0, half * width, width)
+            with torch.no_grad():
+                target.copy_(piece.dequantize() if isinstance(piece, QuantizedTensor) else piece)
+        return [f"{key}#{e}.{h}" for e, h, _ in pieces]
+
+    @staticmethod
+    def _format_expert(experts: Experts, e: int, parts: dict[int | None, torch.Tensor | QuantizedTensor],
+                       fmt: WeightFormat) -> None:
+        """An expert's gate and up fused (quantized blocks stay blocks when both halves share
+        a storage form), then both matrices into `fmt`."""
+        gate_up = _cat_rows([parts[0], parts[1]])
+        down = parts[None]
+        experts.set_expert(e, *(fmt.make(w if isinstance(w, QuantizedTensor) else w.detach().float())
+                                for w in (gate_up, down)))
 
     def _rank_stack(self, tensor: torch.Tensor, stack: str) -> torch.Tensor:
         """This rank's experts and intermediate columns of a whole stacked expert tensor."""
@@ -501,7 +539,12 @@ def _rank_part(layout: ShardLayout, name: str, tensor: torch.Tensor) -> torch.Te
         raise ValueError(f"checkpoint tensor {name!r} has {tensor.shape[dim]} entries along dimension {dim}; "
                          f"this rank's part is [{span.start}, {span.stop})")
     if isinstance(tensor, QuantizedTensor):  # cut in its blocks, never dequantized
-        return tensor.narrow_rows(span.start, span.size) if dim == 0 else tensor.narrow_cols(span.start, span.size)
+        if dim == 0:
+            return tensor.narrow_rows(span.start, span.size)
+        try:
+            return tensor.narrow_cols(span.start, span.size)
+        except ValueError:  # a cut inside a block (e.g. an expert's 768 columns over 2 ranks in Q4_K's 256): float
+            tensor = tensor.dequantize()
     return tensor.narrow(dim, span.start, span.size)
 
 

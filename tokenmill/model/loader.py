@@ -21,7 +21,7 @@ from tokenmill.chat_template import GEMMA_CHAT_TEMPLATE
 from tokenmill.config import DEFAULT_MODEL_FILE, DEFAULT_MODEL_PACKAGE, default_model_path  # noqa: F401 (re-exported)
 from tokenmill.dtypes import torch_dtype as dtype_of
 from tokenmill.gguf_file import GGUFFile
-from tokenmill.model.layers import Linear
+from tokenmill.model.layers import Experts, Linear
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model_arch import FULL, SLIDING, ModelArchConfig
 from tokenmill.parallel.layout import ShardLayout
@@ -130,11 +130,13 @@ def load_model(model: str | None | Checkpoint, dtype: str, device: torch.device,
 
 
 def _materialize(net: LlamaForCausalLM, device: torch.device, dtype: torch.dtype) -> None:
-    """Allocate the parameters built on the meta device, except linear weights: those are
-    assembled from the checkpoint one linear at a time (LlamaForCausalLM.load_weights)."""
+    """Allocate the parameters built on the meta device, except linear weights and experts'
+    stacks: those are assembled from the checkpoint one linear (one expert) at a time
+    (LlamaForCausalLM.load_weights)."""
     for module in net.modules():
         for name, param in list(module._parameters.items()):
-            if param is None or not param.is_meta or (isinstance(module, Linear) and name == "weight"):
+            if param is None or not param.is_meta or (isinstance(module, Linear) and name == "weight") \
+                    or isinstance(module, Experts):
                 continue
             module._parameters[name] = nn.Parameter(torch.empty(param.shape, device=device, dtype=dtype),
                                                     requires_grad=False)
@@ -156,8 +158,9 @@ def _open_gguf(path: str) -> Checkpoint:
     tokenizer = Tokenizer.from_gguf({k: v for k, v in meta.items() if k.startswith("tokenizer.")})
     if arch_name == "gemma3":
         _gemma_chat(tokenizer, meta["tokenizer.ggml.tokens"])
-    column_unit = max((gguf_file.block_size(t) for t in gguf_file.tensors if len(t.shape) == 2), default=1)
-    quantized = "gguf" if any(_keeps_blocks(t) for t in gguf_file.tensors if len(t.shape) == 2) else None
+    matrices = [t for t in gguf_file.tensors if len(t.shape) in (2, 3)]  # 3: a layer's experts, stacked
+    column_unit = max((gguf_file.block_size(t) for t in matrices), default=1)
+    quantized = "gguf" if any(_keeps_blocks(t) for t in matrices) else None
     return Checkpoint(path, arch, tokenizer, lambda layout, keep: _gguf_weights(gguf_file, arch, layout, keep),
                       len(gguf_file.tensors), column_unit, quantized)
 
@@ -277,7 +280,7 @@ def _gguf_weights(gguf_file: GGUFFile, arch: ModelArchConfig, layout: ShardLayou
             raise ValueError(f"GGUF tensor {info.name!r} has no place in the {arch.architecture} model")
         name = hf_name.removeprefix("model.")
         if len(info.shape) == 3:  # a layer's experts, stacked: one tensor per expert, as Hugging Face names them
-            yield from _gguf_experts(gguf_file, info, hf_name, layout)
+            yield from _gguf_experts(gguf_file, info, hf_name, layout, keep_quantized)
             continue
         if layout.local_name(name) is None:
             continue  # another pipeline stage's: not even read
@@ -296,18 +299,24 @@ def _gguf_weights(gguf_file: GGUFFile, arch: ModelArchConfig, layout: ShardLayou
         yield hf_name, torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
 
 
-def _gguf_experts(gguf_file: GGUFFile, info, hf_name: str, layout: ShardLayout) -> Iterator[tuple[str, torch.Tensor]]:
-    """llama.cpp's ffn_{gate,up,down}_exps [experts, rows, columns] as one float tensor per
-    expert this rank holds (`model.layers.L.mlp.experts.E.gate_proj.weight`). Dequantized:
-    experts are formatted from float weights (Experts.set_format), not kept as stored."""
+def _gguf_experts(gguf_file: GGUFFile, info, hf_name: str, layout: ShardLayout,
+                  keep_quantized: bool) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """llama.cpp's ffn_{gate,up,down}_exps [experts, rows, columns] as one tensor per expert
+    this rank holds (`model.layers.L.mlp.experts.E.gate_proj.weight`): with `keep_quantized`
+    a QuantizedTensor converted exactly from that expert's blocks (as a dense layer's), else
+    dequantized, an expert at a time. Another rank's experts are not read."""
     prefix, matrix = hf_name.removesuffix(".weight").rsplit(".", 1)  # model.layers.L.mlp.experts, gate_proj
     names = [f"{prefix}.{e}.{matrix}.weight" for e in range(info.shape[2])]
     held = [e for e, name in enumerate(names) if layout.local_name(name.removeprefix("model.")) is not None]
     if not held:
         return
-    stack = gguf_file.dequantize(info)
+    raw = gguf_file.blocks(info)  # [experts, rows, row bytes], a view of the file
     for e in held:
-        yield names[e], torch.from_numpy(np.ascontiguousarray(stack[e], dtype=np.float32))
+        if keep_quantized and _keeps_blocks(info):
+            yield names[e], from_gguf_blocks(raw[e], info.ggml_type)
+        else:
+            values = GGUFFile.decode(raw[e], info.ggml_type)
+            yield names[e], torch.from_numpy(np.ascontiguousarray(values, dtype=np.float32))
 
 
 def _hf_names_by_gguf_name(name_map, arch: ModelArchConfig) -> dict[str, str]:

@@ -114,7 +114,9 @@ def expert_groups(ids: torch.Tensor, first: int, num_local: int, partial: bool) 
     counts = torch.bincount(local, minlength=num_local).tolist()
     sorted_pairs = pairs.index_select(0, order)
     rank = torch.argsort(order)  # each held pair's row in expert order (pairs ascending)
-    if held is not None:
+    if held is not None and len(order) == 0:  # no pair held here (a decode row whose experts are all elsewhere)
+        rank = torch.zeros_like(held, dtype=torch.long)
+    elif held is not None:
         before = (held.cumsum(0) - 1).clamp(min=0)
         rank = torch.where(held, rank.index_select(0, before), len(order))
     return ExpertGroups(torch.div(sorted_pairs, top_k, rounding_mode="floor"), counts, rank)
