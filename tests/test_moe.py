@@ -372,6 +372,7 @@ def test_gguf_experts_as_stored_match_the_dequantized_model(quantized_moe_gguf) 
     assert seqs[0] == seqs[1]
 
 
+@pytest.mark.slow
 def test_llm_serves_quantized_experts_as_stored(tmp_path: Path) -> None:
     """Through the engine (LLM: a quantized GGUF is served as stored by default) against
     --dtype float32 (dequantized) and against expert parallelism over 2 ranks (each reading
