@@ -104,3 +104,24 @@ def test_on_a_cpu_with_the_kernels_activations_stay_float32_and_dtype_is_storage
     assert resolve_dtype("float32", cpu, native_kernels=True) == DtypePlan("float32", "float32", "float32")
     with pytest.raises(ValueError, match="float16 is for GPUs"):
         resolve_dtype("float16", cpu, native_kernels=True)
+
+
+def test_a_disturbed_measurement_is_not_cached_and_falls_back_to_the_default_split(tmp_path, monkeypatch) -> None:
+    """A kernel that times slower at fewer rows (by > 2x) was robbed by other work: the
+    measurement is retried, and if every attempt is disturbed the default row split is used
+    with the measured GEMM, and nothing is cached (the next start measures again)."""
+    from tokenmill.runner.plan import ROWS
+
+    clean = timings({1: 1.0, 2: 1.1, 4: 1.4, 8: 2.0, 16: 4.0}, onednn_f32={1: 2.0, 2: 2.0, 4: 2.1, 8: 2.5, 16: 3.1,
+                                                                          128: 14.0})
+    spoiled = timings({1: 100.0, 2: 102.0, 4: 103.0, 8: 17.0, 16: 40.0}, onednn_f32=clean.gemm["onednn_f32"])
+    assert tune.disturbed(clean) is None
+    assert "skinny kernel 100000.00 ms at 1 rows vs 17000.00 ms at 8" in tune.disturbed(spoiled)
+    results = [spoiled, spoiled, spoiled, spoiled, clean]
+    monkeypatch.setattr(tune, "measure", lambda shapes, tile_dtype, gemms: results.pop(0))
+    choice, _, source = tune.choose([(96, 32)], torch.float32, cache_dir=tmp_path)
+    assert choice == CPUMatmulChoice(ROWS.skinny_max_rows, "onednn_f32") and "not cached" in source
+    assert not list(tmp_path.glob("dense-*.json")) and len(results) == 2  # three attempts
+    # The next start measures again; a clean second attempt is decided and cached.
+    choice, _, source = tune.choose([(96, 32)], torch.float32, cache_dir=tmp_path)
+    assert choice == tune.decide(clean) and "cached in" in source and len(list(tmp_path.glob("dense-*.json"))) == 1
