@@ -209,3 +209,46 @@ def test_server_metrics_count_the_host_tier() -> None:
         assert 0 < _metric(text, "tokenmill:kv_offload_cpu_cache_usage_perc") <= 1
     finally:
         assert server.stop() == 0, server.log_tail()
+
+
+def test_reset_prefix_cache_route_clears_both_tiers_and_publishes_it() -> None:
+    import json
+
+    import msgspec
+    import zmq
+
+    from tests.server_utils import ServerProcess, free_port
+
+    port = free_port()
+    events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}", "topic": "kv"}
+    server = ServerProcess("--kv-cache-memory", "24MiB", "--kv-offloading-size", "0.05",
+                           "--kv-events-config", json.dumps(events)).start()
+    ctx = zmq.Context()
+    sub = ctx.socket(zmq.SUB)
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    sub.setsockopt_string(zmq.SUBSCRIBE, "kv")
+    try:
+        import time
+
+        time.sleep(0.5)  # the subscription reaches the publisher
+        for prompt in (list(range(1000, 1384)), list(range(2000, 2400)), list(range(3000, 3400))):
+            response = server.post("/v1/completions", json={"model": server.model, "prompt": prompt, "max_tokens": 2})
+            assert response.status_code == 200, response.text
+        assert _metric(server.get("/metrics").text, "tokenmill:kv_offload_cpu_cache_usage_perc") > 0
+        response = server.post("/reset_prefix_cache")
+        assert response.status_code == 200 and response.json() == {"reset": True}
+        assert _metric(server.get("/metrics").text, "tokenmill:kv_offload_cpu_cache_usage_perc") == 0
+        cleared = False
+        deadline = time.monotonic() + 10
+        while not cleared and time.monotonic() < deadline:
+            if sub.poll(100):
+                _, _, payload = sub.recv_multipart()
+                cleared = any(e[0] == "AllBlocksCleared" for e in msgspec.msgpack.decode(payload)[1])
+        assert cleared
+        again = server.post("/v1/completions", json={"model": server.model, "prompt": list(range(1000, 1386)),
+                                                     "max_tokens": 2})
+        assert again.status_code == 200
+        assert _metric(server.get("/metrics").text, "tokenmill:external_prefix_cache_hits_total") == 0
+    finally:
+        ctx.destroy(linger=0)
+        assert server.stop() == 0, server.log_tail()

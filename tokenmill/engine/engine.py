@@ -327,6 +327,13 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished_requests()
 
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached prefix, in the pool and the host tier (vLLM's
+        `reset_prefix_cache`); False, changing nothing, while requests hold KV blocks."""
+        reset = self.scheduler.kv.reset_prefix_cache()
+        self._publish_kv_events()  # AllBlocksCleared now, not at the next step
+        return reset
+
     def requests_queued_since(self, arrived_before: float) -> list[str]:
         """Ids of the requests that arrived before `arrived_before` (time.monotonic) and
         have never been scheduled (a server's queue-wait limit aborts them)."""

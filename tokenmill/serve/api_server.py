@@ -31,7 +31,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tokenmill import __version__
 from tokenmill.engine.engine import LLMEngine, StepObserver
-from tokenmill.serve.async_engine import AsyncEngine
+from tokenmill.serve.async_engine import AsyncEngine, EngineUnavailableError
 from tokenmill.serve.dashboard import PUBLIC_PATHS as DASHBOARD_PUBLIC_PATHS
 from tokenmill.serve.dashboard import Dashboard
 from tokenmill.serve.embeddings import add_embeddings_route
@@ -252,6 +252,19 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
     @app.post("/ping", include_in_schema=False)
     async def ping() -> Response:
         return await health()
+
+    # vLLM's admin route: forget every cached prefix (pool and host tier; KV events publish
+    # AllBlocksCleared). Out of the OpenAPI schema, as vLLM keeps it to its dev mode.
+    @app.post("/reset_prefix_cache", include_in_schema=False)
+    async def reset_prefix_cache() -> Response:
+        try:
+            reset = await engine.reset_prefix_cache()
+        except EngineUnavailableError as error:
+            return error_response(503, str(error), code="engine_unavailable")
+        if not reset:
+            return error_response(409, "requests are running and hold KV blocks; retry when the server is idle",
+                                  code="busy")
+        return JSONResponse({"reset": True})
 
     @app.get("/version", responses={200: {"model": VersionResponse}})
     async def version() -> Response:

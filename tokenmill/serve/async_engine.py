@@ -98,6 +98,11 @@ class _Add:
 
 
 @dataclass
+class _Reset:
+    done: concurrent.futures.Future[bool]  # whether the prefix cache was reset
+
+
+@dataclass
 class _Abort:
     request_ids: list[str]
     notify: bool = False  # hand the final outputs to their streams (a drain); else nobody listens
@@ -209,7 +214,7 @@ class AsyncEngine:
         self.loaded = threading.Event()
 
         self._cond = threading.Condition()
-        self._commands: list[_Add | _Abort] = []
+        self._commands: list[_Add | _Abort | _Reset] = []
         self._stop_requested = False
         self._busy = False  # the thread has work (or is loading); read by health()
         self._heartbeat = time.monotonic()  # last time the thread showed progress
@@ -307,6 +312,14 @@ class AsyncEngine:
             raise
         return stream
 
+    async def reset_prefix_cache(self) -> bool:
+        """Clear the prefix cache (pool and host tier) on the engine thread; False while
+        requests hold KV blocks."""
+        self._check_available()
+        done: concurrent.futures.Future[bool] = concurrent.futures.Future()
+        self._submit(_Reset(done))
+        return await asyncio.wrap_future(done)
+
     def abort(self, request_ids: list[str]) -> None:
         """Abort requests; safe from any thread (an OutputStream finalizer may call it)."""
         for request_id in request_ids:
@@ -346,7 +359,7 @@ class AsyncEngine:
             return
         self._abort_everything()
 
-    def _wait_for_work(self) -> list[_Add | _Abort] | None:
+    def _wait_for_work(self) -> list[_Add | _Abort | _Reset] | None:
         """Block while idle; return the queued commands, or None when told to stop."""
         assert self.engine is not None
         with self._cond:
@@ -369,8 +382,12 @@ class AsyncEngine:
         if check_health is not None:
             check_health()
 
-    def _apply(self, commands: list[_Add | _Abort]) -> None:
+    def _apply(self, commands: list[_Add | _Abort | _Reset]) -> None:
         for command in commands:
+            if isinstance(command, _Reset):
+                if command.done.set_running_or_notify_cancel():
+                    command.done.set_result(self.engine.reset_prefix_cache())
+                continue
             if isinstance(command, _Abort):
                 outputs = self._abort_in_thread(command.request_ids)
                 if command.notify and outputs:
@@ -495,7 +512,7 @@ class AsyncEngine:
         with self._cond:
             commands, self._commands = self._commands, []
         for command in commands:
-            if isinstance(command, _Add):
+            if isinstance(command, (_Add, _Reset)):
                 _set_future(command.done, failure)
 
     # ----- helpers -----------------------------------------------------------------------
@@ -515,10 +532,10 @@ class AsyncEngine:
         if not healthy:
             raise EngineUnavailableError(f"the server is unhealthy ({reason}); retry elsewhere or later")
 
-    def _submit(self, command: _Add | _Abort) -> None:
+    def _submit(self, command: _Add | _Abort | _Reset) -> None:
         with self._cond:
             if self.state == EngineState.DEAD:
-                if isinstance(command, _Add):
+                if isinstance(command, (_Add, _Reset)):
                     _set_future(command.done, EngineUnavailableError("the engine has died"))
                 return
             self._commands.append(command)
