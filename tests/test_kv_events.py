@@ -5,8 +5,14 @@ SUB and replay REQ sockets) decoding what a real engine and a real server publis
 from __future__ import annotations
 
 import json
+import shutil
+import subprocess
+import sys
 import time
+from pathlib import Path
 from typing import Any, Optional, Union
+
+import httpx
 
 import msgspec
 import pytest
@@ -59,17 +65,54 @@ class KVEventBatch(EventBatch):
     events: list[Union[BlockStored, BlockRemoved, AllBlocksCleared]]  # noqa: UP007
 
 
+# ----- vLLM's current structs (vllm/distributed/kv_events.py): events as tagged maps ---------
+
+
+class CurrentKVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    pass
+
+
+class CurrentBlockStored(CurrentKVCacheEvent, tag="BlockStored"):
+    block_hashes: list[int]
+    parent_block_hash: int | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class CurrentBlockRemoved(CurrentKVCacheEvent, tag="BlockRemoved"):
+    block_hashes: list[int]
+    medium: str | None
+    group_idx: int | None = None
+
+
+class CurrentAllBlocksCleared(CurrentKVCacheEvent, tag="AllBlocksCleared"):
+    pass
+
+
+class CurrentKVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    ts: float
+    events: list[Union[CurrentBlockStored, CurrentBlockRemoved, CurrentAllBlocksCleared]]  # noqa: UP007
+    data_parallel_rank: int | None = None
+
+
 class Subscriber:
     """The example subscriber's sockets: SUB on the topic, REQ for replays."""
 
-    def __init__(self, port: int, replay_port: int, topic: str) -> None:
+    def __init__(self, port: int, replay_port: int, topic: str, batch_type: type = KVEventBatch) -> None:
         self.ctx = zmq.Context()
         self.sub = self.ctx.socket(zmq.SUB)
         self.sub.connect(f"tcp://127.0.0.1:{port}")
         self.sub.setsockopt_string(zmq.SUBSCRIBE, topic)
         self.replay = self.ctx.socket(zmq.REQ)
         self.replay.connect(f"tcp://127.0.0.1:{replay_port}")
-        self.decoder = msgspec.msgpack.Decoder(type=KVEventBatch)
+        self.decoder = msgspec.msgpack.Decoder(type=batch_type)
 
     def receive(self, until, timeout: float = 60.0) -> list[tuple[int, KVEventBatch]]:
         """Batches until `until(events so far)` holds."""
@@ -167,7 +210,7 @@ def test_kv_events_config_is_vllms() -> None:
 def test_example_subscriber_decodes_a_real_engines_events(llm_f32) -> None:
     port, replay_port = free_port(), free_port()
     config = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}",
-                            replay_endpoint=f"tcp://*:{replay_port}", topic="kv-events")
+                            replay_endpoint=f"tcp://*:{replay_port}", topic="kv-events", event_layout="array")
     llm = sibling(llm_f32, enable_prefix_caching=True, kv_events_config=config)
     publisher = ZmqEventPublisher(config)
     llm.engine.kv_event_sink = publisher.publish_events
@@ -204,17 +247,86 @@ def test_server_publishes_kv_events_for_a_request() -> None:
               "replay_endpoint": f"tcp://*:{free_port()}", "topic": "kv-events"}
     server = ServerProcess("--kv-events-config", json.dumps(config), "--kv-offloading-size", "0.05")
     server.start()
-    subscriber = Subscriber(port, free_port(), "kv-events")
+    subscriber = Subscriber(port, free_port(), "kv-events", CurrentKVEventBatch)  # the default layout: vLLM's current
     try:
         settle_subscription()
         prompt = list(range(1000, 1040))  # 40 token ids: two full blocks
         response = server.post("/v1/completions", json={"model": server.model, "prompt": prompt, "max_tokens": 2})
         assert response.status_code == 200, response.text
-        got = subscriber.receive(lambda events: any(isinstance(e, BlockStored) for e in events))
-        stored = [e for _, batch in got for e in batch.events if isinstance(e, BlockStored)]
+        got = subscriber.receive(lambda events: any(isinstance(e, CurrentBlockStored) for e in events))
+        stored = [e for _, batch in got for e in batch.events if isinstance(e, CurrentBlockStored)]
         assert stored, server.log_tail()
         assert stored[0].block_hashes[:2] == [external_hash(h) for h in chain(prompt, 16)]
         assert stored[0].token_ids[:32] == prompt[:32] and stored[0].medium == "GPU"
+        assert stored[0].group_idx == 0 and stored[0].kv_cache_spec_kind == "full_attention"
     finally:
         subscriber.close()
         assert server.stop() == 0, server.log_tail()
+
+
+# ----- vllm-router's kv_aware policy ------------------------------------------------------------
+
+
+def vllm_router() -> str:
+    path = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
+    if not Path(path).exists():
+        pytest.fail("vllm-router is not installed: pip install 'tokenmill[router]'")
+    return path
+
+
+def counter(server: ServerProcess, name: str) -> float:
+    return sum(v for k, v in server.metrics().items() if k.startswith(name))
+
+
+@pytest.mark.slow  # two servers and a router: ~1-2 min on 2 shared cores
+def test_vllm_router_kv_aware_routes_on_tokenmill_kv_events() -> None:
+    ports = [free_port() for _ in range(2)]
+    replicas = []
+    router = None
+    try:
+        for port in ports:
+            events = {"enable_kv_cache_events": True, "endpoint": f"tcp://*:{port}"}
+            replicas.append(ServerProcess("--kv-events-config", json.dumps(events), "--kv-cache-memory", "64MiB")
+                            .start())
+        router_port = free_port()
+        log = open(replicas[0].log.name + ".router", "w")
+        command = [vllm_router(), "--host", "127.0.0.1", "--port", str(router_port), "--policy", "kv_aware",
+                   "--worker-urls", *(r.url for r in replicas), "--kv-event-block-size", "16",
+                   "--kv-event-model", replicas[0].model, "--log-level", "debug"]
+        for replica, port in zip(replicas, ports):
+            command += ["--kv-event-source", f"{replica.url}=tcp://127.0.0.1:{port}"]
+        router = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
+        url = f"http://127.0.0.1:{router_port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.3)
+        model = replicas[0].model
+        # Token ids (no tokenizer between router and replica). Each replica computes one
+        # session's context on its own: only the replicas' KV events tell the router where.
+        contexts = [[(s * 37 + i) % 5000 + 300 for i in range(64)] for s in range(2)]
+        for replica, context in zip(replicas, contexts):
+            response = replica.post("/v1/completions", json={"model": model, "prompt": context + [401],
+                                                             "max_tokens": 2})
+            assert response.status_code == 200, response.text
+        time.sleep(2.0)  # the events reach the router's subscribers
+        before = [counter(r, "tokenmill:request_success_total") for r in replicas]
+        hits_before = [counter(r, "tokenmill:prefix_cache_hits_total") for r in replicas]
+        for turn in range(2):
+            for session in (1, 0):  # the second context first: no default order helps
+                body = {"model": model, "prompt": contexts[session] + [402 + turn], "max_tokens": 2}
+                response = httpx.post(url + "/v1/completions", json=body, timeout=60)
+                assert response.status_code == 200, response.text
+        served = [counter(r, "tokenmill:request_success_total") - b for r, b in zip(replicas, before)]
+        hits = [counter(r, "tokenmill:prefix_cache_hits_total") - h for r, h in zip(replicas, hits_before)]
+        assert served == [2, 2], (served, open(log.name).read()[-3000:])  # each session went to its context
+        assert hits == [2 * 64, 2 * 64]  # and found its 4 blocks cached there, twice
+    finally:
+        if router is not None:
+            router.terminate()
+            router.wait(10)
+        for replica in replicas:
+            replica.stop()

@@ -243,7 +243,7 @@ def test_reset_prefix_cache_route_clears_both_tiers_and_publishes_it() -> None:
         while not cleared and time.monotonic() < deadline:
             if sub.poll(100):
                 _, _, payload = sub.recv_multipart()
-                cleared = any(e[0] == "AllBlocksCleared" for e in msgspec.msgpack.decode(payload)[1])
+                cleared = any(e["type"] == "AllBlocksCleared" for e in msgspec.msgpack.decode(payload)[1])
         assert cleared
         again = server.post("/v1/completions", json={"model": server.model, "prompt": list(range(1000, 1386)),
                                                      "max_tokens": 2})

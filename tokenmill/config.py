@@ -36,6 +36,7 @@ ALL_REDUCE_BACKENDS = ("auto", "shm", "gloo", "nccl")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 KV_OFFLOADING_BACKENDS = ("native",)
 KV_EVENT_PUBLISHERS = ("null", "zmq")
+KV_EVENT_LAYOUTS = ("map", "array")
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
 RUNNERS = ("auto", "generate", "pooling")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
@@ -222,8 +223,13 @@ class KVEventsConfig:
     hwm: int = 100_000  # the PUB socket's high-water mark
     max_queue_size: int = 100_000  # batches waiting for the publisher thread
     topic: str = ""
+    # tokenmill's own key: how each event is laid out on the wire. "map": vLLM's current
+    # tagged maps (vllm-router's kv_aware policy decodes these); "array": the older tagged
+    # arrays vLLM's example subscriber decodes.
+    event_layout: str = "map"
 
     def __post_init__(self) -> None:
+        _check_choice("kv_events_config event_layout", self.event_layout, KV_EVENT_LAYOUTS)
         if self.publisher is None:
             object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
         _check_choice("kv_events_config publisher", self.publisher, KV_EVENT_PUBLISHERS)

@@ -1,8 +1,10 @@
 """vLLM's KV-event schema and ZMQ transport (`vllm/distributed/kv_events.py`).
 
 The wire: each engine step with events is one `KVEventBatch` `[ts, events,
-data_parallel_rank]`, each event a tagged array (`["BlockStored", ...]`, the layout of
-vLLM's example subscriber, `array_like=True`), MessagePack-encoded by msgspec, sent as
+data_parallel_rank]`, each event a tagged map (`{"type": "BlockStored", ...}`: vLLM's
+current layout, what vllm-router decodes) or, with `"event_layout": "array"`, a tagged
+array (`["BlockStored", ...]`: the older layout vLLM's example subscriber decodes),
+MessagePack-encoded by msgspec, sent as
 three frames: topic, an 8-byte big-endian sequence number, the payload. A ROUTER socket on
 `replay_endpoint` answers a sequence number with every kept batch from it on, then
 `(-1, b"")`. Block hashes go out in vLLM's integer form: the low 64 bits of the block's
@@ -17,6 +19,7 @@ import threading
 import time
 from collections import deque
 from itertools import count
+from types import SimpleNamespace
 from typing import Any
 
 import msgspec
@@ -30,42 +33,49 @@ logger = logging.getLogger(__name__)
 ExternalBlockHash = int
 
 
-class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
+def event_structs(array_like: bool) -> SimpleNamespace:
+    """vLLM's event structs in one of its two layouts: tagged maps (`{"type": "BlockStored",
+    ...}`, vLLM's current one, which vllm-router's kv_aware policy decodes) or tagged arrays
+    (`["BlockStored", ...]`, the older one, which vLLM's example subscriber decodes). The batch
+    is an array either way."""
+
+    class EventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+        ts: float
+        events: list[Any]
+        data_parallel_rank: int | None = None
+
+    class KVCacheEvent(msgspec.Struct, array_like=array_like, omit_defaults=True, gc=False, tag=True):
+        """Base class of the KV-cache events (tagged with the class name)."""
+
+    class BlockStored(KVCacheEvent):
+        block_hashes: list[ExternalBlockHash]
+        parent_block_hash: ExternalBlockHash | None
+        token_ids: list[int]
+        block_size: int
+        lora_id: int | None
+        medium: str | None
+        lora_name: str | None
+        extra_keys: list[tuple[Any, ...] | None] | None = None
+        group_idx: int | None = None
+        kv_cache_spec_kind: str | None = None
+        kv_cache_spec_sliding_window: int | None = None
+
+    class BlockRemoved(KVCacheEvent):
+        block_hashes: list[ExternalBlockHash]
+        medium: str | None
+        group_idx: int | None = None
+
+    class AllBlocksCleared(KVCacheEvent):
+        pass
+
+    class KVEventBatch(EventBatch):
+        events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+
+    return SimpleNamespace(KVEventBatch=KVEventBatch, BlockStored=BlockStored, BlockRemoved=BlockRemoved,
+                           AllBlocksCleared=AllBlocksCleared)
 
 
-class KVCacheEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag=True):
-    """Base class of the KV-cache events (tagged with the class name)."""
-
-
-class BlockStored(KVCacheEvent):
-    block_hashes: list[ExternalBlockHash]
-    parent_block_hash: ExternalBlockHash | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-
-
-class BlockRemoved(KVCacheEvent):
-    block_hashes: list[ExternalBlockHash]
-    medium: str | None
-    group_idx: int | None = None
-
-
-class AllBlocksCleared(KVCacheEvent):
-    pass
-
-
-class KVEventBatch(EventBatch):
-    events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+LAYOUTS = {"map": event_structs(array_like=False), "array": event_structs(array_like=True)}
 
 
 def external_hash(block_hash: bytes) -> ExternalBlockHash:
@@ -73,18 +83,19 @@ def external_hash(block_hash: bytes) -> ExternalBlockHash:
     return int.from_bytes(block_hash[-8:], "big")
 
 
-def to_wire(event: ev.KVEvent) -> KVCacheEvent:
+def to_wire(event: ev.KVEvent, layout: str = "map") -> Any:
+    structs = LAYOUTS[layout]
     if isinstance(event, ev.BlockStored):
         extra = None
         if event.extra_key is not None:  # the first block's cache salt, as vLLM's extra keys carry it
             extra = [(event.extra_key,)] + [None] * (len(event.block_hashes) - 1)
         parent = None if event.parent_block_hash is None else external_hash(event.parent_block_hash)
-        return BlockStored([external_hash(h) for h in event.block_hashes], parent, list(event.token_ids),
-                           event.block_size, None, event.medium, None, extra, group_idx=0,
-                           kv_cache_spec_kind="full_attention")
+        return structs.BlockStored([external_hash(h) for h in event.block_hashes], parent, list(event.token_ids),
+                                   event.block_size, None, event.medium, None, extra, group_idx=0,
+                                   kv_cache_spec_kind="full_attention")
     if isinstance(event, ev.BlockRemoved):
-        return BlockRemoved([external_hash(h) for h in event.block_hashes], event.medium, group_idx=0)
-    return AllBlocksCleared()
+        return structs.BlockRemoved([external_hash(h) for h in event.block_hashes], event.medium, group_idx=0)
+    return structs.AllBlocksCleared()
 
 
 class ZmqEventPublisher:
@@ -96,7 +107,7 @@ class ZmqEventPublisher:
     def __init__(self, config: KVEventsConfig, data_parallel_rank: int = 0) -> None:
         self.config = config
         self.data_parallel_rank = data_parallel_rank
-        self._queue: queue.Queue[KVEventBatch | None] = queue.Queue(maxsize=config.max_queue_size)
+        self._queue: queue.Queue[Any] = queue.Queue(maxsize=config.max_queue_size)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
         self._ctx = zmq.Context.instance()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -121,8 +132,9 @@ class ZmqEventPublisher:
 
     def publish_events(self, events: list[ev.KVEvent]) -> None:
         """The engine's sink: one batch per step."""
-        batch = KVEventBatch(ts=time.time(), events=[to_wire(e) for e in events],
-                             data_parallel_rank=self.data_parallel_rank)
+        structs = LAYOUTS[self.config.event_layout]
+        batch = structs.KVEventBatch(ts=time.time(), events=[to_wire(e, self.config.event_layout) for e in events],
+                                     data_parallel_rank=self.data_parallel_rank)
         try:
             self._queue.put_nowait(batch)
         except queue.Full:
