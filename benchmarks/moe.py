@@ -1,6 +1,7 @@
 """A mixture-of-experts decode step against a dense model with the same active parameters.
 
-    .venv/bin/python benchmarks/moe.py [--layers 4] [--experts 128] [--batch 1 4] [--rounds 15]
+    .venv/bin/python benchmarks/moe.py [--layers 4] [--experts 128] [--batch 1 4] [--rounds 15] [--quantization int4]
+    .venv/bin/python benchmarks/moe.py --planner-configs DIR   # the two models for `tokenmill plan DIR/moe`
 
 Random weights (no checkpoint): Qwen3-30B-A3B's layer shapes (hidden 2048, 32 query / 4 KV
 heads of 128, q/k norms, experts of width 768, 8 of them per token, renormalised), `--layers`
@@ -18,6 +19,7 @@ the MoE / dense ratio of the medians. Not part of CI; a shared machine gives noi
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import time
@@ -32,7 +34,7 @@ from tokenmill.kernels import cpu_kernels_available
 from tokenmill.model.layers import Experts, Linear
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.model_arch import ModelArchConfig
-from tokenmill.runner.plan import ExecutionPlan, apply_plan, cpu_native_plan
+from tokenmill.runner.plan import ExecutionPlan, apply_plan, cpu_native_plan, quantized_plan
 
 BLOCK = 16
 
@@ -113,6 +115,27 @@ class DecodeLoop:
         self._run(seqs, [1] * len(seqs), torch.randint(0, self.model.cfg.vocab_size, (len(seqs),)))
 
 
+def write_planner_configs(directory: str, moe: ModelArchConfig) -> None:
+    """Both models as config.json files: what `tokenmill plan` prices against this benchmark."""
+    common = dict(vocab_size=moe.vocab_size, hidden_size=moe.hidden_size, intermediate_size=moe.intermediate_size,
+                  num_hidden_layers=moe.num_layers, num_attention_heads=moe.num_heads,
+                  num_key_value_heads=moe.num_kv_heads, head_dim=moe.head_dim, rms_norm_eps=moe.rms_norm_eps,
+                  rope_theta=moe.rope_theta, max_position_embeddings=moe.max_position_embeddings,
+                  tie_word_embeddings=False, torch_dtype="bfloat16")
+    configs = {
+        "moe": dict(common, architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", num_experts=moe.num_experts,
+                    num_experts_per_tok=moe.num_experts_per_tok, moe_intermediate_size=moe.moe_intermediate_size,
+                    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[]),
+        "dense": dict(common, architectures=["Qwen3ForCausalLM"], model_type="qwen3",
+                      intermediate_size=moe.num_experts_per_tok * moe.moe_intermediate_size),
+    }
+    for name, config in configs.items():
+        os.makedirs(os.path.join(directory, name), exist_ok=True)
+        with open(os.path.join(directory, name, "config.json"), "w") as f:
+            json.dump(config, f, indent=1)
+        print(os.path.join(directory, name, "config.json"))
+
+
 def cpu_description() -> str:
     with open("/proc/cpuinfo") as f:
         info = f.read()
@@ -131,17 +154,28 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 4])
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--planner-configs", metavar="DIR", default=None,
+                        help="write the two models as Hugging Face config.json files (DIR/moe, DIR/dense) for "
+                             "`tokenmill plan`, and exit")
+    parser.add_argument("--quantization", choices=["int4", "int8"], default=None,
+                        help="both models' linears and experts in this format (the quantized kernels; an expert at "
+                             "a time, as a GGUF's experts served as stored run) instead of bf16 tiles")
     args = parser.parse_args()
+    if args.planner_configs:
+        write_planner_configs(args.planner_configs, qwen3_30b_a3b_shapes(args.layers, args.experts, args.vocab))
+        return
     if not cpu_kernels_available():
         raise SystemExit("the native CPU kernels did not build: python -m tokenmill.kernels -v shows why")
     torch.set_num_threads(args.threads)
     plan = cpu_native_plan(torch.bfloat16, onednn=False, fused_decode=False)
+    if args.quantization:
+        plan = quantized_plan(plan, args.quantization, 32)
     moe_arch = qwen3_30b_a3b_shapes(args.layers, args.experts, args.vocab)
     started = time.perf_counter()
     models = {"moe": build(moe_arch, plan), "dense": build(dense_active_twin(moe_arch), plan)}
     print(f"CPU: {cpu_description()}; threads {args.threads}; load average {os.getloadavg()}")
     print(f"{args.layers} layers of Qwen3-30B-A3B's shapes, {args.experts} experts (8 active, width 768), vocabulary "
-          f"{args.vocab}; dense twin MLP {8 * 768}; weights bf16 tiles; built in {time.perf_counter() - started:.0f} s")
+          f"{args.vocab}; dense twin MLP {8 * 768}; weights {args.quantization or 'bf16 tiles'}; built in {time.perf_counter() - started:.0f} s")
     for batch in args.batch:
         loops = {name: DecodeLoop(model, batch, args.context, args.rounds + 1) for name, model in models.items()}
         times: dict[str, list[float]] = {name: [] for name in loops}
