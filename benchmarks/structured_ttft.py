@@ -6,11 +6,11 @@ Each round sends, in turn: no constraint; a new small schema (an object of integ
 a new schema with length-bounded strings (`maxLength`, what pydantic's `Field(max_length=)`
 gives, the costliest common shape to compile); and the first of those again (cached).
 "New" means a property name never sent before, so the server's grammar cache misses.
-Also reported: xgrammar's compile time of each shape on the server's own tokenizer (the
-`compile_ms` of the same schemas compiled offline), and the tokenizer-info set-up the
-server pays once at start-up.
+Also reported: each backend's compile time of each shape on the server's own tokenizer
+(the same schemas compiled offline), and the tokenizer set-up the server pays once at
+start-up.
 
-    tokenmill serve --port 8011 &
+    tokenmill serve --port 8011 [--structured-outputs-backend guidance] &
     .venv/bin/python benchmarks/structured_ttft.py --url http://127.0.0.1:8011/v1 --rounds 7
 """
 
@@ -52,15 +52,17 @@ def first_token_seconds(client: OpenAI, model: str, schema: dict | None) -> floa
     return first if first is not None else float("nan")
 
 
-def compile_times(rounds: int) -> dict[str, list[float]]:
-    """xgrammar's compile time of each shape on the default model's tokenizer (offline)."""
-    from tokenmill import LLM, StructuredOutputsParams
+def compile_times(rounds: int, backend: str) -> dict[str, list[float]]:
+    """A backend's compile time of each shape on the default model's tokenizer (offline)."""
+    from tokenmill import StructuredOutputsParams
+    from tokenmill.config import default_model_path
     from tokenmill.structured_output.compiler import GrammarCompiler
+    from tokenmill.tokenizer import Tokenizer
 
-    llm = LLM(max_model_len=512, kv_cache_memory="64MiB")
+    tokenizer = Tokenizer.from_gguf(default_model_path())
     start = time.perf_counter()
-    compiler = GrammarCompiler(llm.tokenizer, llm.engine.facts.vocab_size)
-    times = {"tokenizer info (once, at start-up)": [time.perf_counter() - start], "small schema": [],
+    compiler = GrammarCompiler(tokenizer, tokenizer.vocab_size, backend)
+    times = {"tokenizer set-up (once, at start-up)": [time.perf_counter() - start], "small schema": [],
              "bounded strings": []}
     for _ in range(rounds):
         for name, make in (("small schema", small_schema), ("bounded strings", bounded_strings_schema)):
@@ -82,9 +84,10 @@ def main() -> None:
     parser.add_argument("--no-compile", action="store_true", help="skip the offline compile-time table")
     args = parser.parse_args()
     if not args.no_compile:
-        print("xgrammar compile time on the default model's tokenizer (offline, 1 thread):")
-        for name, values in compile_times(args.rounds).items():
-            print(f"  {name:>36}: {_summary(values)}")
+        for backend in ("xgrammar", "guidance"):
+            print(f"{backend} compile time on the default model's tokenizer (offline, 1 thread):")
+            for name, values in compile_times(args.rounds, backend).items():
+                print(f"  {name:>36}: {_summary(values)}")
     client = OpenAI(base_url=args.url, api_key="unused", max_retries=0, timeout=120)
     model = client.models.list().data[0].id
     first_token_seconds(client, model, None)  # warm-up
