@@ -278,6 +278,22 @@ def test_auto_is_llguidance_then_xgrammar_for_what_llguidance_refuses(llm_f32) -
         compiler.compile(StructuredOutputsParams(regex="(ab"))
 
 
+def test_auto_falls_back_to_xgrammar_for_a_tokenizer_llguidance_cannot_read(tmp_path) -> None:
+    """A tokenizer.json without a decoder (the tiny test checkpoints' word-level one):
+    llguidance refuses it at start-up, so auto serves with xgrammar alone (an engine on such
+    a checkpoint starts), and asking for guidance by name fails with llguidance's reason."""
+    from tests.tiny_checkpoint import _write_tokenizer
+    from tokenmill.structured_output.compiler import GrammarCompiler
+    from tokenmill.tokenizer import Tokenizer
+
+    _write_tokenizer(tmp_path)
+    tokenizer = Tokenizer.from_hf_dir(tmp_path)
+    with pytest.raises(ValueError, match="decoder"):
+        GrammarCompiler(tokenizer, 512, "guidance")
+    grammar = GrammarCompiler(tokenizer, 512, "auto").compile(StructuredOutputsParams(choice=["w1", "w2"]))
+    assert grammar.backend == "xgrammar"
+
+
 def test_compile_with_timeout_refuses_a_slow_constraint(llm_f32) -> None:
     compiler = compiler_for(llm_f32.tokenizer, llm_f32.engine.facts.vocab_size)
     # Thousands of bounded repetitions: slow to expand (and never cached before).

@@ -65,7 +65,16 @@ class GrammarCompiler:
         # constraint llguidance refuses).
         self._backends: dict[str, Any] = {}
         self._backends_lock = threading.Lock()
-        self._backend(self._order()[0])  # the tokenizer set-up is paid at start-up, not by a request
+        self._unusable: set[str] = set()
+        try:
+            self._backend(self._order()[0])  # the tokenizer set-up is paid at start-up, not by a request
+        except ValueError:
+            # llguidance cannot read some tokenizers (e.g. a tokenizer.json without a decoder:
+            # "can't determine decoder type"): auto then uses xgrammar alone; asked by name, it fails.
+            if self.backend != "auto":
+                raise
+            self._unusable.add(self._order()[0])
+            self._backend(self._order()[0])
         self._cache: OrderedDict[tuple, Any] = OrderedDict()
         self._cache_size = cache_size
         self._lock = threading.Lock()
@@ -75,7 +84,8 @@ class GrammarCompiler:
         self._token_bytes: list[bytes] | None = None
 
     def _order(self) -> tuple[str, ...]:
-        return ("guidance", "xgrammar") if self.backend == "auto" else (self.backend,)
+        order = ("guidance", "xgrammar") if self.backend == "auto" else (self.backend,)
+        return tuple(name for name in order if name not in self._unusable)
 
     def _backend(self, name: str) -> Any:
         with self._backends_lock:
