@@ -124,20 +124,26 @@ class PoolerConfig:
 def parse_pooler_config(value: str | dict | PoolerConfig | None) -> PoolerConfig | None:
     """A JSON string (the flag), a dict (`LLM(...)`, YAML) or a config -> PoolerConfig;
     unknown keys are refused by name."""
-    if value is None or isinstance(value, PoolerConfig):
+    return _json_config(value, PoolerConfig, "pooler_config")
+
+
+def _json_config(value: Any, cls: type, name: str) -> Any:
+    """A JSON string (the flag), a dict (`LLM(...)`, YAML) or a `cls` -> a `cls` (None
+    stays None); unknown keys are refused by name."""
+    if value is None or isinstance(value, cls):
         return value
     if isinstance(value, str):
         try:
             value = json.loads(value)
         except json.JSONDecodeError as exc:
-            raise ValueError(f"pooler_config is not valid JSON: {exc}") from None
+            raise ValueError(f"{name} is not valid JSON: {exc}") from None
     if not isinstance(value, dict):
-        raise ValueError(f"pooler_config must be a JSON object or a dict, got {type(value).__name__}")
-    known = {f.name for f in dataclasses.fields(PoolerConfig)}
+        raise ValueError(f"{name} must be a JSON object or a dict, got {type(value).__name__}")
+    known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(value) - known)
     if unknown:
-        raise ValueError(f"pooler_config: unsupported key(s) {unknown}; tokenmill knows {sorted(known)}")
-    return PoolerConfig(**value)
+        raise ValueError(f"{name}: unsupported key(s) {unknown}; tokenmill knows {sorted(known)}")
+    return cls(**value)
 
 
 @dataclass(frozen=True)
@@ -251,20 +257,7 @@ class KVEventsConfig:
 def parse_kv_events_config(value: str | dict | KVEventsConfig | None) -> KVEventsConfig | None:
     """A JSON string (the flag), a dict (`LLM(...)`, YAML) or a config -> KVEventsConfig;
     unknown keys are refused by name."""
-    if value is None or isinstance(value, KVEventsConfig):
-        return value
-    if isinstance(value, str):
-        try:
-            value = json.loads(value)
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"kv_events_config is not valid JSON: {exc}") from None
-    if not isinstance(value, dict):
-        raise ValueError(f"kv_events_config must be a JSON object or a dict, got {type(value).__name__}")
-    known = {f.name for f in dataclasses.fields(KVEventsConfig)}
-    unknown = sorted(set(value) - known)
-    if unknown:
-        raise ValueError(f"kv_events_config: unknown key(s) {unknown}; known: {sorted(known)}")
-    return KVEventsConfig(**value)
+    return _json_config(value, KVEventsConfig, "kv_events_config")
 
 
 @dataclass(frozen=True)
