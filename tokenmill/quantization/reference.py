@@ -21,8 +21,11 @@ def quantize_activations_reference(x: torch.Tensor) -> tuple[torch.Tensor, torch
     blocks = x.float().reshape(m, k // ACT_BLOCK, ACT_BLOCK)
     amax = blocks.abs().amax(dim=-1)
     live = amax > TINY_BLOCK
-    d = torch.where(live, amax / 127, 0.0)
-    inv = torch.where(live, 127 / torch.where(live, amax, 1.0), 0.0)
+    # Both quotients correctly rounded to float32, as the kernel forms them (in double, rounded
+    # once): torch's float32 `127 / amax` is a reciprocal times 127, two roundings, which
+    # differed in the last bit often enough to flip a tie in one activation of ~300 rows.
+    d = torch.where(live, (amax.double() / 127).float(), 0.0)
+    inv = torch.where(live, (127 / torch.where(live, amax, 1.0).double()).float(), 0.0)
     q = torch.round(blocks * inv.unsqueeze(-1)).clamp(-128, 127).to(torch.int8)
     return q.reshape(m, k), d
 

@@ -540,29 +540,38 @@ int32_t init_multiplier(const Layout& L) {
   return mult;
 }
 
-// Activation rows in blocks as even as the register budget allows (6 rows: 3 + 3, not 4 + 2).
+// Activation rows in passes of up to kMaxIntegerRows, each in blocks as even as the register
+// budget allows (6 rows: 3 + 3, not 4 + 2). A row's arithmetic is the same in any block.
 struct RowBlocks {
-  int64_t count = 0, start[kMaxIntegerRows + 1] = {}, rows[kMaxIntegerRows] = {};
+  std::vector<int64_t> start, rows;
+  int64_t count = 0;
   explicit RowBlocks(int64_t M) {
-    count = (M + kMaxBlockRows - 1) / kMaxBlockRows;
-    for (int64_t b = 0, m = 0; b < count; ++b) {
-      rows[b] = (M - m + (count - b) - 1) / (count - b);
-      start[b] = m;
-      m += rows[b];
+    for (int64_t p = 0; p < M; p += kMaxIntegerRows) {
+      const int64_t n = std::min(kMaxIntegerRows, M - p), blocks = (n + kMaxBlockRows - 1) / kMaxBlockRows;
+      for (int64_t b = 0, m = p; b < blocks; ++b) {
+        rows.push_back((p + n - m + (blocks - b) - 1) / (blocks - b));
+        start.push_back(m);
+        m += rows.back();
+      }
     }
+    count = static_cast<int64_t>(rows.size());
   }
 };
 
-// Tiles [begin, end) against every row block: the tile's bytes come from memory for the
-// first block and from L1 for the others.
+// Rows per chunk of a many-row call: a chunk's int8 activations (64 x K bytes) stay in L2
+// while a thread runs its tiles against them.
+constexpr int64_t kChunkRows = 64;
+
+// Tiles [begin, end) against row blocks [b0, b1): the tile's bytes come from memory (or L2)
+// for the first block and from L1 for the others.
 template <int BITS, bool MINS, bool HALF>
-void run_tiles(int64_t begin, int64_t end, const uint8_t* packed, const Layout& L, const ActRows& a,
-               const RowBlocks& blocks, float* y) {
+void run_tile_blocks(int64_t begin, int64_t end, const uint8_t* packed, const Layout& L, const ActRows& a,
+                     const RowBlocks& blocks, int64_t b0, int64_t b1, float* y) {
   for (int64_t t = begin; t < end; ++t) {
     const uint8_t* tile = L.tile(packed, t);
     const int64_t valid = std::min(kRows, L.N - t * kRows);
     float* yt = y + t * kRows;
-    for (int64_t b = 0; b < blocks.count; ++b) {
+    for (int64_t b = b0; b < b1; ++b) {
       const int64_t m0 = blocks.start[b];
       switch (blocks.rows[b]) {
         case 1: tile_rows<1, BITS, MINS, HALF>(tile, L, a, m0, yt, L.N, valid); break;
@@ -573,6 +582,18 @@ void run_tiles(int64_t begin, int64_t end, const uint8_t* packed, const Layout& 
 #endif
       }
     }
+  }
+}
+
+// Tiles [begin, end) against every row block, a chunk of rows at a time (one parallel
+// region for the whole call, however many rows: deterministic inference sends prompts here).
+template <int BITS, bool MINS, bool HALF>
+void run_tiles(int64_t begin, int64_t end, const uint8_t* packed, const Layout& L, const ActRows& a,
+               const RowBlocks& blocks, float* y) {
+  for (int64_t b0 = 0, b1 = 0; b0 < blocks.count; b0 = b1) {
+    const int64_t chunk_end = blocks.start[b0] + kChunkRows;
+    while (b1 < blocks.count && blocks.start[b1] < chunk_end) ++b1;
+    run_tile_blocks<BITS, MINS, HALF>(begin, end, packed, L, a, blocks, b0, b1, y);
   }
 }
 
@@ -588,7 +609,8 @@ RunFn pick_run_fn(const Layout& L) {
   return half ? &run_tiles<8, false, true> : &run_tiles<8, false, false>;
 }
 
-// Few rows: integer dot products over every tile, tiles spread over the threads.
+// Integer dot products over every tile, tiles spread over the threads (few rows: decode;
+// any number under deterministic inference).
 void integer_linear(const float* x, int64_t M, const int64_t* perm, const Layout& L, const uint8_t* packed, float* y) {
   thread_local Scratch scratch;
   const ActRows a = quantize_activations(x, M, L.K, perm, L, init_multiplier(L), scratch);
@@ -857,8 +879,7 @@ at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w, int64_t max_i
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const uint8_t* packed = w.packed.data_ptr<uint8_t>();
-  for (int64_t m = 0; m < M; m += kMaxIntegerRows)  // one pass over W per 16 rows
-    integer_linear(xp + m * L.K, std::min(kMaxIntegerRows, M - m), perm, L, packed, yp + m * L.N);
+  integer_linear(xp, M, perm, L, packed, yp);
   return y;
 }
 
