@@ -167,11 +167,15 @@ def plan_tools(tools: list[ToolDef] | None, choice: Any, parallel: bool | None,
                               param="tool_choice")
         return ToolPlan("auto", dicts, parser=get_tool_parser(settings.tool_call_parser))
     if choice == "required":
-        items = [{"type": "object", "properties": {"name": {"const": t.function.name},
-                                                   "parameters": _parameters(t)},
+        definitions: dict[str, Any] = {}
+        items = [{"type": "object", "properties": {
+                      "name": {"const": t.function.name},
+                      "parameters": _lift_definitions(_parameters(t), f"{t.function.name}.", definitions)},
                   "required": ["name", "parameters"], "additionalProperties": False} for t in tools]
         schema: dict[str, Any] = {"type": "array", "minItems": 1,
                                   "items": items[0] if len(items) == 1 else {"anyOf": items}}
+        if definitions:
+            schema["$defs"] = definitions
         if parallel is False:
             schema["maxItems"] = 1
         return ToolPlan("required", dicts, constraint=StructuredOutputsParams(json=schema))
@@ -185,6 +189,35 @@ def plan_tools(tools: list[ToolDef] | None, choice: Any, parallel: bool | None,
 
 def _parameters(tool: ToolDef) -> dict[str, Any]:
     return tool.function.parameters or {"type": "object", "properties": {}}
+
+
+def _lift_definitions(parameters: dict[str, Any], prefix: str, definitions: dict[str, Any]) -> dict[str, Any]:
+    """A parameters schema nested in the `required` schema keeps its `$defs` (or
+    `definitions`, as pydantic writes them) working: they move to the root's `$defs`
+    under `prefix` (the function's name, so two tools' definitions cannot collide) and
+    every `#/$defs/...` reference to them is rewritten."""
+    moved = {f"#/{key}/{name}": f"#/$defs/{prefix}{name}" for key in ("$defs", "definitions")
+             if isinstance(parameters.get(key), dict) for name in parameters[key]}
+    if not moved:
+        return parameters
+
+    def rewrite(node: Any) -> Any:
+        if isinstance(node, list):
+            return [rewrite(item) for item in node]
+        if not isinstance(node, dict):
+            return node
+        out = {key: rewrite(value) for key, value in node.items()}
+        ref = out.get("$ref")
+        if isinstance(ref, str):
+            for old, new in moved.items():
+                if ref == old or ref.startswith(old + "/"):
+                    out["$ref"] = new + ref[len(old):]
+        return out
+
+    for key in ("$defs", "definitions"):
+        for name, definition in (parameters.get(key) or {}).items():
+            definitions[f"{prefix}{name}"] = rewrite(definition)
+    return rewrite({key: value for key, value in parameters.items() if key not in ("$defs", "definitions")})
 
 
 # ----- output -> tool calls ----------------------------------------------------------------
