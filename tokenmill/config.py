@@ -288,6 +288,15 @@ class CacheConfig:
                                                     "block evicted from the pool is copied there (least recently "
                                                     "used out first) instead of dropped, and a later prefix hit on "
                                                     "it is copied back instead of recomputed (docs/kv-tiers.md)")
+    kv_offloading_disk_dir: str | None = setting(
+        None, metavar="DIR",
+        help="a disk tier below the host tier (needs --kv-offloading-size): blocks the host tier drops are "
+             "written here, one checksummed file per chained block hash in a subdirectory keyed by the model, "
+             "weight format, KV dtype, block size and layers, so a restarted server with the same settings "
+             "finds them; a corrupt or foreign file is deleted and recomputed (docs/kv-tiers.md)")
+    kv_offloading_disk_size: float = setting(10.0, metavar="GIB",
+                                             help="the disk tier's size cap, GiB (least recently used files out "
+                                                  "first)")
     kv_events_config: KVEventsConfig | None = setting(
         None, parse=parse_kv_events_config, metavar="JSON",
         help='publish prefix-cache events as vLLM does (BlockStored / BlockRemoved / AllBlocksCleared, msgspec '
@@ -303,6 +312,11 @@ class CacheConfig:
         _check_choice("kv_offloading_backend", self.kv_offloading_backend, KV_OFFLOADING_BACKENDS)
         if self.kv_offloading_size is not None and self.kv_offloading_size <= 0:
             raise ValueError(f"kv_offloading_size must be a positive number of GiB, got {self.kv_offloading_size}")
+        if self.kv_offloading_disk_dir is not None and self.kv_offloading_size is None:
+            raise ValueError("kv_offloading_disk_dir: the disk tier sits below the host tier; set kv_offloading_size")
+        if self.kv_offloading_disk_size <= 0:
+            raise ValueError(f"kv_offloading_disk_size must be a positive number of GiB, got "
+                             f"{self.kv_offloading_disk_size}")
         if self.block_size < 1:
             raise ValueError(f"block_size must be at least 1, got {self.block_size}")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:

@@ -71,9 +71,17 @@ class KVTransfers:
     num_host_blocks: int  # the host tier's capacity in blocks (the runner sizes its buffer by it)
     store: list[tuple[int, int]] = field(default_factory=list)  # (pool block, host slot): demotions
     load: list[tuple[int, int]] = field(default_factory=list)  # (host slot, pool block): promotions
+    # The disk tier: blocks the host tier dropped, to write first (before any store reuses
+    # the slot or a load the pool block) to these files, from their host slot, or from their
+    # pool block when their KV never reached the host tier (stored and dropped in one step),
+    # headed by `disk_header` (the tier's fingerprint); and verified KV bytes read from disk
+    # to copy into pool blocks (after the loads).
+    spill: list[tuple[int | None, int | None, str, bytes]] = field(default_factory=list)  # (slot, block, path, hash)
+    disk_load: list[tuple[bytes, int]] = field(default_factory=list)  # (KV bytes, pool block)
+    disk_header: bytes = b""
 
     def __bool__(self) -> bool:
-        return bool(self.store or self.load)
+        return bool(self.store or self.load or self.spill or self.disk_load)
 
 
 @dataclass

@@ -79,13 +79,15 @@ class PrefixHit(list):
     """A prefix hit: the pool's blocks (the list), then `host`, the hashes of the blocks
     that follow them in the host tier (loaded into new pool blocks when allocated)."""
 
-    def __init__(self, pool_blocks: list[int] = (), host: list[BlockHash] = ()) -> None:
+    def __init__(self, pool_blocks: list[int] = (), host: list[BlockHash] = (),
+                 disk: list[tuple[BlockHash, bytes]] = ()) -> None:
         super().__init__(pool_blocks)
         self.host = list(host)
+        self.disk = list(disk)  # then (hash, verified KV bytes) read from the disk tier
 
     @property
     def num_blocks(self) -> int:
-        return len(self) + len(self.host)
+        return len(self) + len(self.host) + len(self.disk)
 
 
 NULL_BLOCK = 0  # in a sliding-window pool: a table entry whose block was let go (never read)
@@ -168,6 +170,13 @@ class KVBlockManager:
                 if block_hash not in self.host_tier:
                     break
                 hits.host.append(block_hash)
+            disk = self.host_tier.disk
+            if disk is not None and len(hits.host) + len(hits) < len(hashes):
+                for block_hash in hashes[len(hits) + len(hits.host):]:
+                    payload = disk.read(block_hash)
+                    if payload is None:
+                        break
+                    hits.disk.append((block_hash, payload))
         return hits, hits.num_blocks * self.block_size
 
     def peek_cached_tokens(self, request: Request) -> int:
@@ -205,7 +214,8 @@ class KVBlockManager:
             return False
         held = self.req_blocks.get(request.request_id, [])
         host_hits = getattr(computed_blocks, "host", [])
-        num_hit_blocks = len(computed_blocks) + len(host_hits)
+        disk_hits = getattr(computed_blocks, "disk", [])
+        num_hit_blocks = len(computed_blocks) + len(host_hits) + len(disk_hits)
         num_tokens_after = request.num_computed_tokens + num_hit_blocks * self.block_size + num_new_tokens
         num_new_blocks = self.blocks_needed(num_tokens_after) - len(held) - len(computed_blocks)
 
@@ -217,13 +227,17 @@ class KVBlockManager:
         if host_hits:  # promotions: the first new blocks get the host tier's KV before the forward
             self.host_tier.load(host_hits, new_blocks[: len(host_hits)])
             self.host_tier.stats.hit_tokens += len(host_hits) * self.block_size
+        if disk_hits:  # then the disk tier's, from the bytes read (and verified) at the lookup
+            disk = self.host_tier.disk
+            disk.load([p for _, p in disk_hits], new_blocks[len(host_hits): len(host_hits) + len(disk_hits)])
+            disk.stats.hit_tokens += len(disk_hits) * self.block_size
         self.req_blocks[request.request_id] = held + list(computed_blocks) + new_blocks
         if request.request_id not in self.req_num_hashed_blocks:  # admission
             self.stats.queries += request.num_tokens
             self.stats.hits += num_hit_blocks * self.block_size
             if self.host_tier is not None and self.enable_caching:
                 self.stats.external_queries += request.num_tokens - len(computed_blocks) * self.block_size
-                self.stats.external_hits += len(host_hits) * self.block_size
+                self.stats.external_hits += (len(host_hits) + len(disk_hits)) * self.block_size
             self.req_num_hashed_blocks[request.request_id] = 0
         # The KV of these tokens is written in this step, before any later step can
         # read it, so their full blocks can be offered to other requests right away.
@@ -234,7 +248,7 @@ class KVBlockManager:
         """Whether allocate_slots would succeed (it changes nothing)."""
         computed_blocks = [] if computed_blocks is None else computed_blocks
         held = self.req_blocks.get(request.request_id, [])
-        num_hit_blocks = len(computed_blocks) + len(getattr(computed_blocks, "host", []))
+        num_hit_blocks = getattr(computed_blocks, "num_blocks", len(computed_blocks))
         num_computed = request.num_computed_tokens + num_hit_blocks * self.block_size
         num_new_blocks = self.blocks_needed(num_computed + num_new_tokens) - len(held) - len(computed_blocks)
         # Hits sitting in the free queue are taken out of it, so they are not free for new blocks.

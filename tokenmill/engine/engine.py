@@ -25,7 +25,7 @@ from tokenmill.engine.batch import RunnerOutput, SchedulerOutput
 from tokenmill.engine.block_manager import HybridKVBlockManager, KVBlockManager
 from tokenmill.engine.input_processor import AdmissionLimits, InputProcessor, ProcessedRequest
 from tokenmill.engine.kv_events import KVEvent, KVEventLog
-from tokenmill.engine.kv_tiers import HostTier
+from tokenmill.engine.kv_tiers import DiskTier, HostTier, kv_fingerprint
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import SLO_HEADROOM, Request, RequestStatus, slo_aim
 from tokenmill.engine.scheduler import Scheduler, SchedulerConfig, SchedulerStats
@@ -161,8 +161,8 @@ class StepObserver:
     def on_aborted(self, output: RequestOutput) -> None: ...
 
 
-def make_block_manager(facts: EngineFacts, enable_caching: bool,
-                       offloading_gib: float | None = None) -> KVBlockManager | HybridKVBlockManager:
+def make_block_manager(facts: EngineFacts, enable_caching: bool, offloading_gib: float | None = None,
+                       disk_dir: str | None = None, disk_gib: float = 10.0) -> KVBlockManager | HybridKVBlockManager:
     """One pool, or (sliding-window layers in a hybrid cache) a pool per layer kind. MEAN
     and CLS pooling compute every prompt position: no prefix hits for them. With
     `offloading_gib`, a host tier of that size behind the pool (docs/kv-tiers.md)."""
@@ -177,6 +177,11 @@ def make_block_manager(facts: EngineFacts, enable_caching: bool,
     if offloading_gib and enable_caching:
         bytes_per_block = facts.kv_bytes_per_token * facts.block_size
         host = HostTier(int(offloading_gib * 2**30) // bytes_per_block, bytes_per_block)
+        if disk_dir is not None:
+            fingerprint = kv_fingerprint(facts.model_path, facts.weight_format, facts.architecture, facts.kv_cache_dtype,
+                                         facts.kv_cache_format, facts.compute_dtype, facts.block_size,
+                                         facts.kv_bytes_per_token)
+            host.disk = DiskTier(disk_dir, fingerprint, bytes_per_block, int(disk_gib * 2**30))
     return KVBlockManager(facts.num_blocks, facts.block_size, enable_caching, host)
 
 
@@ -198,7 +203,8 @@ class LLMEngine:
         self.tokenizer = tokenizer
         self.facts = facts
         self.clock = clock
-        kv = make_block_manager(facts, config.cache.enable_prefix_caching, config.cache.kv_offloading_size)
+        kv = make_block_manager(facts, config.cache.enable_prefix_caching, config.cache.kv_offloading_size,
+                                config.cache.kv_offloading_disk_dir, config.cache.kv_offloading_disk_size)
         events = config.cache.kv_events_config
         if events is not None and events.enable_kv_cache_events:
             kv.events = KVEventLog(facts.block_size)

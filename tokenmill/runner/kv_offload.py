@@ -11,10 +11,15 @@ size it from their own settings).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from tokenmill.attention.kv_cache import PagedKVCache
 from tokenmill.engine.batch import KVTransfers
+from tokenmill.engine.kv_tiers import encode_block_file, write_block_file
+
+logger = logging.getLogger(__name__)
 
 
 def _block_tensors(kv_cache: PagedKVCache) -> list[torch.Tensor]:
@@ -35,6 +40,7 @@ class HostKVBuffer:
         self.pool = _block_tensors(kv_cache)
         self.host: list[torch.Tensor] = []
         self.num_blocks = 0
+        self.disk_write_failed = False  # warned once
 
     @property
     def nbytes(self) -> int:
@@ -44,6 +50,10 @@ class HostKVBuffer:
         if transfers.num_host_blocks != self.num_blocks:
             self._allocate(transfers.num_host_blocks)
         device = self.pool[0].device
+        for slot, block, path, block_hash in transfers.spill:  # before any copy overwrites its source
+            tensors = [host[slot] for host in self.host] if slot is not None else [t[block] for t in self.pool]
+            payload = b"".join(t.cpu().numpy().tobytes() for t in tensors)
+            self._write(path, encode_block_file(transfers.disk_header, block_hash, payload))
         if transfers.store:
             blocks, slots = zip(*transfers.store)
             blocks, slots = _index(blocks, device), _index(slots, "cpu")
@@ -54,6 +64,21 @@ class HostKVBuffer:
             slots, blocks = _index(slots, "cpu"), _index(blocks, device)
             for pool, host in zip(self.pool, self.host):
                 pool.index_copy_(0, blocks, host.index_select(0, slots).to(device))
+        for payload, block in transfers.disk_load:  # verified by the engine when it read the file
+            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            offset = 0
+            for pool in self.pool:
+                n = pool[block].numel()
+                pool[block].copy_(data[offset: offset + n].view(pool.shape[1:]))
+                offset += n
+
+    def _write(self, path: str, data: bytes) -> None:
+        try:
+            write_block_file(path, data)
+        except OSError as e:  # a full disk or a directory gone read-only: the block is recomputed later
+            if not self.disk_write_failed:
+                logger.warning("disk KV tier: cannot write %s (%s); those blocks will be recomputed", path, e)
+            self.disk_write_failed = True
 
     def _allocate(self, num_blocks: int) -> None:
         # Not zeroed: a slot is always written before it is read. Host memory: pinned on a

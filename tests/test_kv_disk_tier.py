@@ -1,0 +1,172 @@
+"""The disk KV tier (docs/kv-tiers.md): files per chained block hash below the host tier.
+The file format and the tier's bookkeeping on tiny sizes, then the default model with a pool
+and a host tier too small to keep a prefix: served from disk, after a restart, never from a
+corrupt file, and an unwritable directory does not stop serving."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+
+from tests.conftest import assert_engine_idle, sibling
+from tokenmill import SamplingParams
+from tokenmill.engine.kv_tiers import DiskTier, decode_block_file, encode_block_file, kv_fingerprint
+
+FP = kv_fingerprint("model", "q4_1", "bfloat16", 16, 1000)
+H = bytes(range(32))
+
+
+def test_block_file_round_trip_and_every_kind_of_bad_file_is_refused() -> None:
+    payload = os.urandom(100)
+    data = encode_block_file(FP, H, payload)
+    assert decode_block_file(data, FP, H, 100) == payload
+    flipped = bytearray(data)
+    flipped[-7] ^= 0xFF
+    assert decode_block_file(bytes(flipped), FP, H, 100) is None  # corrupt payload: checksum
+    assert decode_block_file(data[:-1], FP, H, 100) is None  # truncated
+    assert decode_block_file(data, kv_fingerprint("other model"), H, 100) is None  # foreign
+    assert decode_block_file(data, FP, bytes(32), 100) is None  # another block's file
+    assert decode_block_file(data, FP, H, 99) is None  # another layout
+
+
+def _write(tier: DiskTier, block_hash: bytes, payload: bytes) -> None:
+    path = tier.admit(block_hash)
+    assert path is not None
+    with open(path, "wb") as f:
+        f.write(encode_block_file(tier.fingerprint, block_hash, payload))
+    tier.take_loads()  # the step that wrote it is over
+
+
+def test_disk_tier_lru_cap_restart_and_corruption(tmp_path) -> None:
+    file_bytes = DiskTier(str(tmp_path), FP, 100, 10**6).file_bytes
+    tier = DiskTier(str(tmp_path), FP, 100, 3 * file_bytes)
+    hashes = [bytes([i]) * 32 for i in range(4)]
+    for i, h in enumerate(hashes):
+        _write(tier, h, bytes([i]) * 100)
+    assert list(tier.entries) == hashes[1:] and tier.stats.evicted_blocks == 1  # the LRU file went
+    assert not os.path.exists(tier.path(hashes[0]))
+    assert tier.read(hashes[1]) == bytes([1]) * 100
+    # A restart: the same directory and settings find the files; other settings do not.
+    again = DiskTier(str(tmp_path), FP, 100, 3 * file_bytes)
+    assert set(again.entries) == set(hashes[1:])
+    assert len(DiskTier(str(tmp_path), kv_fingerprint("other"), 100, 3 * file_bytes)) == 0
+    with open(again.path(hashes[2]), "r+b") as f:  # corrupt one file's KV
+        f.seek(-3, os.SEEK_END)
+        f.write(b"\xff\x00\xff")
+    assert again.read(hashes[2]) is None and again.stats.corrupt_blocks == 1
+    assert hashes[2] not in again and not os.path.exists(again.path(hashes[2]))  # deleted, never used
+    # A file admitted in this step is not read before the runner wrote it.
+    pending = bytes([9]) * 32
+    again.admit(pending)
+    assert again.read(pending) is None and pending in again
+
+
+def test_unwritable_directory_disables_the_tier_with_one_warning(tmp_path, caplog) -> None:
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with caplog.at_level(logging.WARNING):
+        tier = DiskTier(str(blocker / "kv"), FP, 100, 10**6)
+    assert not tier.enabled and "disk KV tier is off" in caplog.text
+    assert tier.admit(H) is None and tier.read(H) is None
+
+
+# ----- the default model ----------------------------------------------------------------
+
+TEXT = ("The history of the lighthouse keepers of the northern coast is a story of long winters, "
+        "careful records and small kindnesses passed from one keeper to the next. ")
+GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+HOST_GIB = 0.003  # 4 blocks of the f32 KV (720 KiB a block): the prefix (24 blocks) goes past it to disk
+
+
+def _prompts(llm):
+    ids = llm.tokenizer.encode(TEXT * 20)
+    prefix = ids[:384]  # 24 blocks of 16
+    others = [[t + 1 + i for t in ids[:400]] for i in range(2)]  # no shared blocks with the prefix
+    return prefix, prefix + ids[400:420], prefix + ids[384:390], others
+
+
+def _disk_engine(llm, disk_dir: str):
+    # 32 blocks (512 tokens): one request at a time fits; the next one evicts the prefix.
+    return sibling(llm, num_blocks=32, enable_prefix_caching=True, kv_offloading_size=HOST_GIB,
+                   kv_offloading_disk_dir=disk_dir)
+
+
+def test_prefix_evicted_past_the_host_tier_comes_back_from_disk_and_after_a_restart(llm_f32, tmp_path) -> None:
+    prefix, returning, first_turn, others = _prompts(llm_f32)
+    reference = sibling(llm_f32, enable_prefix_caching=False).generate([returning], GREEDY)[0].outputs[0].token_ids
+    tiered = _disk_engine(llm_f32, str(tmp_path))
+    assert tiered.generate([first_turn], GREEDY)[0].num_cached_tokens == 0
+    for other in others:
+        tiered.generate([other], GREEDY)
+    host = tiered.engine.scheduler.kv.host_tier
+    assert host.num_blocks == 4 and len(host.disk) >= 24
+    out = tiered.generate([returning], GREEDY)[0]
+    assert_engine_idle(tiered)
+    assert out.num_cached_tokens == 384  # every prefix block, all of them from disk
+    assert host.disk.stats.hit_tokens == 384 and host.disk.stats.loaded_blocks == 24
+    assert host.stats.hit_tokens == 0
+    assert out.outputs[0].token_ids == reference
+    # A restart: a new engine (empty pool and host tier) over the same directory.
+    restarted = _disk_engine(llm_f32, str(tmp_path))
+    disk = restarted.engine.scheduler.kv.host_tier.disk
+    assert len(disk) >= 24
+    out = restarted.generate([returning], GREEDY)[0]
+    assert_engine_idle(restarted)
+    assert out.num_cached_tokens == 384 and disk.stats.hit_tokens == 384
+    assert out.outputs[0].token_ids == reference
+
+
+def test_a_corrupt_or_truncated_file_is_recomputed_never_used(llm_f32, tmp_path) -> None:
+    prefix, returning, first_turn, others = _prompts(llm_f32)
+    reference = sibling(llm_f32, enable_prefix_caching=False).generate([returning], GREEDY)[0].outputs[0].token_ids
+    tiered = _disk_engine(llm_f32, str(tmp_path))
+    tiered.generate([first_turn], GREEDY)
+    for other in others:
+        tiered.generate([other], GREEDY)
+    disk = tiered.engine.scheduler.kv.host_tier.disk
+    from tokenmill.engine.block_manager import hash_block
+
+    hashes: list[bytes] = []
+    for i in range(24):
+        hashes.append(hash_block(hashes[-1] if hashes else None, prefix[i * 16 : (i + 1) * 16]))
+    assert all(os.path.exists(disk.path(h)) for h in hashes)
+    with open(disk.path(hashes[4]), "r+b") as f:  # flip bytes in the fifth block's KV
+        f.seek(-1000, os.SEEK_END)
+        data = bytearray(f.read(16))
+        f.seek(-1000, os.SEEK_END)
+        f.write(bytes(b ^ 0xFF for b in data))
+    with open(disk.path(hashes[10]), "r+b") as f:  # and truncate the eleventh
+        f.truncate(1000)
+    restarted = _disk_engine(llm_f32, str(tmp_path))
+    disk = restarted.engine.scheduler.kv.host_tier.disk
+    out = restarted.generate([returning], GREEDY)[0]
+    assert_engine_idle(restarted)
+    assert out.num_cached_tokens == 4 * 16  # the blocks before the corrupt one; the rest recomputed
+    assert disk.stats.corrupt_blocks == 1 and not os.path.exists(disk.path(hashes[4]))
+    assert out.outputs[0].token_ids == reference
+
+
+def test_an_unwritable_directory_does_not_break_serving(llm_f32, tmp_path, caplog) -> None:
+    prefix, returning, first_turn, others = _prompts(llm_f32)
+    reference = sibling(llm_f32, enable_prefix_caching=False).generate([returning], GREEDY)[0].outputs[0].token_ids
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    with caplog.at_level(logging.WARNING):
+        unwritable = _disk_engine(llm_f32, str(blocker / "kv"))
+        # and a directory that disappears after start-up: the writes fail, warned once
+        vanishing = _disk_engine(llm_f32, str(tmp_path / "gone"))
+        assert vanishing.engine.scheduler.kv.host_tier.disk.enabled  # made at start-up
+        import shutil
+
+        shutil.rmtree(tmp_path / "gone")
+        for llm in (unwritable, vanishing):
+            llm.generate([first_turn], GREEDY)
+            for other in others:
+                llm.generate([other], GREEDY)
+            out = llm.generate([returning], GREEDY)[0]
+            assert_engine_idle(llm)
+            assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference
+    assert "disk KV tier is off" in caplog.text
+    assert caplog.text.count("disk KV tier: cannot write") == 1
