@@ -92,6 +92,16 @@ def test_request_headers_reach_the_replica(router):
     assert "x-slo-ttft-ms" in assert_error(response, 400, "slo_ttft_ms")["message"]
 
 
+def test_a_path_with_encoded_control_characters_reaches_the_replica(router):
+    """The router forwards the path as the client sent it, percent-encoded: it used to
+    forward the decoded one, which httpx refuses to put in a URL (`%08`): a 500 where the
+    single server answers 404 (found by test_fuzz.py through the router)."""
+    response = router.get("/v1/responses/A%08%0B%F3%8A%9C%A1%19F%C3%99")
+    assert assert_error(response, 404)
+    assert router.get("/v1/models?x=%00%08&y=%E2%82").status_code == 200
+    assert router.get("/no/such%08route").status_code == 404
+
+
 def test_a_replicas_429_reaches_the_client_with_retry_after(router):
     """Round robin: requests 1-4 take each replica's running slot and queue slot, the 5th
     finds its replica's queue full; the replica's 429 and its Retry-After pass through."""

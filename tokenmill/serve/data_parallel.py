@@ -39,6 +39,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import quote
 
 # At module level: FastAPI resolves the handlers' annotations in this module's globals.
 from fastapi import Request
@@ -298,8 +299,7 @@ class Router:
         def pick() -> Replica | None:
             return next((r for r in self.replicas if r.healthy and r.index not in tried), None)
 
-        path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-        return await self._send(request, path, raw, pick, tried, generation=False)
+        return await self._send(request, upstream_target(request), raw, pick, tried, generation=False)
 
     async def _send(self, request: Request, path: str, raw: bytes, pick: Callable[[], Replica | None],
                     tried: set[int], generation: bool):
@@ -415,6 +415,17 @@ async def _parse(raw: bytes) -> Any:
             return None
 
     return await asyncio.to_thread(parse) if len(raw) > PARSE_OFF_LOOP_BYTES else parse()
+
+
+def upstream_target(request: Request) -> str:
+    """The path and query to send a replica: as the client sent them, still percent-encoded
+    (the decoded path may hold control characters, `%08`, that no URL can carry: httpx
+    refuses to build the request, which was a 500 where the replica answers 404), any byte
+    the client left unencoded encoded now."""
+    raw_path = request.scope.get("raw_path") or request.url.path.encode()
+    query = request.scope.get("query_string") or b""
+    target = quote(raw_path, safe="/%:@!$&'()*+,;=~")
+    return target + ("?" + quote(query, safe="/%:@!$&'()*+,;=~?") if query else "")
 
 
 def merge_metrics(sources: list[tuple[str, str | None]]) -> str:
