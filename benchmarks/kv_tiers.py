@@ -62,7 +62,13 @@ def run_trace(llm, sessions: list[dict], args: argparse.Namespace) -> dict:
             "returning_ttft_ms": 1e3 * statistics.median(returning_ttft),
             "first_turn_ttft_ms": 1e3 * statistics.median(first_ttft), "wall_s": time.perf_counter() - start,
             "host_hit_tokens": stats.external_prefix_cache_hits, "host_loaded_blocks": stats.kv_offload_loaded_blocks,
-            "host_stored_blocks": stats.kv_offload_stored_blocks, "answers": answers}
+            "host_stored_blocks": stats.kv_offload_stored_blocks, "answers": answers,
+            "disk_hit_tokens": _disk_hit_tokens(llm)}
+
+
+def _disk_hit_tokens(llm) -> int:
+    host = getattr(llm.engine.scheduler.kv, "host_tier", None)
+    return host.disk.stats.hit_tokens if host is not None and host.disk is not None else 0
 
 
 def main() -> None:
@@ -79,6 +85,10 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", default=None)
+    parser.add_argument("--disk-dir", default=None, help="also run pool+disk: a host tier of --disk-host-gib "
+                                                           "over a disk tier in a fresh subdirectory of this per run")
+    parser.add_argument("--disk-host-gib", type=float, default=0.005)
+    parser.add_argument("--configs", default=None, help="comma-separated subset of the engines to run")
     args = parser.parse_args()
 
     from tokenmill.llm import LLM
@@ -99,23 +109,31 @@ def main() -> None:
         "pool+host": dict(num_blocks=args.pool_blocks, kv_offloading_size=args.offloading_gib),
         "unbounded": dict(num_blocks=None),
     }
+    if args.disk_dir:
+        configs["pool+disk"] = dict(num_blocks=args.pool_blocks, kv_offloading_size=args.disk_host_gib)
+    if args.configs:
+        configs = {k: v for k, v in configs.items() if k in args.configs.split(",")}
     runs: dict[str, list[dict]] = {name: [] for name in configs}
     load = []
     for rnd in range(args.rounds):
         for name, settings in configs.items():
             num_blocks = settings.get("num_blocks")
             extra = {k: v for k, v in settings.items() if k != "num_blocks"}
+            if name == "pool+disk":
+                extra["kv_offloading_disk_dir"] = os.path.join(args.disk_dir, f"round{rnd}")
             llm = LLM.from_engine(base.engine.sibling(num_blocks, enable_prefix_caching=True, **extra))
             load.append(os.getloadavg()[0])
             result = run_trace(llm, sessions, args)
             runs[name].append(result)
             print(f"round {rnd} {name:10s} hit rate {result['hit_rate']:.3f} returning TTFT "
                   f"{result['returning_ttft_ms']:.1f} ms (first turns {result['first_turn_ttft_ms']:.1f} ms) "
-                  f"host hits {result['host_hit_tokens']} tokens, wall {result['wall_s']:.1f} s", flush=True)
+                  f"host+disk hits {result['host_hit_tokens']} tokens (disk {result['disk_hit_tokens']}), "
+                  f"wall {result['wall_s']:.1f} s", flush=True)
     # Greedy answers against the unbounded pool's (same hits, so the same KV): the tier must
     # match it exactly; recompute ("pool") may differ in bf16 (one prefill vs a cached prefix
     # and a chunk round differently), not in float32.
-    same = {name: all(r["answers"] == runs["unbounded"][0]["answers"] for r in rs) for name, rs in runs.items()}
+    ref = runs.get("unbounded", next(iter(runs.values())))[0]["answers"]
+    same = {name: all(r["answers"] == ref for r in rs) for name, rs in runs.items()}
     summary = {}
     for name, rs in runs.items():
         ttft = [r["returning_ttft_ms"] for r in rs]
@@ -123,7 +141,7 @@ def main() -> None:
                          "returning_ttft_ms_median": statistics.median(ttft),
                          "returning_ttft_ms_min": min(ttft), "returning_ttft_ms_max": max(ttft),
                          "first_turn_ttft_ms_median": statistics.median(r["first_turn_ttft_ms"] for r in rs),
-                         "host_hit_tokens": rs[-1]["host_hit_tokens"]}
+                         "host_hit_tokens": rs[-1]["host_hit_tokens"], "disk_hit_tokens": rs[-1]["disk_hit_tokens"]}
     report = {
         "cpu": cpu_info().model_name, "cores": cpu_info().num_cores,
         "load_avg_1m_during": [round(x, 2) for x in load],
@@ -132,9 +150,11 @@ def main() -> None:
         "working_set_blocks": working_set_blocks, "working_set_over_pool": working_set_blocks / args.pool_blocks,
         "kv_bytes_per_token": facts.kv_bytes_per_token, "dtype": facts.kv_cache_dtype,
         "greedy_answers_identical_to_unbounded": same,
-        "hit_rate_vs_unbounded": summary["pool+host"]["hit_rate"] / summary["unbounded"]["hit_rate"],
-        "returning_ttft_vs_recompute": (summary["pool+host"]["returning_ttft_ms_median"]
-                                        / summary["pool"]["returning_ttft_ms_median"]),
+        "hit_rate_vs_unbounded": ({name: summary[name]["hit_rate"] / summary["unbounded"]["hit_rate"]
+                                   for name in summary} if "unbounded" in summary else None),
+        "returning_ttft_vs_recompute": {name: summary[name]["returning_ttft_ms_median"]
+                                        / summary["pool"]["returning_ttft_ms_median"]
+                                        for name in summary if "pool" in summary},
         "summary": summary,
     }
     print(json.dumps(report, indent=1))

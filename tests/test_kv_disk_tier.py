@@ -170,3 +170,14 @@ def test_an_unwritable_directory_does_not_break_serving(llm_f32, tmp_path, caplo
             assert out.num_cached_tokens == 0 and out.outputs[0].token_ids == reference
     assert "disk KV tier is off" in caplog.text
     assert caplog.text.count("disk KV tier: cannot write") == 1
+
+
+def test_the_disk_tier_needs_the_host_tier_and_a_positive_size() -> None:
+    from tokenmill.config import EngineConfig
+
+    with pytest.raises(ValueError, match="kv_offloading_disk_dir"):
+        EngineConfig().replace(kv_offloading_disk_dir="/tmp/kv")
+    with pytest.raises(ValueError, match="kv_offloading_disk_size"):
+        EngineConfig().replace(kv_offloading_size=1.0, kv_offloading_disk_dir="/tmp/kv", kv_offloading_disk_size=0)
+    config = EngineConfig().replace(kv_offloading_size=1.0, kv_offloading_disk_dir="/tmp/kv")
+    assert config.cache.kv_offloading_disk_size == 10.0
