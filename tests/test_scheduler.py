@@ -1015,6 +1015,10 @@ def test_step_cost_estimator_learns_forgets_and_stays_non_negative() -> None:
     assert cost.predict(10, 2) == pytest.approx(0.24)
     assert cost.max_prefill_tokens(2, 0.3) == 16  # (0.3 - 0.1 - 2 x 0.02) / 0.01
     assert cost.max_prefill_tokens(20, 0.3) == 0
+    # a TPOT target of 1e308 ms (a valid float the API accepts) overflows the quotient: no
+    # limit, not an OverflowError that killed the engine (found by test_fuzz.py)
+    assert cost.max_prefill_tokens(2, 1e307) is None and cost.max_prefill_tokens(2, float("inf")) is None
+    assert cost.max_prefill_tokens(2, float("-inf")) == 0
     window = StepCostEstimator(window=6, min_samples=4)
     for p, d in [(0, 1), (0, 4), (32, 2), (64, 0), (16, 8), (8, 3)] * 2:
         window.observe(p, d, 2 * (0.1 + 0.01 * p + 0.02 * d))  # the machine got twice as slow: only that is left

@@ -73,7 +73,12 @@ class StepCostEstimator:
         b = self.coefficients
         if b is None or b[1] <= 0:
             return None
-        return max(int((seconds - b[0] - b[2] * decode_tokens) / b[1] + 1e-9), 0)
+        tokens = (seconds - b[0] - b[2] * decode_tokens) / b[1] + 1e-9
+        if tokens != tokens or tokens == float("inf"):
+            # a target so loose that the quotient overflows (slo_tpot_ms=1e308 was an
+            # OverflowError on the engine thread: the server died): no limit
+            return None
+        return max(int(tokens), 0) if tokens > 0 else 0
 
     # ----- the fit ---------------------------------------------------------------------
 
