@@ -406,12 +406,13 @@ class Router:
 
 
 async def _parse(raw: bytes) -> Any:
-    """The body's JSON for routing (None if it is not JSON: the replica answers the 400)."""
+    """The body's JSON for routing (None if it is not JSON, or nested too deep for Python's
+    parser, a RecursionError that was a 500: the replica answers the 400)."""
 
     def parse() -> Any:
         try:
             return json.loads(raw or b"{}")
-        except ValueError:
+        except (ValueError, RecursionError):
             return None
 
     return await asyncio.to_thread(parse) if len(raw) > PARSE_OFF_LOOP_BYTES else parse()
