@@ -143,13 +143,16 @@ def test_structured_outputs_request_object_is_built_from_the_dataclass() -> None
     ({"structured_outputs": {"disable_any_whitespace": True}}, "exactly one of json, regex"),
     ({"structured_outputs": {"regex": 5}}, "valid string"),
     ({"structured_outputs": {"json": {"type": "objekt"}}}, "invalid JSON schema"),
+    # 0.0 is not a boolean: was accepted (schemathesis through the DP router, a schema-violating body)
+    ({"response_format": {"type": "text", "json_schema": {"strict": 0.0}}}, "valid boolean"),
 ])
 def test_bad_constraints_are_400s_naming_the_field(server, client, extra, message) -> None:
     with pytest.raises(openai.BadRequestError) as raised:
         client.chat.completions.create(model=server.model, messages=_ask("hi"), max_tokens=5, extra_body=extra)
     assert message in raised.value.message
     assert raised.value.body["param"] in ("response_format", "guided_regex", "guided_grammar", "guided_choice",
-                                          "structured_outputs", "structured_outputs.regex")
+                                          "structured_outputs", "structured_outputs.regex",
+                                          "response_format.json_schema.strict")
     # The server is unharmed and nothing leaked.
     ok = client.chat.completions.create(model=server.model, messages=_ask("hi"), max_tokens=3)
     assert ok.choices[0].finish_reason in ("stop", "length")

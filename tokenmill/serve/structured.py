@@ -15,7 +15,7 @@ import dataclasses
 import typing
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, StrictBool, create_model
 
 from tokenmill.sampling.structured_outputs import StructuredOutputsParams
 from tokenmill.serve.errors import APIError, bad_request
@@ -29,7 +29,7 @@ class JsonSchemaFormat(_Lenient):
     name: str = "response"
     description: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
-    strict: bool | None = None
+    strict: StrictBool | None = None  # 0.0 is not a boolean (schemathesis: a schema-violating body accepted)
 
 
 class ResponseFormat(_Lenient):
