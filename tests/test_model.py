@@ -215,7 +215,9 @@ def test_bfloat16_kv_cache_with_float32_compute(backend_name: str, prepared: boo
         plan = apply_plan(model, cpu_native_plan(torch.float32))
     got = _paged_logits(model, seqs, chunks, backend_name, kv_dtype=torch.bfloat16, plan=plan)
     for g, r, e in zip(got, reference, exact):
-        torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+        # The paths' float32 sums differ in order (the skinny kernel and oneDNN vs F.linear):
+        # up to 2.9e-5 on an AMD EPYC (AVX-512), far below the bf16 rounding checked next.
+        torch.testing.assert_close(g, r, atol=1e-4, rtol=1e-4)
         torch.testing.assert_close(g, e, atol=2e-2, rtol=2e-2)
         assert not torch.equal(g, e)  # the rounding is real
 
