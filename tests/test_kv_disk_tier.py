@@ -181,3 +181,37 @@ def test_the_disk_tier_needs_the_host_tier_and_a_positive_size() -> None:
         EngineConfig().replace(kv_offloading_size=1.0, kv_offloading_disk_dir="/tmp/kv", kv_offloading_disk_size=0)
     config = EngineConfig().replace(kv_offloading_size=1.0, kv_offloading_disk_dir="/tmp/kv")
     assert config.cache.kv_offloading_disk_size == 10.0
+
+
+def test_server_metrics_count_the_disk_tier(tmp_path) -> None:
+    from tests.server_utils import ServerProcess
+    from tests.test_kv_tiers import _metric
+
+    # 34 pool blocks of 16 (f32 KV of the default model: 720 KiB a block), a 4-block host tier,
+    # the disk below: a 24-block prefix pushed out by two other prompts comes back from disk.
+    server = ServerProcess("--kv-cache-memory", "24MiB", "--kv-offloading-size", str(HOST_GIB),
+                           "--kv-offloading-disk-dir", str(tmp_path)).start()
+    try:
+        def complete(prompt: list[int]) -> None:
+            response = server.post("/v1/completions", json={"model": server.model, "prompt": prompt,
+                                                            "max_tokens": 2, "temperature": 0})
+            assert response.status_code == 200, response.text
+
+        prefix = list(range(1000, 1384))  # 24 blocks
+        complete(prefix + [7, 8, 9])
+        complete(list(range(2000, 2400)))
+        complete(list(range(3000, 3400)))
+        complete(prefix + [5, 6])
+        text = server.get("/metrics").text
+        bytes_per_block = 16 * 46080  # 30 layers x 3 KV heads x 64 x 4 bytes x K and V, per token
+        assert _metric(text, "tokenmill:kv_offload_disk_enabled") == 1
+        assert _metric(text, "tokenmill:kv_offload_disk_prefix_cache_hits_total") == 384
+        assert _metric(text, "tokenmill:external_prefix_cache_hits_total") == 384
+        assert _metric(text, "tokenmill:kv_offload_total_bytes_total", transfer_type="DISK_to_GPU") == 24 * bytes_per_block
+        assert _metric(text, "tokenmill:kv_offload_total_bytes_total", transfer_type="CPU_to_DISK") >= 24 * bytes_per_block
+        files = [p for p in tmp_path.rglob("*.kv")]
+        assert _metric(text, "tokenmill:kv_offload_disk_cache_bytes") == sum(p.stat().st_size for p in files) > 0
+        assert 0 < _metric(text, "tokenmill:kv_offload_disk_cache_usage_perc") < 0.01  # of the 10 GiB default
+        assert _metric(text, "tokenmill:kv_offload_disk_corrupt_blocks_total") == 0
+    finally:
+        assert server.stop() == 0, server.log_tail()

@@ -25,7 +25,7 @@ from tokenmill import SamplingParams
 from tokenmill.config import KVEventsConfig, parse_kv_events_config
 from tokenmill.engine import kv_events as ev
 from tokenmill.engine.block_manager import KVBlockManager, hash_block
-from tokenmill.engine.kv_tiers import HostTier
+from tokenmill.engine.kv_tiers import DiskTier, HostTier, kv_fingerprint
 from tokenmill.kv_events.publisher import ZmqEventPublisher, external_hash
 
 BS = 4
@@ -191,6 +191,42 @@ def test_event_log_follows_blocks_through_pool_and_host_tier() -> None:
     assert kv.reset_prefix_cache()
     assert kv.take_events() == [ev.AllBlocksCleared()]
     assert kv.events.meta == {}
+
+
+def test_disk_tier_blocks_are_announced_on_the_disk_medium(tmp_path) -> None:
+    fingerprint = kv_fingerprint("events test")
+    file_bytes = DiskTier(str(tmp_path / "probe"), fingerprint, 100, 10**6).file_bytes
+    disk = DiskTier(str(tmp_path), fingerprint, 100, 2 * file_bytes)  # two files
+    kv = KVBlockManager(3, BS, host_tier=HostTier(1, bytes_per_block=100, disk=disk))
+    kv.events = ev.KVEventLog(BS)
+    a, b, c = list(range(100, 109)), list(range(200, 209)), list(range(300, 309))
+    (a0, a1), (b0, b1), (c0, c1) = chain(a), chain(b), chain(c)
+
+    def disk_events() -> list:
+        return [e for e in kv.take_events() if getattr(e, "medium", None) == ev.MEDIUM_DISK]
+
+    run_once(kv, make_request("a", a))
+    assert disk_events() == []
+    run_once(kv, make_request("b", b))  # a's blocks leave the pool; the one-slot host tier drops a1 to disk
+    assert disk_events() == [ev.BlockStored([a1], a0, a[4:8], BS, "DISK")]
+    run_once(kv, make_request("c", c))  # a0 and b1 go to disk; the two-file cap deletes a1
+    assert disk_events() == [ev.BlockStored([a0], None, a[:4], BS, "DISK"),
+                             ev.BlockStored([b1], b0, b[4:8], BS, "DISK"), ev.BlockRemoved([a1], "DISK")]
+    assert set(kv.events.meta) == {a0, b0, b1, c0, c1}  # what the pool, the host tier or the disk holds
+    # A file that is not there when read (never written here: no runner) is forgotten, and said so.
+    request = make_request("a again", a)
+    kv.get_computed_blocks(request)
+    assert disk_events() == [ev.BlockRemoved([a0], "DISK")] and a0 not in kv.events.meta
+    assert kv.reset_prefix_cache()
+    assert kv.take_events()[-1] == ev.AllBlocksCleared() and len(disk) == 0
+
+
+def test_without_events_the_disk_tier_keeps_no_event_lists(tmp_path) -> None:
+    disk = DiskTier(str(tmp_path), kv_fingerprint("no events"), 100, 10**6)
+    kv = KVBlockManager(3, BS, host_tier=HostTier(1, bytes_per_block=100, disk=disk))
+    for i in range(20):
+        run_once(kv, make_request(f"r{i}", list(range(100 * i, 100 * i + 9))))
+    assert len(disk) > 10 and disk.added == [] and disk.removed == []
 
 
 def test_kv_events_config_is_vllms() -> None:

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from tokenmill.engine.batch import KVTransfers
-from tokenmill.engine.kv_events import MEDIUM_HOST, MEDIUM_POOL, BlockMeta, KVEventLog
+from tokenmill.engine.kv_events import MEDIUM_DISK, MEDIUM_HOST, MEDIUM_POOL, BlockMeta, KVEventLog
 from tokenmill.engine.kv_tiers import HostTier
 from tokenmill.engine.request import Request
 
@@ -291,11 +291,15 @@ class KVBlockManager:
 
     def take_events(self) -> list:
         """The KV events since the last call (none unless `events` was set)."""
+        self._disk_tier_events()
         return self.events.take() if self.events is not None else []
 
     def take_transfers(self) -> KVTransfers | None:
         """The host-tier copies decided since the last call, for the step's runner."""
-        return self.host_tier.take_transfers() if self.host_tier is not None else None
+        if self.host_tier is None:
+            return None
+        self._disk_tier_events()
+        return self.host_tier.take_transfers()
 
     # ----- internals -----------------------------------------------------------------
 
@@ -331,15 +335,38 @@ class KVBlockManager:
             if events is not None:
                 events.removed(dropped, MEDIUM_HOST)
                 for h in dropped:
-                    if h not in self.cached_blocks:
+                    if not self._held_anywhere(h):
                         events.forget(h)
         if events is None:
             return
         events.removed([block_hash], MEDIUM_POOL)
         if kept and not was_in_host and block_hash in events.meta:
             events.stored([block_hash], [events.meta[block_hash]], MEDIUM_HOST)
-        elif not kept:
+        elif not kept and not self._held_anywhere(block_hash):  # (a refused demotion may go to disk)
             events.forget(block_hash)
+
+    def _disk_tier_events(self) -> None:
+        """The disk tier's files written and dropped since the last call, as events on the
+        DISK medium (its own lists emptied either way, so they never grow without events)."""
+        disk = self.host_tier.disk if self.host_tier is not None else None
+        if disk is None or not (disk.added or disk.removed):
+            return
+        added, removed, disk.added, disk.removed = disk.added, disk.removed, [], []
+        events = self.events
+        if events is None:
+            return
+        known = [h for h in added if h in events.meta]  # a block whose tokens an event told
+        events.stored(known, [events.meta[h] for h in known], MEDIUM_DISK)
+        events.removed([h for h in removed if h in events.meta], MEDIUM_DISK)
+        for h in removed:
+            if not self._held_anywhere(h):
+                events.forget(h)
+
+    def _held_anywhere(self, block_hash: BlockHash) -> bool:
+        """Whether the pool or a lower tier still holds the block (its event meta is kept)."""
+        host = self.host_tier
+        return (block_hash in self.cached_blocks
+                or (host is not None and (block_hash in host or (host.disk is not None and block_hash in host.disk))))
 
     def _block_hashes(self, request: Request) -> list[BlockHash]:
         """Hashes of the request's full blocks, extended as tokens arrive."""

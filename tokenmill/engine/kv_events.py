@@ -1,6 +1,7 @@
 """What happened to the prefix cache, as vLLM's KV events say it (`BlockStored`,
 `BlockRemoved`, `AllBlocksCleared`, each block in a medium: "GPU" for the hot pool, as
-vLLM names its device pool whatever the device, "CPU" for the host tier). Plain records,
+vLLM names its device pool whatever the device, "CPU" for the host tier, "DISK" for the
+disk tier). Plain records,
 torch-free; the block manager appends them when events are on, the engine hands each
 step's to a sink, and `tokenmill.kv_events` encodes and publishes them (msgspec over ZMQ,
 vLLM's wire format)."""
@@ -13,6 +14,7 @@ BlockHash = bytes
 
 MEDIUM_POOL = "GPU"  # vLLM's MEDIUM_GPU: the pool the model reads
 MEDIUM_HOST = "CPU"  # the host tier
+MEDIUM_DISK = "DISK"  # the disk tier (vLLM has no name of its own for it; LMCache's is a backend, not a medium)
 
 
 @dataclass

@@ -225,6 +225,8 @@ class DiskTier:
         self.enabled = True
         self._loads: list[tuple[bytes, int]] = []
         self._pending: set[BlockHash] = set()  # admitted, written by the runner in the coming step
+        self.added: list[BlockHash] = []  # admitted since the events were last taken
+        self.removed: list[BlockHash] = []  # dropped since then (size cap, corrupt or missing file)
         try:
             os.makedirs(self.directory, exist_ok=True)
             probe = os.path.join(self.directory, f".probe.{os.getpid()}")
@@ -244,6 +246,7 @@ class DiskTier:
         for _, block_hash in sorted(found):  # oldest first: the LRU head
             self.entries[block_hash] = None
         self._trim()
+        self.removed.clear()  # files of an earlier run: never announced in this one's events
         if self.max_files < 1:
             self.disable(f"--kv-offloading-disk-size holds no block ({self.file_bytes} bytes a file)")
 
@@ -251,6 +254,7 @@ class DiskTier:
         if self.enabled:
             logger.warning("the disk KV tier is off (%s); serving from the pool and the host tier", reason)
         self.enabled = False
+        self.removed.extend(self.entries)
         self.entries.clear()
 
     def __contains__(self, block_hash: BlockHash) -> bool:
@@ -275,6 +279,7 @@ class DiskTier:
             return None
         self.entries[block_hash] = None
         self._pending.add(block_hash)
+        self.added.append(block_hash)
         self.stats.stored_blocks += 1
         self._trim()
         return self.path(block_hash)
@@ -290,12 +295,14 @@ class DiskTier:
                 data = f.read(self.file_bytes + 1)
         except OSError:
             del self.entries[block_hash]  # never written (a failed write) or deleted by someone
+            self.removed.append(block_hash)
             return None
         payload = decode_block_file(data, self.fingerprint, block_hash, self.bytes_per_block)
         if payload is None:
             self.stats.corrupt_blocks += 1
             logger.warning("disk KV tier: %s is truncated, corrupt or foreign; deleted, recomputing", path)
             del self.entries[block_hash]
+            self.removed.append(block_hash)
             self._remove(path)
             return None
         self.entries.move_to_end(block_hash)
@@ -318,10 +325,13 @@ class DiskTier:
         self.entries.clear()
         self._loads.clear()
         self._pending.clear()
+        self.added.clear()
+        self.removed.clear()
 
     def _trim(self) -> None:
         while len(self.entries) > self.max_files:
             block_hash, _ = self.entries.popitem(last=False)
+            self.removed.append(block_hash)
             self._remove(self.path(block_hash))
             self.stats.evicted_blocks += 1
 

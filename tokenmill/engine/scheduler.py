@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 from tokenmill.engine.batch import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.engine.block_manager import HybridKVBlockManager, KVBlockManager
+from tokenmill.engine.kv_tiers import DiskTier
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.step_cost import StepCostEstimator
 
@@ -79,6 +80,16 @@ class SchedulerStats:
     kv_offload_loaded_blocks: int = 0  # host -> pool
     kv_offload_evicted_blocks: int = 0
     kv_offload_stores_skipped: int = 0
+    # The disk tier below it (all 0 without one; capacity 0 also when it was turned off).
+    kv_disk_enabled: int = 0
+    kv_disk_blocks: int = 0  # capacity: files under --kv-offloading-disk-size
+    kv_disk_used_blocks: int = 0
+    kv_disk_bytes_per_block: int = 0  # a file: header and KV
+    kv_disk_stored_blocks: int = 0  # files written (host tier -> disk)
+    kv_disk_loaded_blocks: int = 0  # disk -> pool
+    kv_disk_evicted_blocks: int = 0
+    kv_disk_corrupt_blocks: int = 0
+    kv_disk_hit_tokens: int = 0
 
 
 class Scheduler:
@@ -485,6 +496,19 @@ class Scheduler:
             kv_offload_bytes_per_block=host.bytes_per_block, kv_offload_stored_blocks=host.stats.stored_blocks,
             kv_offload_loaded_blocks=host.stats.loaded_blocks, kv_offload_evicted_blocks=host.stats.evicted_blocks,
             kv_offload_stores_skipped=host.stats.rejected_blocks,
+            **self._disk_tier_stats(host.disk),
+        )
+
+    @staticmethod
+    def _disk_tier_stats(disk: DiskTier | None) -> dict[str, int]:
+        if disk is None:
+            return {}
+        return dict(
+            kv_disk_enabled=int(disk.enabled), kv_disk_blocks=disk.max_files if disk.enabled else 0,
+            kv_disk_used_blocks=len(disk), kv_disk_bytes_per_block=disk.file_bytes,
+            kv_disk_stored_blocks=disk.stats.stored_blocks, kv_disk_loaded_blocks=disk.stats.loaded_blocks,
+            kv_disk_evicted_blocks=disk.stats.evicted_blocks, kv_disk_corrupt_blocks=disk.stats.corrupt_blocks,
+            kv_disk_hit_tokens=disk.stats.hit_tokens,
         )
 
     # ----- internals -----------------------------------------------------------------

@@ -258,6 +258,9 @@ def host_tier_metrics(stats: EngineStats, name: str) -> Iterator[Metric]:
                                  labels=["model_name", "transfer_type"])
     family.add_metric([name, "GPU_to_CPU"], float(stats.kv_offload_stored_blocks * stats.kv_offload_bytes_per_block))
     family.add_metric([name, "CPU_to_GPU"], float(stats.kv_offload_loaded_blocks * stats.kv_offload_bytes_per_block))
+    if stats.kv_disk_bytes_per_block:  # the disk tier: files written from the host tier, read into the pool
+        family.add_metric([name, "CPU_to_DISK"], float(stats.kv_disk_stored_blocks * stats.kv_offload_bytes_per_block))
+        family.add_metric([name, "DISK_to_GPU"], float(stats.kv_disk_loaded_blocks * stats.kv_offload_bytes_per_block))
     yield family
     family = GaugeMetricFamily(PREFIX + "kv_offload_cpu_cache_usage_perc",
                                "Fraction of the host tier's blocks holding KV (1 = full).", labels=["model_name"])
@@ -267,6 +270,38 @@ def host_tier_metrics(stats: EngineStats, name: str) -> Iterator[Metric]:
                                "Bytes of KV the host tier holds.", labels=["model_name"])
     family.add_metric([name], float(stats.kv_offload_used_blocks * stats.kv_offload_bytes_per_block))
     yield family
+    if stats.kv_disk_bytes_per_block:
+        yield from disk_tier_metrics(stats, name)
+
+
+def disk_tier_metrics(stats: EngineStats, name: str) -> Iterator[Metric]:
+    """The disk KV tier (--kv-offloading-disk-dir), named like the host tier's: whether it is
+    on (an unwritable or vanished directory turns it off), occupancy, hits, evictions by its
+    size cap and files refused as truncated, corrupt or foreign."""
+    gauges = [
+        ("kv_offload_disk_enabled", stats.kv_disk_enabled,
+         "1 while the disk tier serves; 0 after it was turned off (see the log for why)."),
+        ("kv_offload_disk_cache_usage_perc", stats.kv_disk_used_blocks / max(stats.kv_disk_blocks, 1),
+         "Fraction of the disk tier's files in use (1 = at --kv-offloading-disk-size)."),
+        ("kv_offload_disk_cache_bytes", stats.kv_disk_used_blocks * stats.kv_disk_bytes_per_block,
+         "Bytes of KV files the disk tier holds."),
+    ]
+    for metric, value, doc in gauges:
+        family = GaugeMetricFamily(PREFIX + metric, doc, labels=["model_name"])
+        family.add_metric([name], float(value))
+        yield family
+    counters = [
+        ("kv_offload_disk_prefix_cache_hits", stats.kv_disk_hit_tokens,
+         "Prompt tokens served from the disk tier (part of external_prefix_cache_hits)."),
+        ("kv_offload_disk_block_eviction", stats.kv_disk_evicted_blocks,
+         "KV files deleted by the disk tier's size cap (least recently used first)."),
+        ("kv_offload_disk_corrupt_blocks", stats.kv_disk_corrupt_blocks,
+         "KV files found truncated, corrupt or foreign: deleted, their tokens recomputed."),
+    ]
+    for metric, value, doc in counters:
+        family = CounterMetricFamily(PREFIX + metric, doc, labels=["model_name"])
+        family.add_metric([name], float(value))
+        yield family
 
 
 def cache_config_info(facts: EngineFacts) -> GaugeMetricFamily:
