@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from tokenmill.config import EngineConfig, EngineFacts
 from tokenmill.engine.engine import LLMEngine, Proposer
 from tokenmill.kv_events.publisher import make_publisher
+from tokenmill.kv_transfer import ZmqKVConnector, kv_layout_facts
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.runner.worker import build_rank
 from tokenmill.spec_decode.draft import DraftModelProposer
@@ -36,6 +37,14 @@ def build_engine(config: EngineConfig) -> LLMEngine:
     if publisher is not None:  # vLLM's KV events for a KV-aware router
         engine.kv_event_sink = publisher.publish_events
         engine.kv_event_publisher = publisher
+    transfer = config.cache.kv_transfer_config
+    if transfer is not None:  # prefill-decode disaggregation (docs/disaggregation.md)
+        if config.parallel.world_size > 1:
+            raise ValueError("kv_transfer_config: disaggregation with tensor/pipeline parallelism is not built yet")
+        facts = built.facts
+        engine.set_kv_connector(ZmqKVConnector(transfer, kv_layout_facts(facts),
+                                               facts.kv_bytes_per_token * facts.block_size,
+                                               built.executor.kv_block_bytes))
     return engine
 
 

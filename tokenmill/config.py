@@ -37,6 +37,9 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 KV_OFFLOADING_BACKENDS = ("native",)
 KV_EVENT_PUBLISHERS = ("null", "zmq")
 KV_EVENT_LAYOUTS = ("map", "array")
+KV_TRANSFER_CONNECTORS = ("TokenmillConnector",)
+KV_TRANSFER_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+KV_LOAD_FAILURE_POLICIES = ("recompute",)  # vLLM also has "fail": not built
 STRUCTURED_OUTPUTS_BACKENDS = ("auto", "xgrammar", "guidance")
 RUNNERS = ("auto", "generate", "pooling")
 POOLING_TYPES = ("LAST", "MEAN", "CLS")
@@ -95,8 +98,19 @@ def setting(default: Any = dataclasses.MISSING, *, help: str, choices: tuple | N
     return field(default=default, metadata=metadata)
 
 
+class _JsonFlag:
+    """A JSON-valued flag's config (--kv-events-config, --kv-transfer-config): its dict, and
+    its JSON as str() (engine_args rebuilds a command line with it)."""
+
+    def to_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
+
+    def __str__(self) -> str:
+        return json.dumps(self.to_dict())
+
+
 @dataclass(frozen=True)
-class PoolerConfig:
+class PoolerConfig(_JsonFlag):
     """vLLM's `pooler_config` (the keys it shares with tokenmill): how a pooling runner
     turns a prompt's final hidden states into one vector. None: the model's own (its
     sentence-transformers `1_Pooling/config.json` and `modules.json`), else LAST, normalized."""
@@ -113,12 +127,6 @@ class PoolerConfig:
             object.__setattr__(self, "pooling_type", name)
         if self.normalize is not None and not isinstance(self.normalize, bool):
             raise ValueError(f"pooler_config: normalize must be true or false, got {self.normalize!r}")
-
-    def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
-
-    def __str__(self) -> str:  # the flag's JSON (engine_args rebuilds a command line with it)
-        return json.dumps(self.to_dict())
 
 
 def parse_pooler_config(value: str | dict | PoolerConfig | None) -> PoolerConfig | None:
@@ -217,7 +225,7 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
-class KVEventsConfig:
+class KVEventsConfig(_JsonFlag):
     """vLLM's `--kv-events-config`, with its key names: publish the prefix cache's
     BlockStored / BlockRemoved / AllBlocksCleared events (msgspec over ZMQ) for a router."""
 
@@ -247,17 +255,70 @@ class KVEventsConfig:
     def publishes(self) -> bool:
         return self.enable_kv_cache_events and self.publisher != "null"
 
-    def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in dataclasses.asdict(self).items() if v is not None}
-
-    def __str__(self) -> str:  # the flag's JSON (engine_args rebuilds a command line with it)
-        return json.dumps(self.to_dict())
-
 
 def parse_kv_events_config(value: str | dict | KVEventsConfig | None) -> KVEventsConfig | None:
     """A JSON string (the flag), a dict (`LLM(...)`, YAML) or a config -> KVEventsConfig;
     unknown keys are refused by name."""
     return _json_config(value, KVEventsConfig, "kv_events_config")
+
+
+@dataclass(frozen=True)
+class KVTransferConfig(_JsonFlag):
+    """vLLM's `--kv-transfer-config`, with its key names: prefill-decode disaggregation.
+    A producer (prefill instance) keeps a request's KV blocks after its one-token prefill
+    and serves them; a consumer (decode instance) pulls them into its own blocks before
+    the request's first decode step (docs/disaggregation.md)."""
+
+    kv_connector: str = "TokenmillConnector"
+    kv_role: str = "kv_both"  # kv_producer | kv_consumer | kv_both
+    kv_ip: str = "127.0.0.1"  # a producer's KV server binds here (and tells consumers this host)
+    kv_port: int = 14579  # vLLM's default kv_port
+    engine_id: str | None = None  # default: a fresh uuid per engine
+    kv_load_failure_policy: str = "recompute"  # a consumer whose pull fails recomputes the prompt
+    # tokenmill's keys: "abort_request_timeout" (s a producer keeps unpulled blocks; vLLM's
+    # VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480), "pull_timeout" (s a consumer waits for a pull, 30)
+    kv_connector_extra_config: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.kv_connector == "NixlConnector":
+            raise ValueError("kv_transfer_config: tokenmill does not speak NIXL's wire; use \"kv_connector\": "
+                             "\"TokenmillConnector\" (the same kv_transfer_params as vLLM's NixlConnector, "
+                             "tokenmill's own transport over ZMQ)")
+        _check_choice("kv_transfer_config kv_connector", self.kv_connector, KV_TRANSFER_CONNECTORS)
+        _check_choice("kv_transfer_config kv_role", self.kv_role, KV_TRANSFER_ROLES)
+        _check_choice("kv_transfer_config kv_load_failure_policy", self.kv_load_failure_policy,
+                      KV_LOAD_FAILURE_POLICIES)
+        if not isinstance(self.kv_port, int) or not 0 < self.kv_port < 65536:
+            raise ValueError(f"kv_transfer_config: kv_port must be a TCP port, got {self.kv_port!r}")
+        extra = self.kv_connector_extra_config
+        unknown = sorted(set(extra) - {"abort_request_timeout", "pull_timeout"})
+        if unknown:
+            raise ValueError(f"kv_transfer_config: unsupported kv_connector_extra_config key(s) {unknown}; tokenmill "
+                             "knows ['abort_request_timeout', 'pull_timeout']")
+        for key in ("abort_request_timeout", "pull_timeout"):
+            value = extra.get(key, 1.0)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"kv_transfer_config: {key} must be a positive number of seconds, got {value!r}")
+
+    @property
+    def is_producer(self) -> bool:
+        return self.kv_role in ("kv_producer", "kv_both")
+
+    @property
+    def is_consumer(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both")
+
+    @property
+    def abort_request_timeout(self) -> float:
+        return float(self.kv_connector_extra_config.get("abort_request_timeout", 480.0))
+
+    @property
+    def pull_timeout(self) -> float:
+        return float(self.kv_connector_extra_config.get("pull_timeout", 30.0))
+
+def parse_kv_transfer_config(value: str | dict | KVTransferConfig | None) -> KVTransferConfig | None:
+    """A JSON string (the flag), a dict or a config -> KVTransferConfig; unknown keys refused by name."""
+    return _json_config(value, KVTransferConfig, "kv_transfer_config")
 
 
 @dataclass(frozen=True)
@@ -303,6 +364,12 @@ class CacheConfig:
              'over ZMQ, each block with its medium: GPU = the pool, CPU = the host tier), for a KV-aware router: '
              '{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", '
              '"replay_endpoint": "tcp://*:5558", "topic": "kv-events"}. Default: off')
+    kv_transfer_config: KVTransferConfig | None = setting(
+        None, parse=parse_kv_transfer_config, metavar="JSON",
+        help='prefill-decode disaggregation with vLLM\'s keys and kv_transfer_params (for vllm-router '
+             '--vllm-pd-disaggregation): {"kv_connector": "TokenmillConnector", "kv_role": "kv_producer" | '
+             '"kv_consumer" | "kv_both", "kv_ip": "127.0.0.1", "kv_port": 14579, "kv_connector_extra_config": '
+             '{"abort_request_timeout": 480}} (docs/disaggregation.md). Default: off')
     kv_offloading_backend: str = setting("native", choices=KV_OFFLOADING_BACKENDS,
                                          help="what keeps the offloaded KV (vLLM's flag): native, tokenmill's own "
                                               "host tier")

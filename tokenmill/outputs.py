@@ -54,6 +54,9 @@ class RequestOutput:
     # A pooling request's vector (the pooling runner: an embedding); its `outputs` hold
     # one empty completion that finished with "stop".
     pooled: list[float] | None = None
+    # Prefill-decode disaggregation: a prefill instance's kv_transfer_params for the decode
+    # instance (vLLM's NIXL connector's keys), once the request finished.
+    kv_transfer_params: dict | None = None
 
 
 @dataclass

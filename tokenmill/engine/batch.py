@@ -79,9 +79,12 @@ class KVTransfers:
     spill: list[tuple[int | None, int | None, str, bytes]] = field(default_factory=list)  # (slot, block, path, hash)
     disk_load: list[tuple[bytes, int]] = field(default_factory=list)  # (KV bytes, pool block)
     disk_header: bytes = b""
+    # Prefill-decode disaggregation: KV bytes a consumer pulled from a producer, to copy into
+    # the request's pool blocks (after the tiers' loads), in the pool's own layout.
+    remote_load: list[tuple[bytes, int]] = field(default_factory=list)  # (KV bytes, pool block)
 
     def __bool__(self) -> bool:
-        return bool(self.store or self.load or self.spill or self.disk_load)
+        return bool(self.store or self.load or self.spill or self.disk_load or self.remote_load)
 
 
 @dataclass

@@ -202,12 +202,15 @@ class KVBlockManager:
     # ----- allocation ----------------------------------------------------------------
 
     def allocate_slots(
-        self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None
+        self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None,
+        written_now: bool = True,
     ) -> bool:
         """Make room for `num_new_tokens` more tokens after the computed ones.
 
         `computed_blocks` (at admission) are prefix-cache hits to take over first.
         Returns False, changing nothing, when there are not enough free blocks.
+        `written_now=False`: the new tokens' KV arrives later (a disaggregated consumer's
+        pull), so their blocks are hashed (offered to other requests) only by `mark_computed`.
         """
         computed_blocks = [] if computed_blocks is None else computed_blocks
         if not self.can_allocate(request, num_new_tokens, computed_blocks):
@@ -241,8 +244,14 @@ class KVBlockManager:
             self.req_num_hashed_blocks[request.request_id] = 0
         # The KV of these tokens is written in this step, before any later step can
         # read it, so their full blocks can be offered to other requests right away.
-        self._hash_full_blocks(request, min(num_tokens_after, request.num_tokens))
+        if written_now:
+            self._hash_full_blocks(request, min(num_tokens_after, request.num_tokens))
         return True
+
+    def mark_computed(self, request: Request, num_tokens: int) -> None:
+        """The KV of the request's first `num_tokens` tokens is in its blocks (pulled from a
+        producer, copied in before the next forward): its full blocks join the prefix cache."""
+        self._hash_full_blocks(request, num_tokens)
 
     def can_allocate(self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
         """Whether allocate_slots would succeed (it changes nothing)."""
@@ -262,7 +271,20 @@ class KVBlockManager:
         sequence's end is evicted before its (more shareable) beginning; blocks
         without a hash hold nothing reusable and go to the head.
         """
+        self.free_id(request.request_id)
+
+    def hold(self, request: Request, key: str) -> list[int]:
+        """Keep a finished request's blocks under `key` (a disaggregated producer serves them
+        to a consumer) instead of freeing them; `free_id(key)` frees them. Returns them."""
         rid = request.request_id
+        self.req_hashes.pop(rid, None)
+        self.req_num_hashed_blocks.pop(rid, None)
+        blocks = self.req_blocks.pop(rid, [])
+        self.req_blocks[key] = blocks
+        return list(blocks)
+
+    def free_id(self, rid: str) -> None:
+        """`free` by the id the blocks are held under (a request's, or a hold's key)."""
         self.req_hashes.pop(rid, None)
         self.req_num_hashed_blocks.pop(rid, None)
         for block_id in reversed(self.req_blocks.pop(rid, [])):

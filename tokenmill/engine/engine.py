@@ -25,6 +25,7 @@ from tokenmill.engine.batch import RunnerOutput, SchedulerOutput
 from tokenmill.engine.block_manager import HybridKVBlockManager, KVBlockManager
 from tokenmill.engine.input_processor import AdmissionLimits, InputProcessor, ProcessedRequest
 from tokenmill.engine.kv_events import KVEvent, KVEventLog
+from tokenmill.engine.kv_transfer import KVConnector, KVTransferParamsError, RemotePrefill, wants_remote_decode
 from tokenmill.engine.kv_tiers import DiskTier, HostTier, kv_fingerprint
 from tokenmill.engine.output_processor import OutputProcessor
 from tokenmill.engine.request import SLO_HEADROOM, Request, RequestStatus, slo_aim
@@ -279,6 +280,7 @@ class LLMEngine:
         slo_ttft_ms: float | None = None,
         slo_tpot_ms: float | None = None,
         pooling_params: PoolingParams | None = None,
+        kv_transfer_params: dict | None = None,
     ) -> None:
         """Validate and queue a request; raises ValueError (an AdmissionError naming the
         problem and the limit) before anything is allocated. `priority` (lower first) needs
@@ -286,11 +288,52 @@ class LLMEngine:
         `slo_tpot_ms`: this request's latency targets (SLO mode; default: the engine's);
         with --slo-reject, SLOUnattainableError when its TTFT target is predicted missed.
         `pooling_params`: a pooling request (the pooling runner's: an embedding) instead of
-        a generating one."""
+        a generating one. `kv_transfer_params`: vLLM's, for prefill-decode disaggregation
+        (engine/kv_transfer.py; needs a kv_transfer_config)."""
         request = self.input_processor.process(request_id, prompt, params, arrival_time=arrival_time or self.clock(),
                                                cache_salt=cache_salt, priority=priority, slo_ttft_ms=slo_ttft_ms,
                                                slo_tpot_ms=slo_tpot_ms, pooling_params=pooling_params)
+        if kv_transfer_params:
+            self.check_kv_transfer_params(kv_transfer_params, len(request.samples))
+            for sample in request.samples:
+                sample.kv_transfer_params = dict(kv_transfer_params)
         self.add_processed(request, final_only)
+
+    # ----- prefill-decode disaggregation ---------------------------------------------
+
+    @property
+    def kv_connector(self) -> KVConnector | None:
+        return self.scheduler.connector
+
+    def set_kv_connector(self, connector: KVConnector) -> None:
+        """The builder's transport for --kv-transfer-config (tokenmill.kv_transfer)."""
+        if isinstance(self.scheduler.kv, HybridKVBlockManager):
+            raise ValueError("kv_transfer_config: disaggregation does not take a hybrid KV cache (sliding-window "
+                             "layers) yet; add --disable-hybrid-kv-cache-manager")
+        self.scheduler.connector = connector
+
+    def check_kv_transfer_params(self, params: dict, num_samples: int = 1) -> RemotePrefill | None:
+        """Refuse kv_transfer_params this engine cannot honour (KVTransferParamsError, a 400);
+        returns the remote prefill they name, if any."""
+        if not isinstance(params, dict):
+            raise KVTransferParamsError("kv_transfer_params must be a JSON object")
+        connector = self.scheduler.connector
+        remote = RemotePrefill.from_params(params)
+        decode = wants_remote_decode(params)
+        if (remote is not None or decode) and num_samples != 1:
+            raise KVTransferParamsError("kv_transfer_params: disaggregated requests take n = 1")
+        if decode and (connector is None or not connector.is_producer):
+            raise KVTransferParamsError("kv_transfer_params: do_remote_decode needs a prefill instance (this server "
+                                        "has no --kv-transfer-config with kv_role kv_producer or kv_both)")
+        if remote is not None and (connector is None or not connector.is_consumer):
+            raise KVTransferParamsError("kv_transfer_params: do_remote_prefill needs a decode instance (this server "
+                                        "has no --kv-transfer-config with kv_role kv_consumer or kv_both)")
+        return remote
+
+    def poll_kv_transfers(self) -> bool:
+        """Free the blocks of holds pulled or timed out, and take finished pulls, between
+        steps (an idle server calls it): True when anything changed."""
+        return self.scheduler.poll_connector()
 
     def add_processed(self, request: ProcessedRequest, final_only: bool = False) -> None:
         """Queue a request the input processor made (`LLM` checks a whole batch first)."""
@@ -358,6 +401,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         self._publish_kv_events()
         if batch.is_empty and not batch.finished_ids and not batch.kv_transfers:
+            if self.scheduler.pulling:  # only KV pulls in flight: wait for one instead of spinning
+                self.scheduler.connector.wait(0.005)
             return []
         scheduled = self.clock()
         num_prefill, context, pairs = self._step_shape(batch)

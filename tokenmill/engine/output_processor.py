@@ -185,6 +185,7 @@ class OutputProcessor:
             num_cached_tokens=min(s.request.num_cached_tokens for s in user.samples),
             metrics=user.metrics,
             pooled=user.samples[0].request.pooled_output,
+            kv_transfer_params=user.samples[0].request.kv_transfer_params_out,
         )
 
     def _forget(self, user: _UserRequest) -> None:

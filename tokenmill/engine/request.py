@@ -21,6 +21,7 @@ def slo_aim(ms: float | None) -> float | None:
 class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
+    WAITING_FOR_REMOTE_KVS = "waiting_for_remote_kvs"  # a consumer pulls its prompt's KV (disaggregation)
     FINISHED_STOPPED = "stop"
     FINISHED_LENGTH = "length"
     FINISHED_ABORTED = "abort"
@@ -64,6 +65,10 @@ class Request:
     # the pooled vector the runner returns for its last prompt chunk.
     pooling_params: PoolingParams | None = None
     pooled_output: list[float] | None = None
+    # Prefill-decode disaggregation (engine/kv_transfer.py): the request's kv_transfer_params
+    # (vLLM's), and those its response carries (a producer's, for the consumer).
+    kv_transfer_params: dict | None = None
+    kv_transfer_params_out: dict | None = None
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)

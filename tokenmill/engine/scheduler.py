@@ -34,17 +34,21 @@ that can. `predict_ttft` estimates a new request's TTFT (early rejection).
 from __future__ import annotations
 
 import bisect
+import itertools
+import logging
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from tokenmill.engine.batch import NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
+from tokenmill.engine.batch import KVTransfers, NewRequestData, RunnerOutput, ScheduledRequest, SchedulerOutput
 from tokenmill.engine.block_manager import HybridKVBlockManager, KVBlockManager
 from tokenmill.engine.kv_tiers import DiskTier
+from tokenmill.engine.kv_transfer import KVConnector, RemotePrefill, wants_remote_decode
 from tokenmill.engine.request import Request, RequestStatus
 from tokenmill.engine.step_cost import StepCostEstimator
 
+logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -90,6 +94,17 @@ class SchedulerStats:
     kv_disk_evicted_blocks: int = 0
     kv_disk_corrupt_blocks: int = 0
     kv_disk_hit_tokens: int = 0
+    # Prefill-decode disaggregation (0 without a connector): a producer's held blocks and
+    # requests, blocks it served and holds that timed out; a consumer's pulled blocks, the
+    # requests waiting for their KV, and pulls that failed.
+    kv_transfer_role: str = ""  # "" without a connector, else kv_producer | kv_consumer | kv_both
+    kv_transfer_held_blocks: int = 0
+    kv_transfer_held_requests: int = 0
+    kv_transfer_sent_blocks: int = 0
+    kv_transfer_expired_requests: int = 0
+    kv_transfer_pulled_blocks: int = 0
+    kv_transfer_pulling_requests: int = 0
+    kv_transfer_failed_pulls: int = 0
 
 
 class Scheduler:
@@ -106,6 +121,12 @@ class Scheduler:
         self._finished_since_last_step: list[str] = []
         # What the runner side has been sent of each running request: (tokens, blocks).
         self._sent: dict[str, tuple[int, int]] = {}
+        # Prefill-decode disaggregation (engine/kv_transfer.py): the transport, the requests
+        # whose prompt KV is being pulled, and the pulled bytes for this step's runner.
+        self.connector: KVConnector | None = None
+        self.pulling: dict[str, Request] = {}
+        self._remote_loads: list[tuple[bytes, int]] = []
+        self._hold_ids = itertools.count()
 
     # ----- admission -----------------------------------------------------------------
 
@@ -129,13 +150,93 @@ class Scheduler:
     # ----- one step ------------------------------------------------------------------
 
     def schedule(self) -> SchedulerOutput:
+        if self.connector is not None:
+            self.poll_connector()
+            self._start_pulls()
         if self.config.by_priority:
             scheduled, preempted = self._schedule_by_rank()
         else:
             scheduled, preempted = self._schedule_fcfs()
         finished, self._finished_since_last_step = self._finished_since_last_step, []
+        transfers = self.kv.take_transfers()
+        if self._remote_loads:
+            transfers = transfers if transfers is not None else KVTransfers(num_host_blocks=0)
+            transfers.remote_load, self._remote_loads = self._remote_loads, []
         return SchedulerOutput(scheduled=scheduled, preempted_ids=preempted, finished_ids=finished,
-                               kv_transfers=self.kv.take_transfers())
+                               kv_transfers=transfers)
+
+    # ----- prefill-decode disaggregation ---------------------------------------------
+
+    def poll_connector(self) -> bool:
+        """Free the holds the connector released (pulled or timed out), and take the pulls
+        that finished: their requests run from the next schedule on (their bytes are copied
+        in before that step's forward). True when anything changed."""
+        connector = self.connector
+        if connector is None:
+            return False
+        released = connector.released()
+        for key in released:
+            self.kv.free_id(key)
+        pulled = connector.take_pulled()
+        for result in pulled:
+            request = self.pulling.pop(result.request_id, None)
+            if request is None:
+                continue  # aborted while its pull ran
+            if result.payloads is None:
+                self._pull_failed(request, result.error or "the pull failed")
+                continue
+            num_load = request.num_prompt_tokens - 1
+            blocks = self.kv.get_block_ids(request.request_id)
+            first = self.kv.blocks_needed(num_load) - len(result.payloads)
+            self._remote_loads.extend(zip(result.payloads, blocks[first:]))
+            request.num_computed_tokens = num_load
+            self.kv.mark_computed(request, num_load)
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = self.clock()
+            self.running.append(request)
+        return bool(released or pulled)
+
+    def _pull_failed(self, request: Request, error: str) -> None:
+        """kv_load_failure_policy "recompute" (vLLM's default): the prompt is computed here."""
+        logger.warning("%s: KV pull failed (%s); recomputing its prompt", request.request_id, error)
+        self.kv.free(request)
+        request.kv_transfer_params = None
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self._enqueue(request, front=True)
+
+    def _start_pulls(self) -> None:
+        """Waiting requests whose prompt KV a producer holds: allocate blocks for all but the
+        last prompt token (its logits are needed: it is computed here, as vLLM's consumer
+        does), taking local prefix-cache hits first, and pull the rest. They wait outside
+        the queues meanwhile."""
+        if not self.connector.is_consumer:
+            return
+        remote_prefills = [r for r in self.waiting if (r.kv_transfer_params or {}).get("do_remote_prefill")]
+        for request in remote_prefills:
+            remote = RemotePrefill.from_params(request.kv_transfer_params)
+            num_load = request.num_prompt_tokens - 1
+            if num_load < 1 or request.num_preemptions or request.params.prompt_logprobs is not None:
+                request.kv_transfer_params = None  # nothing to pull: an ordinary request
+                continue
+            hits, num_hit_tokens = self.kv.get_computed_blocks(request)
+            num_hit_tokens = min(num_hit_tokens, num_load)
+            needed = self.kv.blocks_needed(num_load)
+            if len(remote.block_ids) < needed:
+                logger.warning("%s: the producer holds %d blocks, %d needed; recomputing its prompt",
+                               request.request_id, len(remote.block_ids), needed)
+                request.kv_transfer_params = None
+                continue
+            if not self.kv.allocate_slots(request, num_load - num_hit_tokens, hits, written_now=False):
+                break  # no room now: it waits, in order
+            self.waiting.remove(request)
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            request.num_computed_tokens = num_hit_tokens
+            request.num_cached_tokens = num_hit_tokens
+            self.pulling[request.request_id] = request
+            first = num_hit_tokens // self.kv.block_size
+            self.connector.start_pull(request.request_id, remote, list(remote.block_ids[first:needed]))
 
     def _schedule_fcfs(self) -> tuple[list[ScheduledRequest], list[str]]:
         budget = self.config.max_num_batched_tokens
@@ -483,7 +584,20 @@ class Scheduler:
             prefix_cache_hits=self.kv.stats.hits,
             num_preemptions=self.num_preemptions,
             **self._host_tier_stats(),
+            **self._kv_transfer_stats(),
         )
+
+    def _kv_transfer_stats(self) -> dict[str, int]:
+        if self.connector is None:
+            return {}
+        c = self.connector.stats()
+        role = ("kv_both" if self.connector.is_consumer else "kv_producer") if self.connector.is_producer \
+            else "kv_consumer"
+        return dict(kv_transfer_role=role, kv_transfer_held_blocks=c.held_blocks,
+                    kv_transfer_held_requests=c.held_requests,
+                    kv_transfer_sent_blocks=c.sent_blocks, kv_transfer_expired_requests=c.expired_requests,
+                    kv_transfer_pulled_blocks=c.pulled_blocks, kv_transfer_pulling_requests=len(self.pulling),
+                    kv_transfer_failed_pulls=c.failed_pulls)
 
     def _host_tier_stats(self) -> dict[str, int]:
         host = getattr(self.kv, "host_tier", None)
@@ -612,10 +726,19 @@ class Scheduler:
             return
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
+        elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            self.pulling.pop(request.request_id, None)
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
-        self.kv.free(request)
+        connector = self.connector
+        if (connector is not None and connector.is_producer and status == RequestStatus.FINISHED_LENGTH
+                and wants_remote_decode(request.kv_transfer_params) and self.kv.get_block_ids(request.request_id)):
+            # A disaggregated prefill: its blocks stay until a consumer pulls them (or a timeout).
+            key = f"{request.request_id}-kv{next(self._hold_ids)}"
+            request.kv_transfer_params_out = connector.hold(key, self.kv.hold(request, key))
+        else:
+            self.kv.free(request)
         self._sent.pop(request.request_id, None)
         del self.requests[request.request_id]
         self._finished_since_last_step.append(request.request_id)

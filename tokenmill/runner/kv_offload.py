@@ -51,8 +51,10 @@ class HostKVBuffer:
             self._allocate(transfers.num_host_blocks)
         device = self.pool[0].device
         for slot, block, path, block_hash in transfers.spill:  # before any copy overwrites its source
-            tensors = [host[slot] for host in self.host] if slot is not None else [t[block] for t in self.pool]
-            payload = b"".join(t.cpu().numpy().tobytes() for t in tensors)
+            if slot is not None:
+                payload = b"".join(host[slot].numpy().tobytes() for host in self.host)
+            else:
+                payload = self.block_bytes(block)
             self._write(path, encode_block_file(transfers.disk_header, block_hash, payload))
         if transfers.store:
             blocks, slots = zip(*transfers.store)
@@ -64,13 +66,22 @@ class HostKVBuffer:
             slots, blocks = _index(slots, "cpu"), _index(blocks, device)
             for pool, host in zip(self.pool, self.host):
                 pool.index_copy_(0, blocks, host.index_select(0, slots).to(device))
-        for payload, block in transfers.disk_load:  # verified by the engine when it read the file
-            data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            offset = 0
-            for pool in self.pool:
-                n = pool[block].numel()
-                pool[block].copy_(data[offset: offset + n].view(pool.shape[1:]))
-                offset += n
+        for payload, block in (*transfers.disk_load, *transfers.remote_load):  # verified by the engine
+            self._copy_in(payload, block)
+
+    def _copy_in(self, payload: bytes, block: int) -> None:
+        """One block's bytes (every cache tensor's, in order) into pool block `block`."""
+        data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+        offset = 0
+        for pool in self.pool:
+            n = pool[block].numel()
+            pool[block].copy_(data[offset: offset + n].view(pool.shape[1:]))
+            offset += n
+
+    def block_bytes(self, block: int) -> bytes:
+        """Pool block `block` as bytes: every cache tensor's (K, V, an 8-bit cache's scales), in
+        the order `_copy_in` reads them (the disk tier's files, a disaggregated producer's replies)."""
+        return b"".join(t[block].cpu().numpy().tobytes() for t in self.pool)
 
     def _write(self, path: str, data: bytes) -> None:
         try:

@@ -77,6 +77,13 @@ class ModelRunner:
             self.host_kv.apply(batch.kv_transfers)
         return self.run(self.requests.apply(batch))
 
+    def kv_block_bytes(self, block_ids: list[int]) -> list[bytes]:
+        """These pool blocks' KV as bytes, one entry per block, in the pool's own layout and
+        dtype (a disaggregated producer serves them; the blocks are held, so no step writes
+        them meanwhile, and this may run on another thread)."""
+        buffer = self.host_kv if self.host_kv is not None else HostKVBuffer(self.kv_cache)
+        return [buffer.block_bytes(b) for b in block_ids]
+
     @torch.inference_mode()
     def run(self, items: list[StepRequest]) -> RunnerOutput:
         """Compute and sample some of a step's requests (all of them, or a pipeline

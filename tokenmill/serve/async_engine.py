@@ -89,6 +89,7 @@ class NewRequest:
     priority: int = 0
     slo: tuple[float | None, float | None] = (None, None)  # (TTFT, TPOT) targets in ms
     pooling_params: PoolingParams | None = None  # an embedding (the pooling runner's)
+    kv_transfer_params: dict | None = None  # prefill-decode disaggregation (vLLM's field)
 
 
 @dataclass
@@ -367,6 +368,8 @@ class AsyncEngine:
                 self._busy = False
                 self._cond.wait(IDLE_CHECK_S)
                 self._check_executor()
+                if self.engine.poll_kv_transfers():  # disaggregation: holds pulled or timed out are freed
+                    self.stats = self.engine.stats()
             self._heartbeat = time.monotonic()  # waking from idle is not a stall
             self._busy = True
             if self._stop_requested:
@@ -421,6 +424,7 @@ class AsyncEngine:
                     request.request_id, request.prompt_token_ids, request.params,
                     arrival_time=request.arrival_time, priority=request.priority,
                     slo_ttft_ms=request.slo[0], slo_tpot_ms=request.slo[1], pooling_params=request.pooling_params,
+                    kv_transfer_params=request.kv_transfer_params,
                 )
                 added.append(request.request_id)
         except Exception as exc:  # noqa: BLE001 - goes back to the handler

@@ -201,6 +201,8 @@ class _EngineStatsCollector(Collector):
             yield family
         if stats is not None and stats.kv_offload_blocks:
             yield from host_tier_metrics(stats, name)
+        if stats is not None and stats.kv_transfer_role:
+            yield from kv_transfer_metrics(stats, name)
         facts = self._facts()
         if facts is not None:
             yield cache_config_info(facts)
@@ -234,6 +236,29 @@ class _ServerCollector(Collector):
 
     def describe(self) -> Iterator[Metric]:
         return iter(())
+
+
+_KV_TRANSFER_METRICS = [
+    (GaugeMetricFamily, "kv_transfer_held_blocks", "Prefill instance: KV blocks held for decode instances to pull."),
+    (GaugeMetricFamily, "kv_transfer_held_requests",
+     "Prefill instance: requests whose KV is held for a decode instance."),
+    (CounterMetricFamily, "kv_transfer_sent_blocks", "Prefill instance: KV blocks served to decode instances."),
+    (CounterMetricFamily, "kv_transfer_expired_requests",
+     "Prefill instance: holds freed unpulled after abort_request_timeout."),
+    (CounterMetricFamily, "kv_transfer_pulled_blocks", "Decode instance: KV blocks pulled from prefill instances."),
+    (GaugeMetricFamily, "kv_transfer_pulling_requests",
+     "Decode instance: requests waiting for their KV (pulls in flight)."),
+    (CounterMetricFamily, "kv_transfer_failed_pulls",
+     "Decode instance: pulls that failed (the prompt was recomputed)."),
+]
+
+
+def kv_transfer_metrics(stats: EngineStats, name: str) -> Iterator[Metric]:
+    """Prefill-decode disaggregation's counters (--kv-transfer-config; docs/disaggregation.md)."""
+    for kind, metric, doc in _KV_TRANSFER_METRICS:
+        family = kind(PREFIX + metric, doc, labels=["model_name", "kv_role"])
+        family.add_metric([name, stats.kv_transfer_role], float(getattr(stats, metric)))
+        yield family
 
 
 def host_tier_metrics(stats: EngineStats, name: str) -> Iterator[Metric]:

@@ -125,6 +125,10 @@ class SamplingFields(RequestBody):
     guided_regex: str | None = None
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
+    # vLLM's field for prefill-decode disaggregation (docs/disaggregation.md): what
+    # vllm-router --vllm-pd-disaggregation sends ({"do_remote_decode": true} to a prefill
+    # instance; the prefill's answer to a decode instance). Needs --kv-transfer-config.
+    kv_transfer_params: dict[str, Any] | None = None
 
 
 class CompletionRequest(SamplingFields):
@@ -271,6 +275,7 @@ class CompletionResponse(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's, for the decode instance
 
 
 class ChatTopLogprob(BaseModel):
@@ -320,6 +325,7 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatChoice]
     usage: Usage
+    kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's, for the decode instance
 
 
 class EmbeddingData(BaseModel):

@@ -206,8 +206,10 @@ class OpenAIServing:
         for prompt in prompts:
             self._admit(len(prompt.token_ids), params, body.priority, "prompt", slo)
         await self.constrain(params, body)
+        await self._check_kv_transfer(body, len(prompts) * params.n)
         request_id = f"cmpl-{uuid.uuid4().hex}"
-        stream = await self._submit(request_id, [p.token_ids for p in prompts], params, body.priority, slo)
+        stream = await self._submit(request_id, [p.token_ids for p in prompts], params, body.priority, slo,
+                                    kv_transfer_params=body.kv_transfer_params)
         renderer = _CompletionRenderer(request_id, model, prompts, body, core)
         return await _respond(stream, renderer, body, raw, self.stream_send_timeout)
 
@@ -232,8 +234,10 @@ class OpenAIServing:
         slo = _slo_targets(body, raw)
         self._admit(len(prompt_ids), params, body.priority, "messages", slo)
         await self.constrain(params, body, plan)
+        await self._check_kv_transfer(body, params.n)
         request_id = f"chatcmpl-{uuid.uuid4().hex}"
-        stream = await self._submit(request_id, [prompt_ids], params, body.priority, slo)
+        stream = await self._submit(request_id, [prompt_ids], params, body.priority, slo,
+                                    kv_transfer_params=body.kv_transfer_params)
         reasoning = get_reasoning_parser(self.agent.reasoning_parser) if self.agent.reasoning_parser else None
         renderer = _ChatRenderer(request_id, model, len(prompt_ids), body, core, plan, reasoning)
         return await _respond(stream, renderer, body, raw, self.stream_send_timeout)
@@ -321,16 +325,29 @@ class OpenAIServing:
         except ValueError as error:
             raise from_value_error(error) from error
 
+    async def _check_kv_transfer(self, body: SamplingFields, num_sequences: int) -> None:
+        """kv_transfer_params this server cannot honour are a 400; a decode instance checks
+        the prefill instance's KV layout (once per prefill instance) before queueing."""
+        if not body.kv_transfer_params:
+            return
+        try:
+            remote = self.core.check_kv_transfer_params(body.kv_transfer_params, num_sequences)
+            if remote is not None:
+                await self.off_loop(self.core.kv_connector.check_peer, remote)
+        except ValueError as error:
+            raise from_value_error(error) from error
+
     async def _submit(self, request_id: str, prompts: list[list[int]], params: SamplingParams,
                       priority: int = 0, slo: tuple[float | None, float | None] = (None, None),
-                      pooling_params: PoolingParams | None = None) -> OutputStream:
+                      pooling_params: PoolingParams | None = None,
+                      kv_transfer_params: dict | None = None) -> OutputStream:
         arrival = time.monotonic()
         if self.log_requests:  # --enable-log-requests; no prompt text (it may be private)
             logger.info("received request %s: %s prompt tokens, %s", request_id,
                         "+".join(str(len(p)) for p in prompts), params)
         requests = [
             NewRequest(request_id if len(prompts) == 1 else f"{request_id}-{i}", ids, params, arrival, priority, slo,
-                       pooling_params)
+                       pooling_params, kv_transfer_params)
             for i, ids in enumerate(prompts)
         ]
         try:
@@ -644,7 +661,7 @@ class _CompletionRenderer(_Renderer):
                     logprobs = self.logprobs[choice].take()
                 choices.append(self._choice(choice, prefix + comp.text, logprobs, comp, comp.finish_reason))
         choices.sort(key=lambda c: c["index"])
-        return {**self._body("text_completion", choices), "usage": self.usage()}
+        return {**self._body("text_completion", choices), "usage": self.usage(), **_kv_transfer(finals)}
 
     @staticmethod
     def _choice(index: int, text: str, logprobs: dict[str, Any] | None, comp: CompletionOutput,
@@ -733,7 +750,13 @@ class _ChatRenderer(_Renderer):
                 "stop_reason": comp.stop_reason,
             })
         return {"id": self.request_id, "object": "chat.completion", "created": self.created,
-                "model": self.model, "choices": choices, "usage": self.usage()}
+                "model": self.model, "choices": choices, "usage": self.usage(), **_kv_transfer(finals)}
+
+
+def _kv_transfer(finals: dict[int, RequestOutput]) -> dict[str, Any]:
+    """A prefill instance's kv_transfer_params for the decode instance (vLLM's response field)."""
+    params = next((o.kv_transfer_params for o in finals.values() if o.kv_transfer_params), None)
+    return {"kv_transfer_params": params} if params else {}
 
 
 async def _stream_events(stream: OutputStream, renderer: _Renderer, include_usage: bool,
