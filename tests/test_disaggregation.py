@@ -155,6 +155,14 @@ def test_router_pd_equals_one_instance_and_frees_blocks(instances, kv: str) -> N
         assert metric(decode, "prompt_tokens_computed") - computed_before == 3
         assert metric(decode, "kv_transfer_pulled_blocks") - pulled_before >= 2 + 1 + 1
         assert metric(decode, "kv_transfer_failed_pulls") == 0
+
+        # Again: the decode instance's own prefix cache holds every block it needs, so it pulls
+        # none and releases the prefill instance's hold.
+        pulled = metric(decode, "kv_transfer_pulled_blocks")
+        want = one.completions.create(model=prefill.model, prompt=PROMPTS[1], max_tokens=16, temperature=0)
+        got = router.client.completions.create(model=prefill.model, prompt=PROMPTS[1], max_tokens=16, temperature=0)
+        assert got.choices[0].text == want.choices[0].text
+        assert metric(decode, "kv_transfer_pulled_blocks") == pulled
         for server in (prefill, decode):
             metrics = wait_freed(server)
             assert metrics["tokenmill:kv_cache_usage_perc"] == 0, server.log_tail()
