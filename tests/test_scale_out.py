@@ -20,6 +20,8 @@ from tests.test_distributed import assert_same, engine_settings, run
 from tests.tiny_checkpoint import write_tiny_llama
 from tokenmill.serve.routing import (
     CacheAwarePolicy,
+    KVAwarePolicy,
+    PromptTokens,
     RoundRobinPolicy,
     block_hashes,
     prompt_key,
@@ -189,6 +191,85 @@ def test_data_parallel_server_routes_by_prefix_and_survives_a_replica(tiny: Path
         for _, prompt in session_requests(4, 1):
             response = server.post("/v1/completions", json={"model": server.model, "prompt": prompt, "max_tokens": 2})
             assert response.status_code == 200, response.text
+    finally:
+        server.stop()
+
+
+def test_kv_aware_matches_what_the_replicas_events_say_they_hold(tmp_path) -> None:
+    """The engine's own events (its block manager, the real publisher and subscriber over
+    ipc) fill the policy's index; a prompt is matched block for block, a removal or a
+    reset takes the credit back."""
+    from tokenmill.config import KVEventsConfig
+    from tokenmill.engine import kv_events as ev
+    from tokenmill.engine.block_manager import KVBlockManager, hash_block
+    from tokenmill.kv_events.publisher import ZmqEventPublisher
+    from tokenmill.kv_events.subscriber import KVEventSubscriber
+
+    policy = KVAwarePolicy(2, block_size=4)
+    endpoints = [f"ipc://{tmp_path}/events-{i}" for i in range(2)]
+    publishers = [ZmqEventPublisher(KVEventsConfig(enable_kv_cache_events=True, endpoint=e)) for e in endpoints]
+    subscriber = KVEventSubscriber(endpoints, policy.on_batch).start()
+    try:
+        time.sleep(0.5)  # ZMQ's slow joiner: a subscription made after a batch misses it
+        tokens = list(range(100, 117))  # 4 full blocks (the 17th token is the one computed)
+        chain = []
+        for i in range(4):
+            chain.append(hash_block(chain[-1] if chain else None, tokens[4 * i : 4 * i + 4]))
+        stored = ev.BlockStored(chain[:3], None, tokens[:12], 4, ev.MEDIUM_POOL)
+        publishers[1].publish_events([stored])
+        prompt = PromptTokens(tokens + [7])
+        deadline = time.monotonic() + 10
+        while policy.indexes[1].match(policy.hashes(prompt)) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        choice = policy.choose(prompt, [0, 0], [True, True])
+        assert (choice.replica, choice.matched_blocks, choice.total_blocks, choice.reason) == (1, 3, 4, "prefix")
+        assert policy.choose(PromptTokens(tokens, cache_salt="other tenant"), [0, 0], [True, True]).replica == 0
+        assert policy.choose(prompt, [30, 0], [True, True]).reason == "balance"
+        # Demoted to the host tier: still held (another medium); then dropped there too.
+        publishers[1].publish_events([ev.BlockRemoved(chain[1:3], ev.MEDIUM_POOL),
+                                      ev.BlockStored(chain[1:3], chain[0], tokens[4:12], 4, ev.MEDIUM_HOST)])
+        publishers[1].publish_events([ev.BlockRemoved(chain[1:3], ev.MEDIUM_HOST)])
+        deadline = time.monotonic() + 10
+        while subscriber.batches < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert policy.indexes[1].match(policy.hashes(prompt)) == 1
+        publishers[1].publish_events([ev.AllBlocksCleared()])
+        deadline = time.monotonic() + 10
+        while len(policy.indexes[1]) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert policy.choose(prompt, [0, 0], [True, True]).reason == "load" and subscriber.gaps == 0
+    finally:
+        subscriber.close()
+        for publisher in publishers:
+            publisher.shutdown()
+
+
+@pytest.mark.parametrize("policy, owner", [("kv_aware", 1), ("cache_aware", 0)])
+def test_kv_aware_routing_finds_a_prefix_the_router_never_saw(tiny: Path, policy: str, owner: int) -> None:
+    """A prefix computed on replica 1 through its own port: kv_aware learns it from the
+    replica's KV events and sends the next turn there; cache_aware (the control) cannot
+    know and picks the idle replica 0."""
+    server = ServerProcess("--model", str(tiny), "--data-parallel-size", "2", "--block-size", "4",
+                           "--data-parallel-policy", policy).start()
+    try:
+        urls = dict(re.findall(r"replica (\d) pid \d+ at (http://[\d.:]+)", server.log_tail(200_000)))
+        assert set(urls) == {"0", "1"}, server.log_tail()
+        context = " ".join(f"w{5 + i % 40}" for i in range(60))
+        direct = httpx.post(urls["1"] + "/v1/completions", timeout=60,
+                            json={"model": server.model, "prompt": context, "max_tokens": 1})
+        assert direct.status_code == 200, direct.text
+        time.sleep(1.0)  # the events reach the router
+        for turn in range(2):
+            body = {"model": server.model, "prompt": context + f" w{turn + 6}", "max_tokens": 1}
+            response = server.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+        metrics = server.metrics()
+        routed = [metrics[f'tokenmill:router_requests_total{{replica="{r}"}}'] for r in (0, 1)]
+        assert routed[owner] == 2, (policy, routed)
+        # server.metrics() sums the replicas: with kv_aware both turns hit the 60-token context on
+        # replica 1; with cache_aware the first turn computes it again on replica 0, the second hits.
+        hits = metrics["tokenmill:prefix_cache_hits_total"]
+        assert (hits >= 2 * 56) == (policy == "kv_aware"), (policy, hits)
     finally:
         server.stop()
 

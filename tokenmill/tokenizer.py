@@ -167,6 +167,16 @@ class Tokenizer:
         )
 
     @classmethod
+    def from_model_path(cls, path: str | os.PathLike[str]) -> Tokenizer:
+        """The tokenizer of a model path as `resolve_model_path` gives it: a Hugging Face
+        directory or a GGUF file (only its metadata is read)."""
+        if Path(path).is_dir():
+            return cls.from_hf_dir(path)
+        if Path(path).is_file():
+            return cls.from_gguf(path)
+        raise FileNotFoundError(f"{str(path)!r}: no such GGUF file or Hugging Face directory")
+
+    @classmethod
     def from_hf_dir(cls, path: str | os.PathLike[str]) -> Tokenizer:
         """Build from a Hugging Face checkpoint directory.
 

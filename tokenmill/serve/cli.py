@@ -126,9 +126,10 @@ def add_server_args(parser: argparse.ArgumentParser) -> None:
                             "--master-addr, --master-port) until the engine on node 0 stops")
     scale.add_argument("--data-parallel-size", "-dp", type=int, default=1,
                        help="engine replicas (processes) behind this API port, each with its own KV cache")
-    scale.add_argument("--data-parallel-policy", default="cache_aware", choices=["cache_aware", "round_robin"],
+    scale.add_argument("--data-parallel-policy", default="cache_aware", choices=["cache_aware", "kv_aware", "round_robin"],
                        help="how requests are spread over the replicas: cache_aware = to the replica that served "
-                            "the longest prefix recently unless the loads are out of balance (default)")
+                            "the longest prefix recently unless the loads are out of balance (default); kv_aware = "
+                            "to the replica whose KV events say it holds the longest prefix of the prompt's tokens")
 
 
 def _string_list(value: str) -> list[str]:

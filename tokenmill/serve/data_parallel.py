@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import multiprocessing
@@ -73,6 +74,7 @@ class Replica:
     load: int = 0  # requests in flight through the router
     routed: int = 0
     failures: int = 0
+    kv_events_endpoint: str | None = None  # where it publishes its KV events (None: it does not)
 
 
 @dataclass
@@ -111,12 +113,41 @@ def _exit_with_parent(parent: int) -> None:
     threading.Thread(target=watch, name="tokenmill-dp-parent-watch", daemon=True).start()
 
 
-def replica_settings(settings: argparse.Namespace, port: int, threads: int) -> argparse.Namespace:
+def replica_settings(settings: argparse.Namespace, port: int, threads: int, index: int = 0) -> argparse.Namespace:
     """A replica's flags: the router's, on a loopback port, plain HTTP (TLS and CORS end
-    at the router), its share of the threads."""
+    at the router), its share of the threads, its own KV-event endpoint."""
     return argparse.Namespace(**{**vars(settings), "host": "127.0.0.1", "port": port, "num_threads": threads,
                                  "data_parallel_size": 1, "ssl_keyfile": None, "ssl_certfile": None,
-                                 "ssl_ca_certs": None, "allowed_origins": None})
+                                 "ssl_ca_certs": None, "allowed_origins": None,
+                                 "kv_events_config": replica_kv_events(settings, index)})
+
+
+def replica_kv_events(settings: argparse.Namespace, index: int):
+    """A replica's --kv-events-config: the operator's with vLLM's per-rank endpoints (a TCP
+    port plus the replica's index), or, for the kv_aware policy without one, an ipc socket
+    of the router's own (local to this host, never a network port)."""
+    from tokenmill.config import KVEventsConfig, parse_kv_events_config
+    from tokenmill.kv_events.subscriber import offset_endpoint
+
+    config = parse_kv_events_config(getattr(settings, "kv_events_config", None))
+    if config is not None and config.publishes:
+        replay = config.replay_endpoint and offset_endpoint(config.replay_endpoint, index)
+        return dataclasses.replace(config, endpoint=offset_endpoint(config.endpoint, index), replay_endpoint=replay)
+    if getattr(settings, "data_parallel_policy", None) == "kv_aware":
+        return KVEventsConfig(enable_kv_cache_events=True, endpoint=f"ipc://{_events_dir()}/kv-events-{index}")
+    return config
+
+
+_EVENTS_DIR: str | None = None
+
+
+def _events_dir() -> str:
+    global _EVENTS_DIR
+    if _EVENTS_DIR is None:
+        import tempfile
+
+        _EVENTS_DIR = tempfile.mkdtemp(prefix="tokenmill-dp-")
+    return _EVENTS_DIR
 
 
 def start_replicas(settings: argparse.Namespace, count: int, serve: ServeFn) -> list[Replica]:
@@ -127,10 +158,12 @@ def start_replicas(settings: argparse.Namespace, count: int, serve: ServeFn) -> 
     replicas = []
     for index in range(count):
         port = _free_port()
-        process = context.Process(target=_replica_main, args=(serve, replica_settings(settings, port, threads)),
-                                  name=f"tokenmill-dp{index}")
+        own = replica_settings(settings, port, threads, index)
+        process = context.Process(target=_replica_main, args=(serve, own), name=f"tokenmill-dp{index}")
         process.start()
-        replicas.append(Replica(index, f"http://127.0.0.1:{port}", process))
+        events = own.kv_events_config.endpoint if own.kv_events_config is not None and \
+            own.kv_events_config.publishes else None
+        replicas.append(Replica(index, f"http://127.0.0.1:{port}", process, kv_events_endpoint=events))
     return replicas
 
 
@@ -158,11 +191,14 @@ class RouterMetrics:
 
 class Router:
     def __init__(self, replicas: list[Replica], policy_name: str, api_key: str | None = None,
-                 send_timeout: float = 60.0) -> None:
+                 send_timeout: float = 60.0, block_size: int = 16, tokenizer=None) -> None:
+        """`tokenizer`: the model's, for a policy that hashes token ids (kv_aware)."""
         from tokenmill.serve.routing import make_policy
 
         self.replicas = replicas
-        self.policy = make_policy(policy_name, len(replicas))
+        self.policy = make_policy(policy_name, len(replicas), block_size)
+        self.tokenizer = tokenizer
+        self.subscriber = None  # the replicas' KV events, for kv_aware
         self.api_key = api_key
         self.send_timeout = send_timeout  # --stream-send-timeout, for the relayed streams
         self.stats = RouterStats()
@@ -251,13 +287,59 @@ class Router:
 
     # ----- forwarding -------------------------------------------------------------------
 
-    def choose(self, path: str, body: Any) -> Replica:
+    def subscribe_kv_events(self, topic: str = "", layout: str = "map") -> None:
+        """kv_aware: follow each replica's KV events into the policy's indexes."""
+        from tokenmill.kv_events.subscriber import KVEventSubscriber
+
+        endpoints = [r.kv_events_endpoint for r in self.replicas]
+        if not getattr(self.policy, "needs_tokens", False) or None in endpoints:
+            return
+        self.subscriber = KVEventSubscriber(endpoints, self.policy.on_batch, topic, layout).start()
+
+    async def route_key(self, path: str, body: Any):
+        """What the policy matches: the prompt's characters or ids (cache_aware), or its
+        token ids as the engine will see them (kv_aware: tokenized off the event loop)."""
         from tokenmill.serve.routing import prompt_key
 
+        if not isinstance(body, dict):
+            return None if getattr(self.policy, "needs_tokens", False) else ""
+        if getattr(self.policy, "needs_tokens", False):
+            return await asyncio.to_thread(self.prompt_tokens, path, body)
         try:
-            key = prompt_key(path, body) if isinstance(body, dict) else ""
+            return prompt_key(path, body)
         except (TypeError, ValueError):  # a body the replica will refuse with a 400
-            key = ""
+            return ""
+
+    def prompt_tokens(self, path: str, body: dict[str, Any]):
+        """The token ids the replica's engine will hash for this body, or None when the
+        router cannot tell (no tokenizer, a body the replica will refuse, tools or a chat
+        template of the request's own: routed by load)."""
+        from tokenmill.serve.routing import PromptTokens
+
+        tokenizer = self.tokenizer
+        if tokenizer is None:
+            return None
+        salt = body.get("cache_salt") if isinstance(body.get("cache_salt"), str) else None
+        try:
+            if path.endswith("/chat/completions"):
+                messages = body.get("messages")
+                if not isinstance(messages, list) or body.get("tools") or body.get("chat_template"):
+                    return None
+                text = tokenizer.apply_chat_template(messages, add_generation_prompt=body.get(
+                    "add_generation_prompt", True) is not False)
+                return PromptTokens(tokenizer.encode(text, add_special_tokens=False), salt)
+            prompt = body.get("input" if path.endswith("/embeddings") else "prompt")
+            if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
+                prompt = prompt[0]  # a batch of prompts: route by the first
+            if isinstance(prompt, str):
+                return PromptTokens(tokenizer.encode(prompt) if prompt else [], salt)
+            if isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+                return PromptTokens(list(prompt), salt)
+        except Exception:  # noqa: BLE001 - a body the replica will refuse (with its own error)
+            return None
+        return None
+
+    def choose(self, key: Any) -> Replica:
         choice = self.policy.choose(key, [r.load for r in self.replicas], [r.healthy for r in self.replicas])
         stats = self.stats
         stats.requests += 1
@@ -273,11 +355,12 @@ class Router:
             return _unavailable("the server is shutting down")
         raw = await request.body()
         body = await _parse(raw)
+        key = await self.route_key(path, body)
         tried: set[int] = set()
 
         def pick() -> Replica | None:
             try:
-                replica = self.choose(path, body)
+                replica = self.choose(key)
             except LookupError:
                 return None
             if replica.index in tried:  # the policy insists on one that just failed
@@ -495,6 +578,8 @@ def create_router_app(router: Router, settings: argparse.Namespace, on_all_dead)
         yield
         watcher.cancel()
         await router.client.aclose()
+        if router.subscriber is not None:
+            router.subscriber.close()
 
     # No schema of its own: /openapi.json is proxied, so clients see the replicas' API.
     app = FastAPI(title="tokenmill data-parallel router", lifespan=lifespan, docs_url=None, redoc_url=None,
@@ -564,7 +649,11 @@ def serve_data_parallel(settings: argparse.Namespace, serve: ServeFn) -> int:
     logger.info("data parallel: %d replicas (%s), policy %s", count,
                 ", ".join(f"replica {r.index} pid {r.process.pid} at {r.url}" for r in replicas),
                 settings.data_parallel_policy)
-    router = Router(replicas, settings.data_parallel_policy, settings.api_key, settings.stream_send_timeout)
+    router = Router(replicas, settings.data_parallel_policy, settings.api_key, settings.stream_send_timeout,
+                    block_size=settings.block_size, tokenizer=_router_tokenizer(settings))
+    events = replicas[0].kv_events_endpoint and replica_kv_events(settings, 0)
+    if events:
+        router.subscribe_kv_events(events.topic, events.event_layout)
     server: DrainingServer | None = None
 
     def on_all_dead() -> None:
@@ -588,6 +677,16 @@ def serve_data_parallel(settings: argparse.Namespace, serve: ServeFn) -> int:
     if router.fatal:
         return 1
     return 0 if server.drained_cleanly else 1
+
+
+def _router_tokenizer(settings: argparse.Namespace):
+    """The model's tokenizer, for kv_aware (the other policies need none)."""
+    if settings.data_parallel_policy != "kv_aware":
+        return None
+    from tokenmill.config import resolve_model_path
+    from tokenmill.tokenizer import Tokenizer
+
+    return Tokenizer.from_model_path(resolve_model_path(settings.model))
 
 
 def stop_replicas(replicas: list[Replica], timeout: float) -> None:

@@ -23,7 +23,9 @@ from __future__ import annotations
 import hashlib
 import itertools
 import json
+import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -108,22 +110,120 @@ class CacheAwarePolicy:
         self.balance_abs, self.balance_rel = balance_abs, balance_rel
 
     def choose(self, key: str | list[int], loads: list[int], healthy: list[bool]) -> Choice:
-        candidates = [i for i, ok in enumerate(healthy) if ok]
-        if not candidates:
-            raise LookupError("no healthy replica")
+        candidates = healthy_candidates(healthy)
         hashes = block_hashes(key)
-        least = min(candidates, key=lambda i: (loads[i], len(self.indexes[i]), i))
-        low, high = loads[least], max(loads[i] for i in candidates)
         matches = {i: self.indexes[i].match(hashes) for i in candidates}
-        best = max(candidates, key=lambda i: (matches[i], -loads[i], -i))
-        if high - low > self.balance_abs and high > self.balance_rel * low:
-            choice = Choice(least, matches[least], len(hashes), "balance")
-        elif hashes and matches[best] / len(hashes) > self.cache_threshold:
-            choice = Choice(best, matches[best], len(hashes), "prefix")
-        else:
-            choice = Choice(least, matches[least], len(hashes), "load")
+        choice = decide(candidates, matches, len(hashes), loads, self.cache_threshold, self.balance_abs,
+                        self.balance_rel, tie=lambda i: len(self.indexes[i]))
         self.indexes[choice.replica].insert(hashes)
         return choice
+
+
+def healthy_candidates(healthy: list[bool]) -> list[int]:
+    candidates = [i for i, ok in enumerate(healthy) if ok]
+    if not candidates:
+        raise LookupError("no healthy replica")
+    return candidates
+
+
+def decide(candidates: list[int], matches: dict[int, int], total: int, loads: list[int], cache_threshold: float,
+           balance_abs: int, balance_rel: float, tie: Callable[[int], int] = lambda i: 0) -> Choice:
+    """The rule of the module docstring, given each candidate's matched blocks out of `total`."""
+    least = min(candidates, key=lambda i: (loads[i], tie(i), i))
+    low, high = loads[least], max(loads[i] for i in candidates)
+    best = max(candidates, key=lambda i: (matches[i], -loads[i], -i))
+    if high - low > balance_abs and high > balance_rel * low:
+        return Choice(least, matches[least], total, "balance")
+    if total and matches[best] / total > cache_threshold:
+        return Choice(best, matches[best], total, "prefix")
+    return Choice(least, matches[least], total, "load")
+
+
+@dataclass
+class PromptTokens:
+    """A request's prompt as the engine will see it (what kv_aware hashes)."""
+
+    token_ids: list[int]
+    cache_salt: str | None = None
+
+
+class KVEventIndex:
+    """The blocks one replica holds, as its KV events tell (vLLM's integer block hashes ->
+    the mediums holding each: the pool, the host tier, the disk tier). Written by the
+    subscriber's thread, read by the router's loop."""
+
+    def __init__(self) -> None:
+        self._blocks: dict[int, set[str]] = {}
+        self._lock = threading.Lock()
+
+    def apply(self, event: Any) -> None:
+        kind = type(event).__name__
+        with self._lock:
+            if kind == "BlockStored":
+                for h in event.block_hashes:
+                    self._blocks.setdefault(h, set()).add(event.medium or "GPU")
+            elif kind == "BlockRemoved":
+                for h in event.block_hashes:
+                    mediums = self._blocks.get(h)
+                    if mediums is not None:
+                        mediums.discard(event.medium or "GPU")
+                        if not mediums:
+                            del self._blocks[h]
+            elif kind == "AllBlocksCleared":
+                self._blocks.clear()
+
+    def match(self, hashes: list[int]) -> int:
+        matched = 0
+        with self._lock:
+            for h in hashes:
+                if h not in self._blocks:
+                    break
+                matched += 1
+        return matched
+
+    def __len__(self) -> int:
+        return len(self._blocks)
+
+
+class KVAwarePolicy:
+    """vllm-router's `kv_aware`: a request's prefix matched against the blocks each replica
+    says it holds (its KV events), not against what the router sent it. A prefix computed
+    by traffic this router never saw (a replica's own port, a restarted router) is found;
+    one a replica evicted is not credited. The hashes are the engine's (its chained SHA-256
+    per `block_size` tokens, the cache salt in the first), in vLLM's integer form."""
+
+    name = "kv_aware"
+    needs_tokens = True
+
+    def __init__(self, num_replicas: int, block_size: int, cache_threshold: float = 0.3, balance_abs: int = 16,
+                 balance_rel: float = 1.5) -> None:
+        self.indexes = [KVEventIndex() for _ in range(num_replicas)]
+        self.block_size = block_size
+        self.cache_threshold = cache_threshold
+        self.balance_abs, self.balance_rel = balance_abs, balance_rel
+
+    def on_batch(self, replica: int, batch: Any) -> None:
+        for event in batch.events:
+            self.indexes[replica].apply(event)
+
+    def hashes(self, prompt: PromptTokens) -> list[int]:
+        """The prompt's full blocks the engine could find cached (never the last token's)."""
+        from tokenmill.engine.block_manager import hash_block
+        from tokenmill.kv_events.publisher import external_hash
+
+        ids, size = prompt.token_ids, self.block_size
+        hashes, parent = [], None
+        for i in range((len(ids) - 1) // size if ids else 0):
+            parent = hash_block(parent, ids[i * size : (i + 1) * size], prompt.cache_salt if i == 0 else None)
+            hashes.append(external_hash(parent))
+        return hashes
+
+    def choose(self, key: PromptTokens | None, loads: list[int], healthy: list[bool]) -> Choice:
+        candidates = healthy_candidates(healthy)
+        hashes = self.hashes(key) if isinstance(key, PromptTokens) else []
+        matches = {i: self.indexes[i].match(hashes) for i in candidates}
+        return decide(candidates, matches, len(hashes), loads, self.cache_threshold, self.balance_abs,
+                      self.balance_rel)
 
 
 class RoundRobinPolicy:
@@ -143,9 +243,14 @@ class RoundRobinPolicy:
         raise LookupError("no healthy replica")
 
 
-def make_policy(name: str, num_replicas: int):
+POLICIES = ("cache_aware", "kv_aware", "round_robin")
+
+
+def make_policy(name: str, num_replicas: int, block_size: int = 16):
     if name == "cache_aware":
         return CacheAwarePolicy(num_replicas)
+    if name == "kv_aware":
+        return KVAwarePolicy(num_replicas, block_size)
     if name == "round_robin":
         return RoundRobinPolicy(num_replicas)
-    raise ValueError(f"unknown data-parallel policy {name!r}; choose cache_aware or round_robin")
+    raise ValueError(f"unknown data-parallel policy {name!r}; choose one of {', '.join(POLICIES)}")

@@ -118,12 +118,10 @@ class LocalTokenSource:
             from tokenmill.config import default_model_path
 
             path = default_model_path()
-        if Path(path).is_dir():
-            self.tokenizer = Tokenizer.from_hf_dir(path)
-        elif Path(path).is_file():
-            self.tokenizer = Tokenizer.from_gguf(path)
-        else:
-            raise FileNotFoundError(f"--tokenizer {spec!r}: no such GGUF file or Hugging Face directory")
+        try:
+            self.tokenizer = Tokenizer.from_model_path(path)
+        except FileNotFoundError:
+            raise FileNotFoundError(f"--tokenizer {spec!r}: no such GGUF file or Hugging Face directory") from None
         from tokenmill.workloads.offline import ordinary_token_ids
 
         self.pool = ordinary_token_ids(self.tokenizer, self.tokenizer.vocab_size)
