@@ -133,6 +133,19 @@ class ServerProcess:
             time.sleep(0.1)
 
 
+def vllm_router(*args: str) -> list[str]:
+    """The real vllm-router's command line with `args`, its Prometheus exporter on a port of
+    its own (its default, 29000, is taken by any other router running on the machine)."""
+    import shutil
+
+    import pytest
+
+    path = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
+    if not Path(path).exists():
+        pytest.fail("vllm-router is not installed: pip install 'tokenmill[router]'")
+    return [path, *args, "--prometheus-port", str(free_port()), "--prometheus-host", "127.0.0.1"]
+
+
 def raw_exchange(sock: socket.socket, request: bytes) -> tuple[int, dict[str, str], bytes]:
     """Send one HTTP/1.1 request on an open socket and read one response (Content-Length
     framed): (status, lower-cased headers, body). The socket stays open for the next."""

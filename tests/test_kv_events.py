@@ -5,9 +5,7 @@ SUB and replay REQ sockets) decoding what a real engine and a real server publis
 from __future__ import annotations
 
 import json
-import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -20,7 +18,7 @@ import zmq
 from fakes import make_request
 
 from tests.conftest import assert_engine_idle, sibling
-from tests.server_utils import ServerProcess, free_port
+from tests.server_utils import ServerProcess, free_port, vllm_router
 from tokenmill import SamplingParams
 from tokenmill.config import KVEventsConfig, parse_kv_events_config
 from tokenmill.engine import kv_events as ev
@@ -303,12 +301,6 @@ def test_server_publishes_kv_events_for_a_request() -> None:
 # ----- vllm-router's kv_aware policy ------------------------------------------------------------
 
 
-def vllm_router() -> str:
-    path = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
-    if not Path(path).exists():
-        pytest.fail("vllm-router is not installed: pip install 'tokenmill[router]'")
-    return path
-
 
 def counter(server: ServerProcess, name: str) -> float:
     return sum(v for k, v in server.metrics().items() if k.startswith(name))
@@ -326,9 +318,9 @@ def test_vllm_router_kv_aware_routes_on_tokenmill_kv_events() -> None:
                             .start())
         router_port = free_port()
         log = open(replicas[0].log.name + ".router", "w")
-        command = [vllm_router(), "--host", "127.0.0.1", "--port", str(router_port), "--policy", "kv_aware",
+        command = vllm_router("--host", "127.0.0.1", "--port", str(router_port), "--policy", "kv_aware",
                    "--worker-urls", *(r.url for r in replicas), "--kv-event-block-size", "16",
-                   "--kv-event-model", replicas[0].model, "--log-level", "debug"]
+                   "--kv-event-model", replicas[0].model, "--log-level", "debug")
         for replica, port in zip(replicas, ports):
             command += ["--kv-event-source", f"{replica.url}=tcp://127.0.0.1:{port}"]
         router = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import signal
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from tests.server_utils import REPO, ServerProcess, free_port, sse_json
+from tests.server_utils import REPO, ServerProcess, free_port, sse_json, vllm_router
 from tests.test_distributed import assert_same, engine_settings, run
 from tests.tiny_checkpoint import write_tiny_llama
 from tokenmill.serve.routing import (
@@ -281,20 +280,14 @@ def finished(server: ServerProcess) -> float:
     return sum(v for k, v in server.metrics().items() if k.startswith("tokenmill:request_success_total"))
 
 
-def vllm_router() -> str:
-    path = shutil.which("vllm-router") or str(Path(sys.executable).with_name("vllm-router"))
-    if not Path(path).exists():
-        pytest.fail("vllm-router is not installed: pip install 'tokenmill[router]'")
-    return path
-
 
 def test_replicas_behind_vllm_router(tiny: Path) -> None:
     replicas = [ServerProcess("--model", str(tiny), "--block-size", "4").start() for _ in range(2)]
     port = free_port()
     log = open(replicas[0].log.name + ".router", "w")
-    router = subprocess.Popen([vllm_router(), "--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
-                               "--worker-urls", *(r.url for r in replicas), "--health-check-interval-secs", "1",
-                               "--health-failure-threshold", "1"], stdout=log, stderr=subprocess.STDOUT)
+    router = subprocess.Popen(vllm_router("--host", "127.0.0.1", "--port", str(port), "--policy", "cache_aware",
+                                          "--worker-urls", *(r.url for r in replicas), "--health-check-interval-secs",
+                                          "1", "--health-failure-threshold", "1"), stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 60
