@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import subprocess
 import time
-from pathlib import Path
 from typing import Any, Optional, Union
 
 import httpx
