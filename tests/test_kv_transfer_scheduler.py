@@ -146,3 +146,20 @@ def test_a_failed_pull_recomputes_and_an_abort_while_pulling_frees() -> None:
     assert (item.request_id, item.start_pos, item.num_new_tokens) == ("f", 0, 10)
     assert not (out.kv_transfers and out.kv_transfers.remote_load)
     assert failed.is_finished and kv.num_free_blocks == kv.num_blocks
+
+
+def test_under_the_priority_policy_a_pulled_request_runs_in_rank_order() -> None:
+    kv = KVBlockManager(32, BLOCK)
+    sched = Scheduler(SchedulerConfig(8, 64, 64, policy="priority"), kv)
+    sched.connector = conn = MemoryConnector()
+    low = make_request("low", list(range(1, 6)), max_tokens=8, priority=5)
+    sched.add_request(low)
+    run_step(sched)
+    high = make_request("high", list(range(10, 20)), max_tokens=8, priority=0)
+    high.kv_transfer_params = remote_params(3)
+    sched.add_request(high)
+    run_step(sched)
+    conn.results.append(PullResult("high", [b"a", b"b", b"c"]))
+    out = run_step(sched)
+    assert [r.request_id for r in sched.running] == ["high", "low"]
+    assert [item.request_id for item in out.scheduled] == ["high", "low"]

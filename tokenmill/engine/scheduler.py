@@ -194,7 +194,10 @@ class Scheduler:
             request.status = RequestStatus.RUNNING
             if request.first_scheduled_time is None:
                 request.first_scheduled_time = self.clock()
-            self.running.append(request)
+            if self.config.by_priority:  # running is kept in rank order
+                bisect.insort_right(self.running, request, key=self.rank)
+            else:
+                self.running.append(request)
         return bool(released or pulled)
 
     def _pull_failed(self, request: Request, error: str) -> None:

@@ -1,0 +1,177 @@
+"""Prefill-decode interference, colocated vs disaggregated (docs/disaggregation.md). Not in CI.
+
+S decode streams (short random-token prompts, M output tokens each, streamed) run while a
+closed loop sends long random-token prompts one after another (each a new prefix, a few output
+tokens). Reported per system: the decode streams' inter-token latency (p50, p99) without and
+with the prompt load, and the long prompts' TTFT.
+
+- colocated: one `tokenmill serve` pinned to every core given (`--cores`, one thread each),
+  chunked prefill as configured by default;
+- 1P1D: a kv_producer pinned to the first core and a kv_consumer pinned to the second (one
+  thread each), behind `vllm-router --vllm-pd-disaggregation`.
+
+Systems and modes are alternated over `--rounds`; medians and the spread are reported.
+On a shared machine, the load average is printed with every run: read the ratios.
+
+    .venv/bin/python benchmarks/disaggregation.py --streams 4 --output-tokens 64 --prompt-tokens 2048 --rounds 2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tokenmill.hardware import cpu_info  # noqa: E402
+from tokenmill.workloads.local_server import LocalServer, free_port  # noqa: E402
+
+
+class PinnedServer(LocalServer):
+    def __init__(self, args: list[str], cores: str) -> None:
+        super().__init__(args)
+        self.cores = cores
+
+    @property
+    def command(self) -> list[str]:
+        return ["taskset", "-c", self.cores, *super().command]
+
+
+def router(prefill: LocalServer, decode: LocalServer) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    proc = subprocess.Popen([str(Path(sys.executable).with_name("vllm-router")), "--host", "127.0.0.1", "--port",
+                             str(port), "--vllm-pd-disaggregation", "--prefill", prefill.url, "--decode", decode.url,
+                             "--prometheus-port", str(free_port())],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    for _ in range(200):
+        try:
+            if httpx.get(url + "/health", timeout=2).status_code == 200:
+                break
+        except httpx.TransportError:
+            time.sleep(0.3)
+    return proc, url
+
+
+def stream_times(url: str, model: str, prompt: list[int], max_tokens: int) -> list[float]:
+    """Arrival times of the streamed tokens (one SSE chunk per engine step and token)."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
+            "temperature": 0}
+    times, started = [], time.monotonic()
+    with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        for line in response.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                if json.loads(line[6:])["choices"]:
+                    times.append(time.monotonic())
+    return [started, *times]
+
+
+def measure(url: str, model: str, args: argparse.Namespace, load: bool, rng: random.Random) -> dict:
+    stop = threading.Event()
+    ttfts: list[float] = []
+
+    def prompt_load() -> None:
+        while not stop.is_set():
+            prompt = [rng.randrange(1000, 40000) for _ in range(args.prompt_tokens)]
+            times = stream_times(url, model, prompt, 4)
+            ttfts.append(times[1] - times[0])
+
+    loader = threading.Thread(target=prompt_load) if load else None
+    if loader is not None:
+        loader.start()
+        time.sleep(args.load_lead)  # the first long prompt is being computed when the streams start
+    results: list[list[float]] = [[] for _ in range(args.streams)]
+
+    def one(i: int) -> None:
+        prompt = [rng.randrange(1000, 40000) for _ in range(32)]
+        results[i] = stream_times(url, model, prompt, args.output_tokens)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(args.streams)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stop.set()
+    if loader is not None:
+        loader.join()
+    itl = sorted(b - a for times in results for a, b in zip(times[1:], times[2:]))
+    return {"itl_p50_ms": 1e3 * itl[len(itl) // 2], "itl_p99_ms": 1e3 * itl[min(len(itl) - 1, int(0.99 * len(itl)))],
+            "num_itl": len(itl), "long_prompts": len(ttfts),
+            "long_ttft_ms": 1e3 * statistics.median(ttfts) if ttfts else None, "load_avg": os.getloadavg()[0]}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--streams", type=int, default=4)
+    parser.add_argument("--output-tokens", type=int, default=64)
+    parser.add_argument("--prompt-tokens", type=int, default=2048)
+    parser.add_argument("--load-lead", type=float, default=1.0)
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--cores", default="0,1")
+    parser.add_argument("--server-args", default="--max-model-len 8192")
+    parser.add_argument("--output")
+    args = parser.parse_args()
+    extra = args.server_args.split()
+    first, second = args.cores.split(",")[:2]
+    threads = str(len(args.cores.split(",")))
+    colocated = PinnedServer([*extra, "--num-threads", threads], args.cores)
+    kv_port = free_port()
+    producer = PinnedServer([*extra, "--num-threads", "1", "--kv-transfer-config", json.dumps(
+        {"kv_connector": "TokenmillConnector", "kv_role": "kv_producer", "kv_port": kv_port})], first)
+    consumer = PinnedServer([*extra, "--num-threads", "1", "--kv-transfer-config", json.dumps(
+        {"kv_connector": "TokenmillConnector", "kv_role": "kv_consumer"})], second)
+    servers = [colocated, producer, consumer]
+    proc = None
+    rows: list[dict] = []
+    try:
+        for server in servers:
+            server.start()
+        proc, pd_url = router(producer, consumer)
+        model = httpx.get(colocated.url + "/v1/models").json()["data"][0]["id"]
+        systems = {"colocated": colocated.url, "1P1D": pd_url}
+        rng = random.Random(0)
+        for url in systems.values():  # warm-up: kernels, tuning, a long prompt each
+            stream_times(url, model, [rng.randrange(1000, 40000) for _ in range(args.prompt_tokens)], 4)
+        for r in range(args.rounds):
+            for system, url in systems.items():
+                for load in (False, True):
+                    row = {"round": r, "system": system, "prompt_load": load, **measure(url, model, args, load, rng)}
+                    print(json.dumps(row), flush=True)
+                    rows.append(row)
+    finally:
+        if proc is not None:
+            proc.terminate()
+            proc.wait(10)
+        for server in servers:
+            server.stop()
+    summary = {}
+    for system in ("colocated", "1P1D"):
+        for load in (False, True):
+            sel = [x for x in rows if x["system"] == system and x["prompt_load"] == load]
+            key = f"{system} {'with' if load else 'without'} prompt load"
+            summary[key] = {m: (statistics.median(x[m] for x in sel), min(x[m] for x in sel), max(x[m] for x in sel))
+                            for m in ("itl_p50_ms", "itl_p99_ms", "load_avg")}
+            ttft = [x["long_ttft_ms"] for x in sel if x["long_ttft_ms"] is not None]
+            if ttft:
+                summary[key]["long_ttft_ms"] = (statistics.median(ttft), min(ttft), max(ttft))
+    report = {"cpu": cpu_info().model_name if hasattr(cpu_info(), "model_name") else str(cpu_info()),
+              "args": vars(args), "rows": rows, "summary": summary}
+    print(json.dumps(summary, indent=1))
+    if args.output:
+        Path(args.output).write_text(json.dumps(report, indent=1))
+
+
+if __name__ == "__main__":
+    main()
