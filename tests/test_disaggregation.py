@@ -15,8 +15,7 @@ import httpx
 import openai
 import pytest
 
-from tests.server_utils import ServerProcess, free_port
-from tests.test_scale_out import vllm_router
+from tests.server_utils import ServerProcess, free_port, vllm_router
 from tests.tiny_checkpoint import write_tiny_llama
 
 ABORT_TIMEOUT_S = 8  # the producers' abort_request_timeout: a hold nobody pulls is freed after it
@@ -47,9 +46,8 @@ class Router:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(prefill.log.name + f".router{self.port}", "w")
         self.proc = subprocess.Popen(
-            [vllm_router(), "--host", "127.0.0.1", "--port", str(self.port), "--vllm-pd-disaggregation",
-             "--prefill", prefill.url, "--decode", decode.url, "--health-check-interval-secs", "1",
-             "--prometheus-port", str(free_port())],
+            vllm_router("--host", "127.0.0.1", "--port", str(self.port), "--vllm-pd-disaggregation",
+                        "--prefill", prefill.url, "--decode", decode.url, "--health-check-interval-secs", "1"),
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
