@@ -223,17 +223,22 @@ def test_every_path_matches_the_reference_decoder_layer(tiny, tier: str, fmt: st
     assert kinds[1:] == [decode_kind] * (len(STEPS) - 1)  # decodes and short chunks as rows
 
 
-def test_the_plan_refuses_the_fused_layer_for_a_feature_it_does_not_cover(tiny, caplog) -> None:
-    """Qwen2's q/k/v biases are not in the fused op: refused at load with a log line naming
-    the feature; every step then runs op by op (and still matches the reference)."""
-    cfg, tensors = tiny
+def qwen2_with_biases(cfg: ModelArchConfig, tensors: dict[str, torch.Tensor]) -> LlamaForCausalLM:
+    """The tiny checkpoint as a Qwen2 model: q/k/v biases (random), unformatted."""
     qwen = dataclasses.replace(cfg, architecture="qwen2", attention_bias=True)
     model = LlamaForCausalLM(qwen).eval()
-    ckpt = [(n, t) for n, t in tensors.items()]
+    ckpt = list(tensors.items())
     for i in range(qwen.num_layers):
         for part, size in (("q_proj", qwen.num_heads), ("k_proj", qwen.num_kv_heads), ("v_proj", qwen.num_kv_heads)):
             ckpt.append((f"model.layers.{i}.self_attn.{part}.bias", torch.randn(size * qwen.head_dim) * 0.1))
     model.load_weights(iter(ckpt))
+    return model
+
+
+def test_the_plan_refuses_the_fused_layer_for_a_feature_it_does_not_cover(tiny, caplog) -> None:
+    """Qwen2's q/k/v biases are not in the fused op: refused at load with a log line naming
+    the feature; every step then runs op by op (and still matches the reference)."""
+    model = qwen2_with_biases(*tiny)
     with caplog.at_level(logging.INFO, logger="tokenmill.runner.plan"):
         plan = apply_plan(model, cpu_native_plan(torch.float32), "float32")
     assert not plan.fused_decode and model.fused_layers is None

@@ -126,6 +126,10 @@ class ForwardContext:
     kind: StepKind = StepKind.PER_OP
     # A hybrid KV cache: the sliding-window layers' metadata, over their own block tables.
     sliding_metadata: object | None = None
+    # The plan's bf16 activation path for this step (ExecutionPlan.activation_dtype): the
+    # decoder layers' activations in this dtype, the residual stream in the model's; None:
+    # the model's dtype throughout.
+    activation_dtype: torch.dtype | None = None
 
     @classmethod
     def for_step(cls, kind: StepKind, backend: AttentionBackend, layout: BatchLayout,

@@ -208,24 +208,29 @@ def quant_isa() -> str:
     return torch.ops.tokenmill.quant_isa()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x / sqrt(mean(x^2) + eps) * weight, row by row; x [tokens, hidden] float32."""
-    return torch.ops.tokenmill.rms_norm(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x / sqrt(mean(x^2) + eps) * weight, row by row; x [tokens, hidden] float32 or bfloat16,
+    computed in float32, the result in `out_dtype` (default x's; bf16 rounded to nearest even)."""
+    return torch.ops.tokenmill.rms_norm(x, weight, eps, out_dtype)
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """residual += x (in place), then returns rms_norm(residual, weight, eps)."""
-    return torch.ops.tokenmill.add_rms_norm(x, residual, weight, eps)
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                 out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """residual (float32) += x (float32 or bfloat16) in place, then returns
+    rms_norm(residual, weight, eps) in `out_dtype` (default x's)."""
+    return torch.ops.tokenmill.add_rms_norm(x, residual, weight, eps, out_dtype)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """[tokens, 2I] holding gate | up -> silu(gate) * up, [tokens, I]."""
+    """[tokens, 2I] holding gate | up -> silu(gate) * up, [tokens, I], in x's dtype (float32
+    or bfloat16; computed in float32)."""
     return torch.ops.tokenmill.silu_and_mul(x)
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """Rotate-half rotary embedding in place on x [tokens, heads, head_dim] (rows contiguous,
-    any other strides); cos/sin [tokens, head_dim / 2]."""
+    """Rotate-half rotary embedding in place on x [tokens, heads, head_dim] float32 or
+    bfloat16 (rows contiguous, any other strides; computed in float32); cos/sin [tokens,
+    head_dim / 2]."""
     torch.ops.tokenmill.rotary_(x, cos, sin)
 
 

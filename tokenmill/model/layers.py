@@ -95,7 +95,8 @@ def set_weight_format(model: nn.Module, fmt: WeightFormat, embedding_dtype: torc
 
 class RMSNorm(nn.Module):
     """RMSNorm; given the residual stream too, it first adds x into it (vLLM's fused
-    add + norm): `norm(x, residual)` returns (normed, residual + x)."""
+    add + norm): `norm(x, residual)` returns (normed, residual + x). `out_dtype` bf16 is
+    the bf16 activation path's (float32 residual, bf16 GEMM inputs)."""
 
     ops: TorchOps = REFERENCE_OPS  # the execution plan's element-wise ops, handed over at load
 
@@ -105,11 +106,12 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, out_dtype: torch.dtype | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """`out_dtype`: the normed output's dtype (default x's); the residual keeps its own."""
         if residual is None:
-            return self.ops.rms_norm(x, self.weight, self.eps)
-        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+            return self.ops.rms_norm(x, self.weight, self.eps, out_dtype)
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps, out_dtype)
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None) -> torch.Tensor:

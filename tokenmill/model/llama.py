@@ -117,21 +117,25 @@ class DecoderLayer(nn.Module):
             GatedMLP(cfg.hidden_size, layout.intermediate.size, cfg.hidden_act)
 
     def forward(
-        self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, residual: torch.Tensor | None
+        self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, residual: torch.Tensor | None,
+        activation_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """h: the previous layer's MLP output, not yet added into the residual stream
         (the first layer gets the embeddings and no residual). Each add is fused into the
-        norm after it."""
+        norm after it. `activation_dtype` (the plan's bf16 activation path, runner/plan.py):
+        the norms write their output in it, so the linears, attention and the MLP run on it,
+        while the residual stream keeps the model's dtype."""
         if residual is None:
-            x, residual = self.input_layernorm(h), h
+            x, residual = self.input_layernorm(h, out_dtype=activation_dtype), h
         else:
-            x, residual = self.input_layernorm(h, residual)
+            x, residual = self.input_layernorm(h, residual, out_dtype=activation_dtype)
         reduce = self.parallel.all_reduce
         if self.pre_feedforward_layernorm is not None:
             attn = self.post_attention_layernorm(reduce(self.self_attn(rope, x)))
-            x, residual = self.pre_feedforward_layernorm(attn, residual)
+            x, residual = self.pre_feedforward_layernorm(attn, residual, out_dtype=activation_dtype)
             return self.post_feedforward_layernorm(reduce(self.mlp(x))), residual
-        x, residual = self.post_attention_layernorm(reduce(self.self_attn(rope, x)), residual)
+        x, residual = self.post_attention_layernorm(reduce(self.self_attn(rope, x)), residual,
+                                                    out_dtype=activation_dtype)
         return reduce(self.mlp(x)), residual
 
     def _linears(self) -> tuple[Linear, ...]:
@@ -280,8 +284,14 @@ class LlamaForCausalLM(nn.Module):
                 rope = tables[id(layer.self_attn.rotary)]
                 h = layer.fused_decode(operands, rope, h, residual, kv_cache, ctx.decode)
         else:
+            activation_dtype = None if ctx is None else ctx.activation_dtype
             for layer in self.layers:
-                h, residual = layer(tables[id(layer.self_attn.rotary)], h, residual)
+                h, residual = layer(tables[id(layer.self_attn.rotary)], h, residual, activation_dtype)
+        if residual is not None and h.dtype != residual.dtype:  # the bf16 activation path's last MLP output
+            if not parallel.layout.last_stage:  # a later stage receives the model's dtype
+                h = h.to(residual.dtype)
+            else:  # added into the float32 residual; the final norm writes float32 for the LM head
+                return self.norm(h, residual, out_dtype=residual.dtype)[0]
         if not parallel.layout.last_stage:
             parallel.send_hidden(h, residual)
             return None

@@ -88,23 +88,31 @@ class CPUDenseWeights(LinearWeights):
         return f"{dtype_name(self.tiled.dtype)}-tiled{packed}"
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.bfloat16 and self.tiled.is_cpu:
+            if self.packed is not None and self.packed.dtype == torch.bfloat16 \
+                    and x.shape[0] > self.choice.skinny_max_rows:
+                return self._onednn(x)  # the bf16 activation path: bf16 in, bf16 out, no casts
+            return self.apply(x.float()).to(torch.bfloat16)
         if x.dtype == torch.float32:
             if x.shape[0] <= self.choice.skinny_max_rows:
                 return kernels.skinny_linear(x.contiguous(), self.tiled, self.out_features)
             if self.packed is not None:
-                rows = x.shape[0]
-                padded = onednn_rows(rows)
-                if padded != rows:  # zero rows up to the bucket: one oneDNN primitive per bucket
-                    x = F.pad(x, (0, 0, 0, padded - rows))
                 if self.packed.dtype == torch.bfloat16:
-                    y = torch.ops.mkldnn._linear_pointwise(x.to(torch.bfloat16), self.packed, None, "none", [], "")
-                    return y[:rows].float()
-                return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None, "none", [], "")[:rows]
+                    return self._onednn(x.to(torch.bfloat16)).float()
+                return self._onednn(x)
             if self.choice.skinny_max_rows > 0:  # no copy: the tiles, a chunk of rows at a time
                 chunk = self.choice.skinny_max_rows
                 return torch.cat([kernels.skinny_linear(part.contiguous(), self.tiled, self.out_features)
                                   for part in x.split(chunk)])
         return F.linear(x, self.dequantize().to(x.dtype))
+
+    def _onednn(self, x: torch.Tensor) -> torch.Tensor:
+        """x (in the packed copy's dtype) times the oneDNN copy, [rows, out] in that dtype."""
+        rows = x.shape[0]
+        padded = onednn_rows(rows)
+        if padded != rows:  # zero rows up to the bucket: one oneDNN primitive per bucket
+            x = F.pad(x, (0, 0, 0, padded - rows))
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None, "none", [], "")[:rows]
 
     def dequantize(self) -> torch.Tensor:
         return kernels.untile_skinny(self.tiled, self.out_features).float()

@@ -38,7 +38,9 @@ class QuantizedWeights(LinearWeights):
         return self.name
 
     def apply(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype != torch.float32:
+        # bf16 rows (the bf16 activation path) go in as they are: the GEMM path multiplies
+        # bf16 anyway and then returns bf16 without casts.
+        if x.dtype not in (torch.float32, torch.bfloat16):
             return self.qt.native_linear(x.float(), self.integer_rows).to(x.dtype)
         return self.qt.native_linear(x, self.integer_rows)
 

@@ -116,6 +116,7 @@ class ModelRunner:
         )
         kind = self.plan.step_kind(len(layout.query_lens), layout.all_decode)  # the step's one decision
         ctx = ForwardContext.for_step(kind, self.backend, layout, self.kv_cache, self.device)
+        ctx.activation_dtype = self.plan.activation_dtype(kind, len(input_ids))
         if self.kv_cache.num_sliding_blocks:  # a hybrid cache: the sliding layers' own tables and slots
             sliding = self._layout(items, sliding=True)
             ctx.sliding_metadata = self.backend.build_metadata(sliding, self.device)

@@ -15,6 +15,16 @@ This module (with what it imports) answers "which kernel runs for this step":
   `quant_integer_rows[bits]` rows and a bf16 GEMM beyond; a chunk of up to
   `short_chunk_tokens` tokens after earlier context attends as one-token rows
   (`chunk_as_rows`), so a step of such rows can run fused.
+- `ExecutionPlan.activation_dtype(kind, num_tokens)`: the bf16 activation path. Where every
+  linear of a many-row step multiplies in bf16 anyway (the dense format's bf16 oneDNN copy
+  where it measured fastest; quantized weights' GEMM on bf16 tiles, on a CPU with native
+  bf16 arithmetic), a per-op step of more than `bf16_activation_rows` tokens keeps its
+  activations bf16 between the linears: the norms write the GEMMs' bf16 inputs, the GEMMs
+  return bf16, rotary, attention and SiLU-and-mul run on bf16 (float32 arithmetic inside),
+  and the residual stream stays float32. It computes the same bits as float32 activations
+  cast at every GEMM (the GEMMs round their inputs and outputs to bf16 there too), without
+  the casts; prefill attention is then bf16 as well. Steps of fewer tokens, the fused and
+  reference tiers, deterministic inference and `--dtype float32` keep float32 activations.
 - `batch_invariant_plan(plan)`: deterministic inference (SGLang's
   `--enable-deterministic-inference`): every row of every step is computed by the same
   kernels in the same order whatever else the step holds, so a request's tokens do not
@@ -41,8 +51,8 @@ from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.quantization import DenseFormat, WeightFormat
 from tokenmill.quantization.dense import CPUMatmulChoice
 
-__all__ = ["ExecutionPlan", "RowThresholds", "StepKind", "apply_plan", "batch_invariant_plan", "cpu_native_plan",
-           "quantized_plan", "reference_plan"]
+__all__ = ["ExecutionPlan", "RowThresholds", "StepKind", "apply_plan", "batch_invariant_plan",
+           "bf16_activations_uncovered", "cpu_native_plan", "quantized_plan", "reference_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +94,9 @@ class ExecutionPlan:
     # Deterministic inference (batch_invariant_plan): every token of every chunk attends as a
     # one-token row and every linear runs one row-invariant kernel at any row count.
     batch_invariant: bool = False
+    # The bf16 activation path (module doc): per-op steps of more tokens than this run their
+    # activations in bf16, the residual stream in float32. None: never.
+    bf16_activation_rows: int | None = None
 
     @property
     def tier(self) -> str:
@@ -103,10 +116,19 @@ class ExecutionPlan:
         parts.append(self.ops.name)
         if self.prefill_attention_dtype is not None:
             parts.append(f"prefill attention in {str(self.prefill_attention_dtype).removeprefix('torch.')}")
+        if self.bf16_activation_rows is not None:
+            parts.append(f"bf16 activations (float32 residual) for steps of > {self.bf16_activation_rows} tokens")
         if self.batch_invariant:
             parts.append("batch-invariant (deterministic inference): one kernel per op at every row count, every "
                          "prompt token attends as a row of the paged kernel")
         return "; ".join(parts)
+
+    def activation_dtype(self, kind: StepKind, num_tokens: int) -> torch.dtype | None:
+        """The dtype of a step's activations between the linears, None: the model's (float32).
+        bf16 for a per-op step of more than `bf16_activation_rows` tokens (module doc)."""
+        if self.bf16_activation_rows is None or kind is not StepKind.PER_OP or num_tokens <= self.bf16_activation_rows:
+            return None
+        return torch.bfloat16
 
     def step_kind(self, num_rows: int, all_decode: bool) -> StepKind:
         """What runs a step of `num_rows` attention rows (`all_decode`: each row is one
@@ -132,6 +154,12 @@ def apply_plan(model: LlamaForCausalLM, plan: ExecutionPlan, kv_cache_dtype: str
     its dtype name) have a feature the native fused layer does not cover."""
     set_weight_format(model, plan.weight_format, plan.embedding_dtype)
     model.use_ops(plan.ops)
+    if plan.bf16_activation_rows is not None:
+        missing = bf16_activations_uncovered(model.layer_features(), kv_cache_dtype)
+        if missing:
+            logger.info("bf16 activations do not cover this %s model's %s: many-row steps keep float32 activations",
+                        model.cfg.architecture, ", ".join(missing))
+            plan = dataclasses.replace(plan, bf16_activation_rows=None)
     if plan.fused_decode:
         missing = fused_layer.uncovered(model.layer_features(), kv_cache_dtype)
         if missing:
@@ -148,15 +176,19 @@ def cpu_native_plan(weight_dtype: torch.dtype = torch.float32, onednn: bool = Tr
     `weight_dtype` for the skinny kernel and (when `onednn`) packed for oneDNN, multiplied
     as `choice` says (default: the skinny kernel up to `rows.skinny_max_rows`, float32
     oneDNN beyond); the native element-wise ops; and the fused decode layer (when
-    attention reads the cache natively) for the row counts the skinny kernel takes; prefill
-    attention in bf16 where the GEMMs are (`choice.gemm` onednn_bf16: measured faster)."""
+    attention reads the cache natively) for the row counts the skinny kernel takes. Where
+    the GEMMs are bf16 (`choice.gemm` onednn_bf16: measured faster), prefill attention is
+    bf16 and steps past the skinny kernel's rows run the bf16 activation path."""
     choice = choice or CPUMatmulChoice(rows.skinny_max_rows)
     embedding_dtype = weight_dtype if weight_dtype != torch.float32 else None
-    return ExecutionPlan(DenseFormat(weight_dtype, cpu_layout=True, onednn=onednn, choice=choice), embedding_dtype,
+    fmt = DenseFormat(weight_dtype, cpu_layout=True, onednn=onednn, choice=choice)
+    bf16_gemm = choice.gemm == "onednn_bf16"
+    return ExecutionPlan(fmt, embedding_dtype,
                          native_ops=True, fused_decode=fused_decode and choice.skinny_max_rows > 0,
                          fused_decode_max_rows=choice.skinny_max_rows,
-                         prefill_attention_dtype=torch.bfloat16 if choice.gemm == "onednn_bf16" else None,
-                         short_chunk_tokens=rows.short_chunk_tokens)
+                         prefill_attention_dtype=torch.bfloat16 if bf16_gemm else None,
+                         short_chunk_tokens=rows.short_chunk_tokens,
+                         bf16_activation_rows=choice.skinny_max_rows if bf16_gemm and fmt.onednn else None)
 
 
 def reference_plan(weight_dtype: torch.dtype, rows: RowThresholds = ROWS) -> ExecutionPlan:
@@ -166,15 +198,39 @@ def reference_plan(weight_dtype: torch.dtype, rows: RowThresholds = ROWS) -> Exe
 
 
 def quantized_plan(dense: ExecutionPlan, method: str, group_size: int = 32,
-                   rows: RowThresholds = ROWS) -> ExecutionPlan:
+                   rows: RowThresholds = ROWS, native_bf16: bool = False) -> ExecutionPlan:
     """`dense` with weight-only quantized linears (`method`: "stored", "int8" or "int4"): the
     quantized kernels (integer dot products up to `rows.quant_integer_rows[bits]` rows, a
     bf16 GEMM on dequantized tiles beyond), the dense format for any float weight left, and
-    the fused decode layer up to the rows the integer path takes."""
+    the fused decode layer up to the rows the integer path takes. On a CPU with native bf16
+    arithmetic (`native_bf16`), steps past the integer rows run the bf16 activation path
+    and prefill attention is bf16: the quantized GEMMs multiply bf16 there anyway. Without
+    it (AVX2 only) activations stay float32."""
     from tokenmill.quantization.formats import QuantizedFormat
 
     fmt = QuantizedFormat(method, dense.weight_format, group_size, dict(rows.quant_integer_rows))
-    return dataclasses.replace(dense, weight_format=fmt, fused_decode_max_rows=min(rows.quant_integer_rows.values()))
+    plan = dataclasses.replace(dense, weight_format=fmt, fused_decode_max_rows=min(rows.quant_integer_rows.values()))
+    if native_bf16 or dense.bf16_activation_rows is not None:  # past the integer kernel's rows
+        plan = dataclasses.replace(plan, prefill_attention_dtype=torch.bfloat16, bf16_activation_rows=max(
+            dense.bf16_activation_rows or 0, *rows.quant_integer_rows.values()))
+    return plan
+
+
+# Layer features the bf16 activation path computes (True) or not (False); a model with any
+# feature that is on and not covered keeps float32 activations (apply_plan, with a log line).
+BF16_ACTIVATIONS_COVER: dict[str, bool] = {
+    "rms_norm": True, "rotary_neox": True, "grouped_query_attention": True, "silu_mlp": True, "sliding_window": True,
+    "qkv_bias": False, "qk_norm": False, "sandwich_norms": False, "geglu_mlp": False, "logit_softcap": False,
+    "tensor_parallel": False, "qk_norm_whole": False, "mixture_of_experts": False,
+}
+
+
+def bf16_activations_uncovered(layers: list[fused_layer.LayerFeatures], kv_cache_dtype: str | None) -> list[str]:
+    """What the bf16 activation path does not compute of these layers (and KV cache), named."""
+    missing = list(dict.fromkeys(name for f in layers for name in f.on() if not BF16_ACTIVATIONS_COVER[name]))
+    if kv_cache_dtype not in (None, "bfloat16"):
+        missing.append(f"a {kv_cache_dtype} KV cache")
+    return missing
 
 
 # A row count no step reaches: "this kernel at every row count".
@@ -209,4 +265,5 @@ def batch_invariant_plan(plan: ExecutionPlan) -> ExecutionPlan:
     else:
         raise ValueError(f"deterministic inference does not cover the weight format {fmt.describe()}")
     return dataclasses.replace(plan, weight_format=fmt, prefill_attention_dtype=None, batch_invariant=True,
+                               bf16_activation_rows=None,
                                fused_decode_max_rows=min(plan.fused_decode_max_rows, min(ROWS.quant_integer_rows.values())))

@@ -418,7 +418,8 @@ def choose_plan(config: EngineConfig, device: torch.device, dtype: DtypePlan, ke
     plan = cpu_native_plan(weights, onednn=config.device.pack_weights, choice=choice,
                            fused_decode=backend.name == "cpu_native")
     if keep_quantized or method in ("int8", "int4"):
-        plan = quantized_plan(plan, "stored" if keep_quantized else method, config.quantization.quantization_group_size)
+        plan = quantized_plan(plan, "stored" if keep_quantized else method, config.quantization.quantization_group_size,
+                              native_bf16=cpu_has_native_bf16())
     return batch_invariant_plan(plan) if deterministic else plan
 
 

@@ -48,8 +48,10 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& tiled, int64_t N
 at::Tensor grouped_skinny_linear(const at::Tensor& x, at::IntArrayRef offsets, at::TensorList tiled, int64_t N);
 
 // cpu_ops.cpp
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
-at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight, double eps);
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,
+                    std::optional<at::ScalarType> out_dtype = std::nullopt);
+at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tensor& weight, double eps,
+                        std::optional<at::ScalarType> out_dtype = std::nullopt);
 at::Tensor silu_and_mul(const at::Tensor& x);
 void rotary_(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin);
 
