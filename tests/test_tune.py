@@ -109,7 +109,8 @@ def test_on_a_cpu_with_the_kernels_activations_stay_float32_and_dtype_is_storage
 def test_a_disturbed_measurement_is_not_cached_and_falls_back_to_the_default_split(tmp_path, monkeypatch) -> None:
     """A kernel that times slower at fewer rows (by > 2x) was robbed by other work: the
     measurement is retried, and if every attempt is disturbed the default row split is used
-    with the measured GEMM, and nothing is cached (the next start measures again)."""
+    with the GEMM the CPU's features name (fallback_gemm), and nothing is cached (the next
+    start measures again)."""
     from tokenmill.runner.plan import ROWS
 
     clean = timings({1: 1.0, 2: 1.1, 4: 1.4, 8: 2.0, 16: 4.0}, onednn_f32={1: 2.0, 2: 2.0, 4: 2.1, 8: 2.5, 16: 3.1,
@@ -125,3 +126,31 @@ def test_a_disturbed_measurement_is_not_cached_and_falls_back_to_the_default_spl
     # The next start measures again; a clean second attempt is decided and cached.
     choice, _, source = tune.choose([(96, 32)], torch.float32, cache_dir=tmp_path)
     assert choice == tune.decide(clean) and "cached in" in source and len(list(tmp_path.glob("dense-*.json"))) == 1
+
+
+def test_a_uniformly_slow_measurement_is_disturbed_too() -> None:
+    """Every pass of every kernel stalled alike (2 threads on a box of busy cores: ~100-250
+    ms each, each OpenMP region waiting for a descheduled thread) looks slower at no row
+    count; reading the weights at well under the machine's bandwidth gives it away."""
+    elements = 8 * 3_000_000  # 8 layers of a 135M model's linears: 48 MB in bf16
+    stalled = timings({m: 0.1 for m in (1, 2, 4, 8, 16)}, onednn_f32={m: 0.1 for m in (1, 2, 4, 8, 16, 128)},
+                      onednn_bf16={m: 0.12 for m in (1, 2, 4, 8, 16, 128)})
+    stalled = tune.Timings(stalled.skinny, stalled.gemm, elements)
+    assert "skinny kernel 100.00 ms at 1 rows over 48 MB of weights (0.48 GB/s)" == tune.disturbed(stalled)
+    clean = tune.Timings({1: 2.1e-3, 2: 2.6e-3, 4: 4.2e-3, 8: 9e-3, 16: 14e-3},
+                         {"onednn_f32": {1: 8e-3, 2: 9e-3, 4: 7e-3, 8: 9e-3, 16: 12e-3, 128: 70e-3},
+                          "onednn_bf16": {1: 4e-3, 2: 5e-3, 4: 4e-3, 8: 5e-3, 16: 7e-3, 128: 37e-3}}, elements)
+    assert tune.disturbed(clean) is None  # measured on a Zen 4 EPYC, 1 thread
+
+
+@pytest.mark.parametrize("native_bf16", [True, False])
+def test_an_untrusted_measurement_falls_back_to_the_gemm_the_cpu_features_name(monkeypatch, native_bf16) -> None:
+    class CPU:
+        pass
+
+    cpu = CPU()
+    cpu.native_bf16 = native_bf16
+    monkeypatch.setattr(tune, "cpu_info", lambda: cpu)
+    assert tune.fallback_gemm(("onednn_f32", "onednn_bf16")) == ("onednn_bf16" if native_bf16 else "onednn_f32")
+    assert tune.fallback_gemm(("onednn_f32",)) == "onednn_f32"  # float32 weights: never bf16 inputs
+    assert tune.fallback_gemm(("onednn_bf16",)) == "onednn_bf16"  # fixed by --cpu-gemm

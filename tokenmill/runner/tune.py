@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 
 DECODE_ROWS = (1, 2, 4, 8, 16)  # row counts where the skinny kernel competes
 PREFILL_ROWS = 128  # stands for prefill: the GEMM is chosen here
-SCHEMA = 1
+SCHEMA = 2  # 2: choices cached under schema 1 may come from uniformly disturbed measurements
 
 Shape = tuple[int, int]  # (out_features, in_features)
 
@@ -44,6 +44,7 @@ class Timings:
 
     skinny: dict[int, float]
     gemm: dict[str, dict[int, float]]
+    weight_elements: int = 0  # elements of the weights a pass multiplies (0: not known)
 
 
 # The skinny kernel keeps a row count unless the GEMM is faster by more than this: up to
@@ -73,11 +74,19 @@ MEASURE_ATTEMPTS = 3
 # skinny kernel timed 100 ms at 1 row and 17 ms at 8, and the cached choice turned the
 # fused decode layer off for good.
 DISTURBED_RATIO = 2.0
+# Nor can a pass of the fewest rows read its weights (at least 2 bytes an element) slower
+# than this: every kernel streams them at 10-30 GB/s a thread. On the same box with 2
+# threads and 3-5 other jobs, every pass of every kernel took ~100-250 ms (0.2-0.5 GB/s:
+# each OpenMP region waited for a descheduled thread), uniformly, so no kernel looked
+# slower at fewer rows; the bf16 GEMM, 1.9x float32 on that CPU, lost by the noise and
+# float32 was cached for good.
+MIN_READ_BYTES_PER_S = 2e9
 
 
 def disturbed(timings: Timings) -> str | None:
     """Why `timings` cannot be trusted (a kernel slower at fewer rows by more than
-    DISTURBED_RATIO), or None."""
+    DISTURBED_RATIO, or reading its weights slower than MIN_READ_BYTES_PER_S at its fewest
+    rows), or None."""
     series = {"skinny kernel": timings.skinny, **timings.gemm}
     for name, times in series.items():
         rows = sorted(times)
@@ -86,7 +95,20 @@ def disturbed(timings: Timings) -> str | None:
                 if times[fewer] > DISTURBED_RATIO * times[more]:
                     return (f"{name} {times[fewer] * 1e3:.2f} ms at {fewer} rows vs {times[more] * 1e3:.2f} ms at "
                             f"{more}")
+        least = 2 * timings.weight_elements
+        if least and rows and times[rows[0]] * MIN_READ_BYTES_PER_S > least:
+            return (f"{name} {times[rows[0]] * 1e3:.2f} ms at {rows[0]} rows over {least / 1e6:.0f} MB of weights "
+                    f"({least / times[rows[0]] / 1e9:.2f} GB/s)")
     return None
+
+
+def fallback_gemm(gemms: Sequence[str]) -> str:
+    """The GEMM when its measurement cannot be trusted: by the CPU's features, bf16 where it
+    computes bf16 natively (AVX-512 BF16, AMX: 1.9x float32 on a Zen 4 EPYC, 4-5x with AMX),
+    float32 elsewhere (bf16 is emulated on AVX2 only)."""
+    if "onednn_bf16" in gemms and cpu_info().native_bf16:
+        return "onednn_bf16"
+    return "onednn_f32" if "onednn_f32" in gemms else gemms[0]
 
 
 def candidate_gemms(tile_dtype: torch.dtype) -> tuple[str, ...]:
@@ -116,7 +138,7 @@ def choose(shapes: Sequence[Shape], tile_dtype: torch.dtype, *, allowed: Sequenc
         if problem is None:
             break
     if problem is not None:  # a busy machine: the measured choice would be cached for good
-        choice = CPUMatmulChoice(ROWS.skinny_max_rows, decide(timings).gemm)
+        choice = CPUMatmulChoice(ROWS.skinny_max_rows, fallback_gemm(gemms))
         logger.warning("the matmul measurement was disturbed by other work on this machine (%s, %d attempts): "
                        "using %s, not cached; it is measured again at the next start", problem, MEASURE_ATTEMPTS,
                        choice.describe())
@@ -146,7 +168,7 @@ def measure(shapes: Sequence[Shape], tile_dtype: torch.dtype, gemms: Sequence[st
             return torch.ops.mkldnn._linear_pointwise(x.to(dtype), packed[i], None, "none", [], "").float()
 
         gemm[kind] = {m: _pass_time(onednn, weights, m, reps) for m in (*DECODE_ROWS, PREFILL_ROWS)}
-    return Timings(skinny, gemm)
+    return Timings(skinny, gemm, sum(w.numel() for w in weights))
 
 
 def describe(timings: Timings, choice: CPUMatmulChoice) -> str:
@@ -203,7 +225,8 @@ def _ms(seconds: float | None) -> str:
 
 def _jsonable(timings: Timings) -> dict:
     return {"skinny": {str(m): t for m, t in timings.skinny.items()},
-            "gemm": {kind: {str(m): t for m, t in g.items()} for kind, g in timings.gemm.items()}}
+            "gemm": {kind: {str(m): t for m, t in g.items()} for kind, g in timings.gemm.items()},
+            "weight_elements": timings.weight_elements}
 
 
 def _write(path: Path, data: dict) -> None:
@@ -216,4 +239,4 @@ def _write(path: Path, data: dict) -> None:
         logger.warning("could not cache the kernel choice in %s: %s", path, exc)
 
 
-__all__ = ["Timings", "choose", "decide", "describe", "measure"]
+__all__ = ["Timings", "choose", "decide", "describe", "fallback_gemm", "measure"]
