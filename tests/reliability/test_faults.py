@@ -26,22 +26,26 @@ LONG = {"prompt": "Write a long poem about rivers.", "max_tokens": 200, "ignore_
 FAULTS: dict[str, object] = RESULTS.setdefault("faults", {})  # type: ignore[assignment]
 
 
-async def _in_flight(url: str) -> tuple[list[str], list[httpx.Response]]:
-    """Two streams and two plain requests, running when the fault comes."""
+# The Responses API's stream, in flight too (greedy: 200 tokens, past the fault's step)
+LONG_RESPONSE = {"input": LONG["prompt"], "max_output_tokens": 200, "temperature": 0, "stream": True}
+
+
+async def _in_flight(url: str) -> tuple[list[str], list[httpx.Response], str]:
+    """Two streams, two plain requests and a Responses stream, running when the fault comes."""
     async with httpx.AsyncClient(timeout=120) as client:
-        async def stream() -> str:
-            async with client.stream("POST", url + "/v1/completions", json={**LONG, "stream": True}) as response:
+        async def stream(path: str = "/v1/completions", body: dict | None = None) -> str:
+            async with client.stream("POST", url + path, json=body or {**LONG, "stream": True}) as response:
                 assert response.status_code == 200
                 return "".join([chunk async for chunk in response.aiter_text()])
 
         async def plain() -> httpx.Response:
             return await client.post(url + "/v1/completions", json=LONG)
 
-        results = await asyncio.gather(stream(), stream(), plain(), plain())
-    return list(results[:2]), list(results[2:])
+        results = await asyncio.gather(stream(), stream(), plain(), plain(), stream("/v1/responses", LONG_RESPONSE))
+    return list(results[:2]), list(results[2:4]), results[4]
 
 
-def _check_failed_in_flight(streams: list[str], plain: list[httpx.Response]) -> None:
+def _check_failed_in_flight(streams: list[str], plain: list[httpx.Response], responses_stream: str) -> None:
     for raw in streams:
         payloads = sse_events(raw)  # framing checked, ends with [DONE]
         error = json.loads(payloads[-2])["error"]
@@ -49,27 +53,35 @@ def _check_failed_in_flight(streams: list[str], plain: list[httpx.Response]) -> 
         assert "Traceback" not in raw and "/" not in error["message"]
     for response in plain:
         assert assert_error(response, 503)["code"] == "engine_unavailable"
+    # OpenAI's error event: named `error`, its payload's type "error" (it was the error's
+    # type, "service_unavailable", written over it), then the stream ends
+    assert responses_stream.endswith("\n\n"), responses_stream[-200:]
+    name, data = responses_stream[:-2].rsplit("\n\n", 1)[-1].split("\n")
+    event = json.loads(data.removeprefix("data: "))
+    assert name == "event: error" and set(event) == {"type", "sequence_number", "code", "message", "param"}, event
+    assert event["type"] == "error" and event["code"] == "engine_unavailable", event
+    assert "the engine failed (InjectedFault)" in event["message"]
 
 
 def test_a_step_that_raises_fails_in_flight_requests_and_the_process_exits_1():
     server = start_server(env={"TOKENMILL_FAULT_INJECTION": "raise_after_steps=40"})
     children_before = descendants(server.proc.pid)
     started = time.monotonic()
-    streams, plain = asyncio.run(_in_flight(server.url))
-    _check_failed_in_flight(streams, plain)
+    streams, plain, responses_stream = asyncio.run(_in_flight(server.url))
+    _check_failed_in_flight(streams, plain, responses_stream)
     assert server.proc.wait(30) == 1, server.log_tail()
     exited_after = time.monotonic() - started
     assert not [pid for pid in children_before | descendants(server.proc.pid) if alive(pid)]
     assert "InjectedFault" in server.log_tail(20000)
-    FAULTS["raise"] = {"in_flight_failed_cleanly": len(streams) + len(plain), "exit_status": 1,
+    FAULTS["raise"] = {"in_flight_failed_cleanly": len(streams) + len(plain) + 1, "exit_status": 1,
                        "exited_within_s": round(exited_after, 1)}
 
 
 def test_with_keep_alive_on_engine_death_the_server_stays_up_and_unhealthy():
     server = start_server("--keep-alive-on-engine-death", env={"TOKENMILL_FAULT_INJECTION": "raise_after_steps=40"})
     try:
-        streams, plain = asyncio.run(_in_flight(server.url))
-        _check_failed_in_flight(streams, plain)
+        streams, plain, responses_stream = asyncio.run(_in_flight(server.url))
+        _check_failed_in_flight(streams, plain, responses_stream)
         health = httpx.get(server.url + "/health", timeout=5)
         assert "died" in assert_error(health, 503)["message"]
         assert_error(server.post("/v1/completions", json={"prompt": "hi"}), 503)

@@ -26,6 +26,8 @@ from fastapi import FastAPI, Request
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel
+from pydantic.json_schema import models_json_schema
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -40,6 +42,7 @@ from tokenmill.serve.faults import FaultInjector
 from tokenmill.serve.limits import RequestLimits, payload_too_large
 from tokenmill.serve.metrics import ServerMetrics
 from tokenmill.serve.protocol import (
+    ChatCompletionChunk,
     ChatCompletionRequest,
     ChatCompletionResponse,
     CompletionRequest,
@@ -52,6 +55,7 @@ from tokenmill.serve.protocol import (
     TokenizeRequest,
     TokenizeResponse,
     VersionResponse,
+    sse_content,
 )
 from tokenmill.serve.serving import (
     DEFAULT_STREAM_SEND_TIMEOUT,
@@ -60,7 +64,7 @@ from tokenmill.serve.serving import (
     abort_connection,
 )
 from tokenmill.serve.recalibration import MIN_STEPS, OnlineCalibration, Planner
-from tokenmill.serve.responses import add_responses_routes
+from tokenmill.serve.responses import ResponseStreamEvent, add_responses_routes
 from tokenmill.serve.tools import AgentSettings
 
 logger = logging.getLogger(__name__)
@@ -165,6 +169,7 @@ def _build_app(engine: AsyncEngine, serving: OpenAIServing, metrics: ServerMetri
     _add_routes(app, engine, serving, metrics)
     add_responses_routes(app, serving, _ERRORS)
     add_embeddings_route(app, serving, _ERRORS)
+    _document_stream_payloads(app)
     if dashboard is not None:
         dashboard.add_routes(app)
     return app
@@ -199,7 +204,29 @@ def add_contract_middlewares(app: FastAPI, settings: ServerSettings, metrics: HT
 _ERRORS: dict[int | str, dict[str, Any]] = {
     status: {"model": ErrorResponse} for status in (400, 401, 404, 413, 429, 503)
 }
-_SSE = {"text/event-stream": {"schema": {"type": "string"}}}
+# What each event of a stream holds (sse_content): components of their own, since no
+# route returns them whole.
+STREAM_PAYLOADS: tuple[type[BaseModel], ...] = (CompletionResponse, ChatCompletionChunk, ResponseStreamEvent)
+
+
+def _document_stream_payloads(app: FastAPI) -> None:
+    """app.openapi() with the stream payloads among its components, as OpenAPI 3.2 (the
+    version whose `itemSchema` describes a stream's events; the rest of FastAPI's 3.1
+    document is valid 3.2)."""
+    build = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            document = build()
+            _, definitions = models_json_schema([(model, "serialization") for model in STREAM_PAYLOADS],
+                                                ref_template="#/components/schemas/{model}")
+            schemas = document.setdefault("components", {}).setdefault("schemas", {})
+            for name, schema in definitions.get("$defs", {}).items():
+                schemas.setdefault(name, schema)
+            document["openapi"] = "3.2.0"
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _add_plan_route(app: FastAPI, serving: OpenAIServing, calibration: OnlineCalibration, planner: Planner) -> None:
@@ -285,12 +312,14 @@ def _add_routes(app: FastAPI, engine: AsyncEngine, serving: OpenAIServing, metri
         return JSONResponse({"object": "list", "data": cards})
 
     @app.post("/v1/completions",
-              responses={200: {"model": CompletionResponse, "content": _SSE}, **_ERRORS})
+              responses={200: {"model": CompletionResponse, "content": sse_content("CompletionResponse")},
+                         **_ERRORS})
     async def completions(body: CompletionRequest, raw: Request) -> Response:
         return await serving.create_completion(body, raw)
 
     @app.post("/v1/chat/completions",
-              responses={200: {"model": ChatCompletionResponse, "content": _SSE}, **_ERRORS})
+              responses={200: {"model": ChatCompletionResponse,
+                              "content": sse_content("ChatCompletionChunk")}, **_ERRORS})
     async def chat_completions(body: ChatCompletionRequest, raw: Request) -> Response:
         return await serving.create_chat_completion(body, raw)
 

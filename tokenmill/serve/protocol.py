@@ -328,6 +328,70 @@ class ChatCompletionResponse(BaseModel):
     kv_transfer_params: dict[str, Any] | None = None  # a prefill instance's, for the decode instance
 
 
+class ChatToolCallFunctionDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ChatToolCallDelta(BaseModel):
+    """A tool call in a stream: its id, type and name with its first piece, then
+    `arguments` a piece at a time."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: ChatToolCallFunctionDelta | None = None
+
+
+class ChatDelta(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+    reasoning_content: str | None = None
+    tool_calls: list[ChatToolCallDelta] | None = None
+
+
+class ChatChunkChoice(BaseModel):
+    index: int
+    delta: ChatDelta
+    logprobs: ChatLogprobs | None
+    finish_reason: Literal["stop", "length", "abort", "tool_calls"] | None
+
+
+class ChatCompletionChunk(BaseModel):
+    """One event of a streamed chat (the last, with `stream_options.include_usage`, has
+    no choices and the usage)."""
+
+    id: str
+    object: Literal["chat.completion.chunk"]
+    created: int
+    model: str
+    choices: list[ChatChunkChoice]
+    usage: Usage | None = None
+
+
+def sse_content(payload: str, *, named: bool = False) -> dict[str, Any]:
+    """The OpenAPI description of a `text/event-stream` answer, one event at a time
+    (OpenAPI 3.2's `itemSchema`; schemathesis checks every event against it), `payload`
+    naming the component each event's `data` holds as JSON.
+
+    OpenAI's chat and completions streams (`named=False`): an event is a `payload`, or an
+    ErrorResponse when the stream fails after it started, or the closing `[DONE]`. The
+    Responses API's (`named=True`): every event has an `event:` name (its payload's
+    `type`), its errors are events of their own type ("error"), and there is no `[DONE]`.
+
+    No `schema` for the whole stream: under OpenAPI 3.2 it describes the events as an
+    array, and the string schema declared before (`{"type": "string"}`) was true of no
+    event (schemathesis's ST108 on every streamed 200)."""
+    refs = [{"$ref": f"#/components/schemas/{name}"} for name in [payload] + ([] if named else ["ErrorResponse"])]
+    data: dict[str, Any] = {"type": "string", "contentMediaType": "application/json",
+                            "contentSchema": {"anyOf": refs} if len(refs) > 1 else refs[0]}
+    properties: dict[str, Any] = {"data": data if named else {"anyOf": [{"const": "[DONE]"}, data]}}
+    if named:
+        properties["event"] = {"type": "string"}
+    return {"text/event-stream": {"itemSchema": {"type": "object", "properties": properties,
+                                                 "required": sorted(properties)}}}
+
+
 class EmbeddingData(BaseModel):
     object: Literal["embedding"]
     index: int

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tokenmill.outputs import RequestOutput
 from tokenmill.serve.async_engine import EngineUnavailableError
 from tokenmill.serve.errors import APIError, bad_request, error_body
-from tokenmill.serve.protocol import ChatCompletionRequest, ChatMessage
+from tokenmill.serve.protocol import ChatCompletionRequest, ChatMessage, sse_content
 from tokenmill.serve.reasoning import get_reasoning_parser
 from tokenmill.serve.serving import (
     OpenAIServing,
@@ -75,6 +75,38 @@ class ResponsesRequest(_Lenient):
     previous_response_id: str | None = None
     background: bool | None = None
     metadata: dict[str, Any] | None = None
+
+
+# ----- answers (declared in the OpenAPI schema) --------------------------------------------
+
+
+class ResponseObject(BaseModel):
+    """A response (POST without `stream`, GET by id, and inside the stream's events); its
+    items and settings are OpenAI's, described here only as far as the server relies on them."""
+
+    model_config = ConfigDict(extra="allow")
+    id: str
+    object: Literal["response"]
+    created_at: int
+    status: Literal["in_progress", "completed", "incomplete"]
+    model: str
+    output: list[dict[str, Any]]
+    usage: dict[str, Any] | None
+
+
+class ResponseDeleted(BaseModel):
+    id: str
+    object: Literal["response"]
+    deleted: Literal[True]
+
+
+class ResponseStreamEvent(BaseModel):
+    """One event of a streamed response, named by its `type` (`response.created`,
+    `response.output_text.delta`, ... `response.completed`; `error` when it fails)."""
+
+    model_config = ConfigDict(extra="allow")
+    type: str
+    sequence_number: int
 
 
 class ResponseStore:
@@ -316,7 +348,9 @@ class ResponsesServing:
                               response=response)
         except EngineUnavailableError as error:  # headers are sent: the error travels as an event
             api_error = unavailable(error)
-            yield events.emit("error", **error_body(api_error.status, api_error.message, code=api_error.code)["error"])
+            # OpenAI's error event: its own `type` ("error"), the error's code, message and param
+            error = error_body(api_error.status, api_error.message, code=api_error.code)["error"]
+            yield events.emit("error", code=error["code"], message=error["message"], param=error["param"])
         finally:
             stream.abort()
 
@@ -412,17 +446,17 @@ class _EventWriter:
 
 def add_responses_routes(app: FastAPI, serving: OpenAIServing, errors: dict[int | str, dict[str, Any]]) -> None:
     responses = ResponsesServing(serving)
-    sse = {"text/event-stream": {"schema": {"type": "string"}}}
 
-    @app.post("/v1/responses", responses={200: {"content": sse}, **errors})
+    @app.post("/v1/responses", responses={
+        200: {"model": ResponseObject, "content": sse_content("ResponseStreamEvent", named=True)}, **errors})
     async def create_response(body: ResponsesRequest, raw: Request) -> Response:
         return await responses.create(body, raw)
 
-    @app.get("/v1/responses/{response_id}", responses=errors)
+    @app.get("/v1/responses/{response_id}", responses={200: {"model": ResponseObject}, **errors})
     async def retrieve_response(response_id: str) -> Response:
         return JSONResponse(responses.store.get(response_id)[0])
 
-    @app.delete("/v1/responses/{response_id}", responses=errors)
+    @app.delete("/v1/responses/{response_id}", responses={200: {"model": ResponseDeleted}, **errors})
     async def delete_response(response_id: str) -> Response:
         responses.store.delete(response_id)
         return JSONResponse({"id": response_id, "object": "response", "deleted": True})
