@@ -112,6 +112,16 @@ def test_a_stream_matches_the_events_its_route_declares(any_rserver, path, body)
     assert response.text.endswith("data: [DONE]\n\n") != path.endswith("responses")
 
 
+def test_the_router_documents_the_routes_of_the_single_server(rserver, dp_rserver):
+    """The router proxies /openapi.json to a replica; the replicas must serve what the
+    single server does (they had no POST /v1/plan: the planner was not handed to them)."""
+    def routes(server) -> set[tuple[str, str]]:
+        document = httpx.get(server.url + "/openapi.json", timeout=30).json()
+        return {(method.upper(), path) for path, item in document["paths"].items() for method in item}
+
+    single = routes(rserver)
+    assert ("POST", "/v1/plan") in single and ("POST", "/v1/responses") in single
+    assert routes(dp_rserver) == single
 HOSTILE: list[tuple[str, str, bytes, set[int]]] = [
     ("over the body limit", COMPLETIONS, json.dumps({"prompt": "x" * 70_000}).encode(), {413}),
     ("1 MB of JSON", CHAT, b'{"messages": [' + b'{"role": "user", "content": "a"},' * 40_000 + b"]}", {413}),

@@ -185,7 +185,8 @@ def cmd_serve(args: argparse.Namespace, planner: Callable[[], Any] | None = None
     if settings.data_parallel_size > 1:
         from tokenmill.serve.data_parallel import serve_data_parallel
 
-        return serve_data_parallel(settings, serve)
+        # The replicas get the planner too: the router proxies POST /v1/plan to one of them
+        return serve_data_parallel(settings, functools.partial(serve, planner=planner))
     return serve(settings, planner)
 
 
