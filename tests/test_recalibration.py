@@ -165,11 +165,22 @@ def test_what_if_predicts_more_latency_under_more_load() -> None:
     ({"settings": {"max_num_seqs": 0}}, "max_num_seqs must be at least 1"),
     ({"settings": {"max_num_seqs": "many"}}, "settings:"),
     ({"load": {"num_prompts": 10**6}}, "load.num_prompts must be at most"),
-    ({"load": {"request_rate": -1}}, "load.request_rate must be a positive number"),
+    ({"load": {"request_rate": -1}}, "load.request_rate must be a number from 0.001"),
+    ({"load": {"burstiness": 5e-324}}, "load.burstiness must be a number from 0.001 to 1000"),  # never ended
+    ({"load": {"request_rate": 1e-300}}, "load.request_rate must be a number from 0.001"),
     ({"load": {"qps": 1}}, "load: unknown key"),
     ({"goodput": {"latency": 5}}, "goodput: 'latency' is not one of"),
     ({"extra": 1}, "unknown key"),
     ([1, 2], "must be a JSON object"),
+    # bounded work: a 60-byte body took 0.9 GB (prompt ids made) or 126 s of CPU (steps)
+    ({"load": {"input_len": 5_000_000, "num_prompts": 4}}, "must be at most 2,000,000 tokens"),
+    ({"load": {"input_len": 1, "output_len": 1000, "num_prompts": 2000}}, "must be at most 2,000,000 tokens"),
+    ({"settings": {"max_num_seqs": 1}, "load": {"input_len": 1, "output_len": 300, "num_prompts": 100,
+                                                "request_rate": math.inf}}, "more than 20,000 engine steps"),
+    # a section that is not an object was taken for {} when falsy
+    ({"settings": []}, "settings must be an object"),
+    ({"load": 0}, "load must be an object"),
+    ({"goodput": ""}, "goodput must be an object"),
 ])
 def test_what_if_refuses_a_bad_body_with_a_message(body, message) -> None:
     with pytest.raises(ValueError, match=message):

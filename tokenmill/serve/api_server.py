@@ -236,7 +236,9 @@ def _add_plan_route(app: FastAPI, serving: OpenAIServing, calibration: OnlineCal
     base_lock = asyncio.Lock()
     looked_up: list[bool] = []
 
-    @app.post("/v1/plan", responses={status: {"model": ErrorResponse} for status in (400, 503)})
+    @app.post("/v1/plan", responses={status: {"model": ErrorResponse} for status in (400, 503)},
+              openapi_extra={"requestBody": {"required": True,
+                                             "content": {"application/json": {"schema": planner.body_schema}}}})
     async def plan(raw: Request) -> Response:
         core = serving.core  # 503 while the model loads
         try:

@@ -45,6 +45,8 @@ class Planner(Protocol):
     """What `POST /v1/plan` runs (the simulator's `SimulatorPlanner`, handed to the server
     by the command line: the server's room does not import the simulator's)."""
 
+    body_schema: dict[str, Any]  # the request body's JSON schema, for the OpenAPI document
+
     def base_model(self, config: EngineConfig) -> tuple[StepCostModel | None, str]:
         """This machine's stored calibration for the config's model, dtype and threads,
         and where it came from; (None, "") when there is none."""

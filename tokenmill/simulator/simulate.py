@@ -134,12 +134,13 @@ class SimulationResult:
 
 
 def simulate(trace: Trace, setup: SimulationSetup, max_concurrency: int | None = None,
-             warm_step_cost: bool = False) -> SimulationResult:
+             warm_step_cost: bool = False, max_steps: int | None = None) -> SimulationResult:
     """Run `trace` through the engine on virtual time; at most `max_concurrency` requests in
     flight at the client (the rest wait for a slot, as `bench serve --max-concurrency`).
     `warm_step_cost`: the engine starts knowing what a step costs (as a server that has
     been running; SLO mode and early rejection then act from the first step), else it
-    learns from its first steps as a freshly started one."""
+    learns from its first steps as a freshly started one. `max_steps`: ValueError past
+    that many engine steps (a what-if on a server's CPU is bounded)."""
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
     wall_start = time.perf_counter()
@@ -168,6 +169,9 @@ def simulate(trace: Trace, setup: SimulationSetup, max_concurrency: int | None =
             for output in engine.step():
                 if output.finished:
                     client.finish(int(output.request_id), clock.now + setup.overheads.token_s)
+            if max_steps is not None and engine.num_steps > max_steps:
+                raise ValueError(f"the load needs more than {max_steps:,} engine steps to simulate: ask for fewer "
+                                 "prompts or output tokens, or more sequences per step")
             if engine.num_steps > steps:
                 continue
         upcoming = client.next_arrival()

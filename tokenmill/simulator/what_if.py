@@ -32,7 +32,17 @@ SETTINGS = ("max_num_seqs", "max_num_batched_tokens", "scheduling_policy", "prio
             "slo_tpot_ms", "slo_reject", "enable_prefix_caching")
 LOAD_DEFAULTS = {"request_rate": 1.0, "num_prompts": 200, "input_len": 128, "output_len": 64, "burstiness": 1.0,
                  "seed": 0}
-MAX_PROMPTS = 2000  # a what-if runs on the server's CPU: bounded
+# A what-if runs on the server's CPU: bounded. The tokens of the load are made (prompt ids)
+# and timed (outputs), and each simulated engine step costs ~0.1 ms here: before the
+# bounds, a 60-byte body (`input_len` 5,000,000, 4 prompts) took 0.9 GB and 8 s, 2,000 such
+# prompts would take the server's memory, and 2,000 prompts of 500 output tokens at
+# `max_num_seqs` 1 took 126 s of CPU.
+MAX_PROMPTS = 2000
+MAX_LOAD_TOKENS = 2_000_000  # num_prompts x (input_len + output_len)
+MAX_STEPS = 20_000  # simulated engine steps (~2 s)
+# A burstiness of 5e-324 made the arrival gaps' gamma scale infinite and the simulation
+# never end (a request held a server thread for good); a rate of 1e-300 asks for 1e300 s.
+RATE_RANGES = {"request_rate": (0.001, math.inf), "burstiness": (0.001, 1000.0)}
 PREDICTED = ("mean_ttft_ms", "median_ttft_ms", "p99_ttft_ms", "mean_tpot_ms", "median_tpot_ms", "p99_tpot_ms",
              "request_throughput", "output_throughput")
 
@@ -46,9 +56,10 @@ def what_if(config: EngineConfig, num_blocks: int, max_model_len: int, cost_mode
     unknown = set(body) - {"settings", "load", "goodput"}
     if unknown:
         raise ValueError(f"unknown key(s) {', '.join(sorted(unknown))}; expected settings, load, goodput")
-    settings = _settings(body.get("settings") or {})
-    load = _load(body.get("load") or {})
-    goodput = _goodput(body.get("goodput") or {})
+    # null is "not given"; anything else must be an object (`[]` and `0` were taken for {})
+    settings = _settings({} if body.get("settings") is None else body["settings"])
+    load = _load({} if body.get("load") is None else body["load"])
+    goodput = _goodput({} if body.get("goodput") is None else body["goodput"])
     try:
         proposed = config.replace(**settings)
     except TypeError as error:  # a value of the wrong type met a comparison
@@ -58,7 +69,10 @@ def what_if(config: EngineConfig, num_blocks: int, max_model_len: int, cost_mode
     dataset = DatasetConfig(name="random", num_prompts=load["num_prompts"], input_len=load["input_len"],
                             output_len=load["output_len"], seed=load["seed"])
     trace = synthetic_trace(dataset, load["request_rate"], load["burstiness"])
-    run = simulate(trace, setup, warm_step_cost=True)  # a running server knows its step cost
+    try:  # a running server knows its step cost
+        run = simulate(trace, setup, warm_step_cost=True, max_steps=MAX_STEPS)
+    except RuntimeError as error:  # the proposed settings cannot schedule the load
+        raise ValueError(f"settings: {error}") from None
     metrics = calculate_metrics(run.records, run.duration, goodput or None)
     predicted = {key: metrics[key] for key in PREDICTED}
     predicted["completed"] = metrics["completed"]
@@ -103,12 +117,15 @@ def _load(load: Any) -> dict[str, Any]:
                              f"got {value!r}")
     if values["num_prompts"] > MAX_PROMPTS:
         raise ValueError(f"load.num_prompts must be at most {MAX_PROMPTS}, got {values['num_prompts']}")
-    for name in ("request_rate", "burstiness"):
+    tokens = values["num_prompts"] * (values["input_len"] + values["output_len"])
+    if tokens > MAX_LOAD_TOKENS:
+        raise ValueError(f"load: num_prompts x (input_len + output_len) must be at most {MAX_LOAD_TOKENS:,} "
+                         f"tokens, got {tokens:,}")
+    for name, (low, high) in RATE_RANGES.items():
         value = values[name]
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0 or math.isnan(value):
-            raise ValueError(f"load.{name} must be a positive number (request_rate may be inf), got {value!r}")
-    if math.isinf(values["burstiness"]):
-        raise ValueError("load.burstiness must be finite")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not low <= value <= high:
+            raise ValueError(f"load.{name} must be a number from {low} to {high} (request_rate may be inf), "
+                             f"got {value!r}")
     return values
 
 
@@ -123,8 +140,29 @@ def _goodput(goodput: Any) -> dict[str, float]:
     return {name: float(value) for name, value in goodput.items()}
 
 
+# The body in the server's OpenAPI schema: its keys and what _load and _goodput check (the
+# settings' values are checked by the engine config).
+BODY_SCHEMA: dict[str, Any] = {
+    "type": "object", "additionalProperties": False,
+    "properties": {
+        "settings": {"type": ["object", "null"], "additionalProperties": False,
+                     "properties": {name: {} for name in SETTINGS}},
+        "load": {"type": ["object", "null"], "additionalProperties": False, "properties": {
+            **{name: {"type": "number", "minimum": low, **({} if math.isinf(high) else {"maximum": high})}
+               for name, (low, high) in RATE_RANGES.items()},
+            "num_prompts": {"type": "integer", "minimum": 1, "maximum": MAX_PROMPTS},
+            "input_len": {"type": "integer", "minimum": 1}, "output_len": {"type": "integer", "minimum": 1},
+            "seed": {"type": "integer", "minimum": 0}}},
+        "goodput": {"type": ["object", "null"], "additionalProperties": False,
+                    "properties": {name: {"type": "number", "minimum": 0} for name in SLO_METRICS}},
+    },
+}
+
+
 class SimulatorPlanner:
     """The server's what-if planner (serve/recalibration.py's Planner)."""
+
+    body_schema = BODY_SCHEMA
 
     def base_model(self, config: EngineConfig) -> tuple[StepCostModel | None, str]:
         from tokenmill.simulator.setup import resolve_profile
