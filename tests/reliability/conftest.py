@@ -7,7 +7,9 @@ greedy outputs are exact whatever the batch (bf16 outputs depend on the batch: s
 docs/reliability.md). Tests that kill or break a server start their own. `dp_rserver`
 is the same server behind the data-parallel router (`--data-parallel-size 2`, each
 replica with those settings), for the tests that must hold through the router too
-(test_fuzz.py); it starts only when such a test runs.
+(test_fuzz.py); it starts only when such a test runs. `pooling_rserver` and
+`dp_pooling_rserver`: the same on the pooling runner, where /v1/embeddings embeds (the
+long fuzz only).
 
 `-m slow` runs the long versions (the 30-minute soak, bigger storms and fuzz runs);
 CI runs the short ones. Every test records its figures in RESULTS, printed at the end
@@ -36,6 +38,21 @@ def rserver():
 @pytest.fixture(scope="session")
 def dp_rserver():
     process = ServerProcess("--data-parallel-size", "2", base_args=RELIABILITY_ARGS).start()
+    yield process
+    assert process.stop() == 0, process.log_tail()
+
+
+@pytest.fixture(scope="session")
+def pooling_rserver():
+    """The suite's server on the pooling runner (/v1/embeddings), for the long fuzz."""
+    process = ServerProcess("--runner", "pooling", base_args=RELIABILITY_ARGS).start()
+    yield process
+    assert process.stop() == 0, process.log_tail()
+
+
+@pytest.fixture(scope="session")
+def dp_pooling_rserver():
+    process = ServerProcess("--runner", "pooling", "--data-parallel-size", "2", base_args=RELIABILITY_ARGS).start()
     yield process
     assert process.stop() == 0, process.log_tail()
 

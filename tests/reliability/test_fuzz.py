@@ -8,6 +8,7 @@ contract: the same statuses, the same error objects, the same schema."""
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import json
 import os
 import socket
@@ -41,45 +42,100 @@ def assert_openai_error(status: int, body: bytes) -> None:
     assert "Traceback" not in error["error"]["message"] and "site-packages" not in error["error"]["message"]
 
 
-def test_fuzz_every_route_from_the_openapi_schema(any_rserver, request):
-    rserver = any_rserver
-    # `-m slow` deselects this (unmarked) test: TOKENMILL_FUZZ_EXAMPLES=500 is the long run
-    examples = int(os.environ.get("TOKENMILL_FUZZ_EXAMPLES", 500 if long_run(request.config) else 25))
-    schema = schemathesis.openapi.from_url(rserver.url + "/openapi.json")
-    statuses: collections.Counter[str] = collections.Counter()
-    empty: list[str] = []  # (POST) routes with no schema-violating case
-    operations = [result.ok() for result in schema.get_all_operations()]
-    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/tokenize",
-                                              "/detokenize", "/v1/models", "/health", "/metrics"}
+def fuzz_examples(config: pytest.Config) -> int | None:
+    """Examples per route and generation mode: TOKENMILL_FUZZ_EXAMPLES (the long run; 500
+    gives 1,000 cases per route), 500 under `-m slow`, else None (CI: 25)."""
+    examples = os.environ.get("TOKENMILL_FUZZ_EXAMPLES")
+    return int(examples) if examples else (500 if long_run(config) else None)
+
+
+def fuzz(url: str, operations: list, examples: int, label: str) -> dict[str, object]:
+    """Every operation with schema-valid cases and, for a POST, as many schema-violating
+    ones (a route without a negative mode, GET or DELETE with a path parameter, gets twice
+    the valid ones, so that every route can reach 2 x `examples` cases). A case that fails
+    a check is recorded and the run goes on, so that one run finds every failure; the
+    caller asserts there are none. Per route: cases by status class; running counts on stdout."""
+    routes: dict[str, collections.Counter[str]] = {}
+    failures: list[str] = []
+    empty: list[str] = []  # routes with no schema-violating case
     for operation in operations:
-        modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if operation.method.upper() == "POST" else [])
+        route = f"{operation.method.upper()} {operation.path}"
+        statuses = routes.setdefault(route, collections.Counter())
+        negative = operation.method.upper() == "POST"
+        modes = [GenerationMode.POSITIVE] + ([GenerationMode.NEGATIVE] if negative else [])
         for mode in modes:
-            @settings(max_examples=examples, deadline=None, database=None, derandomize=True,
-                      suppress_health_check=list(HealthCheck), phases=[Phase.explicit, Phase.generate])
+            @settings(max_examples=examples if negative or "{" not in operation.path else 2 * examples,
+                      deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck),
+                      phases=[Phase.explicit, Phase.generate])
             @given(case=operation.as_strategy(generation_mode=mode))
             def run(case) -> None:
-                response = case.call(base_url=rserver.url, timeout=300)
+                response = case.call(base_url=url, timeout=300)
                 statuses[f"{response.status_code // 100}xx"] += 1
-                if 400 <= response.status_code < 500:
-                    assert_openai_error(response.status_code, response.content)
-                case.validate_response(response, checks=CHECKS)
+                try:
+                    if 400 <= response.status_code < 500:
+                        assert_openai_error(response.status_code, response.content)
+                    case.validate_response(response, checks=CHECKS)
+                except (AssertionError, BaseExceptionGroup) as failure:
+                    found = failure.exceptions if isinstance(failure, BaseExceptionGroup) else [failure]
+                    failures.append(f"{route} {mode.value} -> {response.status_code}: "
+                                    f"{'; '.join(str(f)[:1000] for f in found)}\n{case.as_curl_command()[:2000]}")
+                    print(f"fuzz {label}: FAILED {failures[-1]}", flush=True)
 
             try:
                 run()
             except Unsatisfiable:
                 # no schema-violating case exists for this route's schema (nothing in it to
                 # violate): only the negative mode may come out empty
-                assert mode == GenerationMode.NEGATIVE, (operation.method, operation.path)
-                empty.append(f"{operation.method.upper()} {operation.path}")
-            print(f"fuzz {request.node.callspec.params['any_rserver']}: {operation.method.upper()} {operation.path}"
-                  f" {mode.value}: {dict(statuses)} so far", flush=True)
-    assert statuses["5xx"] == 0
-    health = httpx.get(rserver.url + "/health", timeout=10)
-    assert health.status_code == 200
-    idle = rserver.wait_idle(timeout=30)
-    assert idle["tokenmill:num_requests_running"] == 0
-    RESULTS["fuzz" if request.node.callspec.params["any_rserver"] == "single" else "fuzz_router"] = {
-        "operations": len(operations), "cases": sum(statuses.values()), **dict(statuses), "no_negative_case": empty}
+                assert mode == GenerationMode.NEGATIVE, route
+                empty.append(route)
+            print(f"fuzz {label}: {route} {mode.value}: {dict(statuses)}", flush=True)
+    total: collections.Counter[str] = sum(routes.values(), collections.Counter())
+    assert not failures, "\n\n".join(failures)
+    assert total["5xx"] == 0
+    return {"operations": len(operations), "cases": sum(total.values()), **dict(total), "no_negative_case": empty,
+            "routes": {route: dict(counts) for route, counts in routes.items()}}
+
+
+def calibrate_plan(url: str) -> None:
+    """Enough steps timed for POST /v1/plan's step cost model (before, it answers 503
+    `not_calibrated`: a documented state, not a fault, but a 5xx for the fuzz). Through the
+    router, the replica that answers /v1/plan is the one that must have them."""
+    def complete(words: int) -> None:
+        httpx.post(url + COMPLETIONS, json={"prompt": "a b c " * words, "max_tokens": 12, "ignore_eos": True},
+                   timeout=120)
+
+    for attempt in range(10):
+        if httpx.post(url + "/v1/plan", json={}, timeout=120).status_code != 503:
+            return
+        # a refit tells its terms apart only from varied steps: prompts of several
+        # lengths, decoded in batches of several sizes
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            list(pool.map(complete, [1 + 7 * attempt + 5 * i for i in range(8)]))
+    raise AssertionError("POST /v1/plan stayed 503 after 80 varied requests")
+
+
+def test_fuzz_every_route_from_the_openapi_schema(any_rserver, request):
+    """Every route of the server's /openapi.json. /v1/embeddings answers 404 to every
+    valid body on this (generate runner) server, so the long run fuzzes it again where it
+    embeds: on the same server with `--runner pooling` (single, or behind the router)."""
+    mode = request.node.callspec.params["any_rserver"]
+    examples = fuzz_examples(request.config)
+    schema = schemathesis.openapi.from_url(any_rserver.url + "/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    assert {op.path for op in operations} >= {"/v1/completions", "/v1/chat/completions", "/tokenize",
+                                              "/detokenize", "/v1/models", "/health", "/metrics", "/v1/embeddings"}
+    calibrate_plan(any_rserver.url)
+    results = fuzz(any_rserver.url, operations, examples or 25, mode)
+    assert httpx.get(any_rserver.url + "/health", timeout=10).status_code == 200
+    assert any_rserver.wait_idle(timeout=30)["tokenmill:num_requests_running"] == 0
+    if examples is not None:  # the long run: embeddings where they are served
+        pooling = request.getfixturevalue("pooling_rserver" if mode == "single" else "dp_pooling_rserver")
+        schema = schemathesis.openapi.from_url(pooling.url + "/openapi.json")
+        embeddings = [result.ok() for result in schema.get_all_operations() if result.ok().path == "/v1/embeddings"]
+        results["pooling"] = fuzz(pooling.url, embeddings, examples, mode + " pooling")
+        assert results["pooling"].get("2xx", 0) > 0  # it embeds
+        assert pooling.wait_idle(timeout=30)["tokenmill:num_requests_running"] == 0
+    RESULTS["fuzz" if mode == "single" else "fuzz_router"] = results
 
 
 COMPLETIONS = "/v1/completions"
