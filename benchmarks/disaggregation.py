@@ -5,8 +5,8 @@ closed loop sends long random-token prompts one after another (each a new prefix
 tokens). Reported per system: the decode streams' inter-token latency (p50, p99) without and
 with the prompt load, and the long prompts' TTFT.
 
-- colocated: one `tokenmill serve` pinned to every core given (`--cores`, one thread each),
-  chunked prefill as configured by default;
+- colocated: one `tokenmill serve` pinned to every core given (`--cores`, one thread each, or
+  `--colocated-threads`), the scheduler's defaults (chunked prefill);
 - 1P1D: a kv_producer pinned to the first core and a kv_consumer pinned to the second (one
   thread each), behind `vllm-router --vllm-pd-disaggregation`.
 
@@ -78,14 +78,16 @@ def stream_times(url: str, model: str, prompt: list[int], max_tokens: int) -> li
     return [started, *times]
 
 
-def measure(url: str, model: str, args: argparse.Namespace, load: bool, rng: random.Random) -> dict:
+def measure(url: str, model: str, args: argparse.Namespace, load: bool, rng: random.Random,
+            load_url: str | None = None) -> dict:
+    """`load_url`: where the long prompts go (default: `url`)."""
     stop = threading.Event()
     ttfts: list[float] = []
 
     def prompt_load() -> None:
         while not stop.is_set():
             prompt = [rng.randrange(1000, 40000) for _ in range(args.prompt_tokens)]
-            times = stream_times(url, model, prompt, 4)
+            times = stream_times(load_url or url, model, prompt, 4)
             ttfts.append(times[1] - times[0])
 
     loader = threading.Thread(target=prompt_load) if load else None
@@ -106,9 +108,13 @@ def measure(url: str, model: str, args: argparse.Namespace, load: bool, rng: ran
     stop.set()
     if loader is not None:
         loader.join()
-    itl = sorted(b - a for times in results for a, b in zip(times[1:], times[2:]))
+    gaps = [(b - a, b) for times in results for a, b in zip(times[1:], times[2:])]
+    itl = sorted(g for g, _ in gaps)
+    worst = max(gaps)
+    wall = time.time() - time.monotonic()
     return {"itl_p50_ms": 1e3 * itl[len(itl) // 2], "itl_p99_ms": 1e3 * itl[min(len(itl) - 1, int(0.99 * len(itl)))],
             "num_itl": len(itl), "long_prompts": len(ttfts),
+            "worst_gap": [round(1e3 * worst[0]), time.strftime("%H:%M:%S", time.localtime(worst[1] + wall))],
             "long_ttft_ms": 1e3 * statistics.median(ttfts) if ttfts else None, "load_avg": os.getloadavg()[0]}
 
 
@@ -120,12 +126,15 @@ def main() -> None:
     parser.add_argument("--load-lead", type=float, default=1.0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--cores", default="0,1")
+    parser.add_argument("--colocated-threads", type=int, default=None,
+                        help="the colocated server's --num-threads (default: one per core given)")
     parser.add_argument("--server-args", default="--max-model-len 8192")
+    parser.add_argument("--systems", default="colocated,1P1D")
     parser.add_argument("--output")
     args = parser.parse_args()
     extra = args.server_args.split()
     first, second = args.cores.split(",")[:2]
-    threads = str(len(args.cores.split(",")))
+    threads = str(args.colocated_threads or len(args.cores.split(",")))
     colocated = PinnedServer([*extra, "--num-threads", threads], args.cores)
     kv_port = free_port()
     producer = PinnedServer([*extra, "--num-threads", "1", "--kv-transfer-config", json.dumps(
@@ -140,14 +149,20 @@ def main() -> None:
             server.start()
         proc, pd_url = router(producer, consumer)
         model = httpx.get(colocated.url + "/v1/models").json()["data"][0]["id"]
-        systems = {"colocated": colocated.url, "1P1D": pd_url}
+        # 1P1D-control: the streams through the router, the long prompts to the prefill instance
+        # alone (its core busy, the decode instance never sees them): what pinning and a busy
+        # neighbour core do to the decode instance, without any KV transfer.
+        systems = {k: v for k, v in {"colocated": colocated.url, "1P1D": pd_url, "1P1D-control": pd_url}.items()
+                   if k in args.systems.split(",")}
         rng = random.Random(0)
         for url in systems.values():  # warm-up: kernels, tuning, a long prompt each
             stream_times(url, model, [rng.randrange(1000, 40000) for _ in range(args.prompt_tokens)], 4)
         for r in range(args.rounds):
             for system, url in systems.items():
                 for load in (False, True):
-                    row = {"round": r, "system": system, "prompt_load": load, **measure(url, model, args, load, rng)}
+                    load_url = producer.url if system == "1P1D-control" else None
+                    row = {"round": r, "system": system, "prompt_load": load,
+                           **measure(url, model, args, load, rng, load_url)}
                     print(json.dumps(row), flush=True)
                     rows.append(row)
     finally:
@@ -157,7 +172,7 @@ def main() -> None:
         for server in servers:
             server.stop()
     summary = {}
-    for system in ("colocated", "1P1D"):
+    for system in args.systems.split(","):
         for load in (False, True):
             sel = [x for x in rows if x["system"] == system and x["prompt_load"] == load]
             key = f"{system} {'with' if load else 'without'} prompt load"

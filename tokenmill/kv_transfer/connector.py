@@ -243,9 +243,12 @@ class ZmqKVConnector:
                 break
             request_id, remote, block_ids = job
             peer = (remote.host, remote.port)
+            started = time.monotonic()
             try:
                 payloads = self._pull(sockets, peer, remote, block_ids)
                 result = PullResult(request_id, payloads)
+                logger.info("kv transfer: %s pulled %d blocks (%.1f MB) from %s:%d in %.1f ms", request_id,
+                            len(payloads), sum(map(len, payloads)) / 1e6, *peer, 1e3 * (time.monotonic() - started))
             except Exception as e:  # noqa: BLE001 - reported; the scheduler recomputes
                 sock = sockets.pop(peer, None)  # a late reply must not answer the next pull
                 if sock is not None:
