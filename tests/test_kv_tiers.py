@@ -252,3 +252,93 @@ def test_reset_prefix_cache_route_clears_both_tiers_and_publishes_it() -> None:
     finally:
         ctx.destroy(linger=0)
         assert server.stop() == 0, server.log_tail()
+
+
+# ----- an 8-bit host tier below a 16/32-bit pool (--kv-offloading-cache-dtype) -------------------
+
+
+@pytest.mark.parametrize("pool_dtype", ["float32", "bfloat16"])
+def test_an_8bit_host_tier_round_trips_as_an_8bit_cache_would(pool_dtype, tmp_path) -> None:
+    """A block stored in and loaded back from the int8 host tier equals what an int8 KV
+    cache (rotated) would have given for the same K and V, bit for bit; a disk-tier file
+    written from the host slot equals one written from the pool block."""
+    import dataclasses
+
+    import torch
+
+    from tokenmill.attention import kv_quant
+    from tokenmill.attention.kv_cache import KVCacheSpec, PagedKVCache
+    from tokenmill.engine.kv_tiers import decode_block_file, kv_fingerprint
+    from tokenmill.runner.kv_offload import HostKVBuffer
+
+    dtype = getattr(torch, pool_dtype)
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=3, head_dim=64, block_size=4, dtype=dtype)
+    host_spec = dataclasses.replace(spec, dtype=torch.int8, rotation=64)
+    pool = PagedKVCache(spec, 6, torch.device("cpu"))
+    torch.manual_seed(0)
+    for layer in pool:
+        layer.k.copy_(torch.randn_like(layer.k, dtype=torch.float32) * 3)
+        layer.v.copy_(torch.randn_like(layer.v, dtype=torch.float32))
+    original = [(layer.k.clone(), layer.v.clone()) for layer in pool]
+    buffer = HostKVBuffer(pool, host_spec)
+    assert sum(t[0].numel() for t in buffer.pool) == spec.bytes_per_block
+    fingerprint = kv_fingerprint("test")
+    buffer.apply(KVTransfers(2, store=[(0, 0), (1, 1)], load=[]))  # blocks 0, 1 -> slots 0, 1
+    assert buffer.nbytes == 2 * host_spec.bytes_per_block  # about 1/4 (float32) or 1/2 (bfloat16) of the pool's
+    from_pool = buffer.tier_block_bytes(1)
+    buffer.apply(KVTransfers(2, store=[], load=[(0, 4), (1, 5)], disk_header=fingerprint,
+                             spill=[(1, None, str(tmp_path / "slot"), b"h" * 32)]))
+    assert decode_block_file((tmp_path / "slot").read_bytes(), fingerprint, b"h" * 32, len(from_pool)) == from_pool
+    assert len(from_pool) == host_spec.bytes_per_block
+    reference = PagedKVCache(host_spec, 1, torch.device("cpu"))
+    for layer, (k, v), ref in zip(pool, original, reference):
+        for block, source in ((4, 0), (5, 1)):
+            slots = torch.arange(4)
+            rows = [kv_quant.rotate(t[source].float(), 64) for t in (k, v)]
+            ref.write(rows[0], rows[1], slots)
+            expect = [kv_quant.rotate(t, 64).to(dtype) for t in ref.read(slots, torch.float32)]
+            assert torch.equal(layer.k[block], expect[0]) and torch.equal(layer.v[block], expect[1])
+            assert (layer.k[block].float() - k[source].float()).abs().max() < 0.05 * k[source].float().abs().max()
+        assert torch.equal(layer.k[:4], k[:4]) and torch.equal(layer.v[:4], v[:4])  # the sources are untouched
+
+
+def test_an_8bit_host_tier_holds_4x_the_blocks_and_keeps_greedy_output(llm_f32) -> None:
+    """The default model in float32 with a 32-block pool: the int8 host tier holds ~3.9x the
+    blocks of a float32 one in the same GiB, serves the returning prefix from it, and the
+    returning request's greedy tokens match the cache-less engine's (logprobs within 0.05)."""
+    from tokenmill import LLM
+
+    ids = llm_f32.tokenizer.encode(TEXT * 20)
+    prefix = ids[:384]
+    returning = prefix + ids[400:420]
+    others = [[t + 1 + i for t in ids[:400]] for i in range(2)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=1)
+    reference = sibling(llm_f32, enable_prefix_caching=False).generate([returning], params)[0].outputs[0]
+    pool_bytes = 32 * 16 * 46080  # 32 blocks of the float32 KV (30 layers x 3 heads x 64 x 4 bytes x K, V)
+    llm = LLM(dtype="float32", max_model_len=2048, kv_cache_memory=pool_bytes, seed=0, enable_prefix_caching=True,
+              kv_offloading_size=0.02, kv_offloading_cache_dtype="int8")
+    host = llm.engine.scheduler.kv.host_tier
+    assert llm.engine.facts.kv_offload_bytes_per_token == 30 * 2 * 3 * (64 + 2)
+    assert host.num_blocks == int(0.02 * 2**30) // (16 * 30 * 2 * 3 * 66)  # 3.88x the float32 tier's 28
+    llm.generate([prefix + ids[384:390]], params)
+    for other in others:
+        llm.generate([other], params)
+    out = llm.generate([returning], params)[0]
+    assert_engine_idle(llm)
+    assert out.num_cached_tokens == 384 and host.stats.hit_tokens == 384  # all from the host tier
+    assert out.outputs[0].token_ids == reference.token_ids
+    deltas = [abs(a[t].logprob - b[t].logprob) for t, a, b in
+              zip(reference.token_ids, out.outputs[0].logprobs, reference.logprobs)]
+    assert max(deltas) < 0.05, deltas
+    with pytest.raises(ValueError, match="sibling"):
+        llm.engine.sibling(kv_offloading_cache_dtype="auto")
+
+
+def test_an_8bit_host_tier_needs_a_host_tier_and_a_wide_pool() -> None:
+    from tokenmill import LLM
+    from tokenmill.config import CacheConfig
+
+    with pytest.raises(ValueError, match="set kv_offloading_size"):
+        CacheConfig(kv_offloading_cache_dtype="int8")
+    with pytest.raises(ValueError, match="already 8-bit"):
+        LLM(kv_cache_dtype="int8", kv_offloading_size=0.01, kv_offloading_cache_dtype="int8", max_model_len=256)

@@ -35,6 +35,7 @@ ATTENTION_BACKENDS = ("auto", "cpu_native", "torch_sdpa")
 ALL_REDUCE_BACKENDS = ("auto", "shm", "gloo", "nccl")
 SCHEDULING_POLICIES = ("fcfs", "priority")
 KV_OFFLOADING_BACKENDS = ("native",)
+KV_OFFLOADING_CACHE_DTYPES = ("auto", "int8", "fp8", "fp8_e4m3")
 KV_EVENT_PUBLISHERS = ("null", "zmq")
 KV_EVENT_LAYOUTS = ("map", "array")
 KV_TRANSFER_CONNECTORS = ("TokenmillConnector",)
@@ -349,6 +350,12 @@ class CacheConfig:
                                                     "block evicted from the pool is copied there (least recently "
                                                     "used out first) instead of dropped, and a later prefix hit on "
                                                     "it is copied back instead of recomputed (docs/kv-tiers.md)")
+    kv_offloading_cache_dtype: str = setting(
+        "auto", choices=KV_OFFLOADING_CACHE_DTYPES,
+        help="what the host and disk tiers store a block in: auto = the pool's own bytes; int8 / fp8 = 8-bit codes "
+             "with a float16 scale per token and KV head, Hadamard-rotated (the --kv-cache-dtype int8 format): "
+             "~1/2 of a bfloat16 block, ~1/4 of a float32 one, so 2-4x the blocks fit in --kv-offloading-size; "
+             "lossy as an 8-bit KV cache is (docs/kv-tiers.md), and only below a 16- or 32-bit pool")
     kv_offloading_disk_dir: str | None = setting(
         None, metavar="DIR",
         help="a disk tier below the host tier (needs --kv-offloading-size): blocks the host tier drops are "
@@ -377,6 +384,9 @@ class CacheConfig:
     def __post_init__(self) -> None:
         _check_choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
         _check_choice("kv_offloading_backend", self.kv_offloading_backend, KV_OFFLOADING_BACKENDS)
+        _check_choice("kv_offloading_cache_dtype", self.kv_offloading_cache_dtype, KV_OFFLOADING_CACHE_DTYPES)
+        if self.kv_offloading_cache_dtype != "auto" and self.kv_offloading_size is None:
+            raise ValueError("kv_offloading_cache_dtype: it is the host tier's format; set kv_offloading_size too")
         if self.kv_offloading_size is not None and self.kv_offloading_size <= 0:
             raise ValueError(f"kv_offloading_size must be a positive number of GiB, got {self.kv_offloading_size}")
         if self.kv_offloading_disk_dir is not None and self.kv_offloading_size is None:
@@ -803,6 +813,10 @@ class EngineFacts:
     load_seconds: float = 0.0
     speculative: str = ""  # speculative decoding as configured ("" = off)
     kv_cache_format: str = ""  # the cache's layout in words, e.g. scales and rotation of an int8 cache
+    # The host tier's block format when it is not the pool's (--kv-offloading-cache-dtype):
+    # its dtype name and bytes per token ("" and 0: the pool's own bytes).
+    kv_offload_cache_dtype: str = ""
+    kv_offload_bytes_per_token: int = 0
     # A hybrid KV cache: the sliding-window layers' pool (blocks) and their window (tokens);
     # 0 when every layer keeps every block.
     num_sliding_blocks: int = 0

@@ -176,14 +176,21 @@ def make_block_manager(facts: EngineFacts, enable_caching: bool, offloading_gib:
                                     facts.sliding_window, enable_caching)
     host = None
     if offloading_gib and enable_caching:
-        bytes_per_block = facts.kv_bytes_per_token * facts.block_size
+        # A block as the tiers keep it: the pool's bytes, or (--kv-offloading-cache-dtype) 8-bit.
+        bytes_per_block = (facts.kv_offload_bytes_per_token or facts.kv_bytes_per_token) * facts.block_size
         host = HostTier(int(offloading_gib * 2**30) // bytes_per_block, bytes_per_block)
         if disk_dir is not None:
             fingerprint = kv_fingerprint(facts.model_path, facts.weight_format, facts.architecture, facts.kv_cache_dtype,
                                          facts.kv_cache_format, facts.compute_dtype, facts.block_size,
-                                         facts.kv_bytes_per_token)
+                                         facts.kv_bytes_per_token, *_offload_format(facts))
             host.disk = DiskTier(disk_dir, fingerprint, bytes_per_block, int(disk_gib * 2**30))
     return KVBlockManager(facts.num_blocks, facts.block_size, enable_caching, host)
+
+
+def _offload_format(facts: EngineFacts) -> tuple:
+    """What a compressed host tier adds to the disk tier's fingerprint (nothing without one,
+    so the files of earlier versions keep their directory)."""
+    return (facts.kv_offload_cache_dtype, facts.kv_offload_bytes_per_token) if facts.kv_offload_bytes_per_token else ()
 
 
 class LLMEngine:
@@ -256,6 +263,9 @@ class LLMEngine:
         each must finish its requests before the other steps."""
         facts = self.facts if num_blocks is None else dataclasses.replace(self.facts, num_blocks=num_blocks)
         config = self.config.replace(**settings)
+        if config.cache.kv_offloading_cache_dtype != self.config.cache.kv_offloading_cache_dtype:
+            raise ValueError("kv_offloading_cache_dtype is the runner's host-tier format: a sibling engine keeps "
+                             "its parent's; build a new engine to change it")
         if proposer is None and config.speculative == self.config.speculative:
             proposer = self.proposer
         elif proposer is None and config.speculative.speculative_config is not None:

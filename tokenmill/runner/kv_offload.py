@@ -7,6 +7,12 @@ host) first, then every load (host -> pool). The buffer keeps, per layer, each c
 tensor's blocks (K, V and an 8-bit cache's scales) as bytes, `[num_host_blocks, ...]`,
 allocated when the first transfer names the tier's size (so engines sharing a runner
 size it from their own settings).
+
+With `--kv-offloading-cache-dtype int8|fp8` (`host_spec`) the tiers keep a 16- or 32-bit
+pool's blocks in the 8-bit cache format instead (codes, a float16 scale per token and KV
+head, Hadamard-rotated): a store quantizes (`kv_quant`, the reference of the 8-bit cache's
+write), a load dequantizes into the pool's dtype, and the disk tier's files hold the 8-bit
+bytes too. Lossy, as an 8-bit KV cache is; the pool keeps computing in its own dtype.
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ import logging
 
 import torch
 
-from tokenmill.attention.kv_cache import PagedKVCache
+from tokenmill.attention import kv_quant
+from tokenmill.attention.kv_cache import KVCacheSpec, LayerKVCache, PagedKVCache
 from tokenmill.engine.batch import KVTransfers
 from tokenmill.engine.kv_tiers import encode_block_file, write_block_file
 
@@ -34,11 +41,13 @@ def _block_tensors(kv_cache: PagedKVCache) -> list[torch.Tensor]:
 
 
 class HostKVBuffer:
-    def __init__(self, kv_cache: PagedKVCache) -> None:
+    def __init__(self, kv_cache: PagedKVCache, host_spec: KVCacheSpec | None = None) -> None:
         if kv_cache.num_sliding_blocks:
             raise ValueError("the host KV tier does not take a hybrid KV cache (sliding-window layers)")
+        self.kv_cache = kv_cache
         self.pool = _block_tensors(kv_cache)
-        self.host: list[torch.Tensor] = []
+        self.host_spec = host_spec  # None: the tiers keep the pool's own bytes
+        self.host: list[torch.Tensor] = []  # per pool tensor (or, 8-bit, per tensor of the 8-bit format), as bytes
         self.num_blocks = 0
         self.disk_write_failed = False  # warned once
 
@@ -54,34 +63,91 @@ class HostKVBuffer:
             if slot is not None:
                 payload = b"".join(host[slot].numpy().tobytes() for host in self.host)
             else:
-                payload = self.block_bytes(block)
+                payload = self.tier_block_bytes(block)
             self._write(path, encode_block_file(transfers.disk_header, block_hash, payload))
         if transfers.store:
             blocks, slots = zip(*transfers.store)
             blocks, slots = _index(blocks, device), _index(slots, "cpu")
-            for pool, host in zip(self.pool, self.host):
-                host.index_copy_(0, slots, pool.index_select(0, blocks).to("cpu"))
+            for pool, host in zip(self._tier_rows(blocks), self.host):
+                host.index_copy_(0, slots, pool.to("cpu"))
         if transfers.load:
             slots, blocks = zip(*transfers.load)
             slots, blocks = _index(slots, "cpu"), _index(blocks, device)
-            for pool, host in zip(self.pool, self.host):
-                pool.index_copy_(0, blocks, host.index_select(0, slots).to(device))
-        for payload, block in (*transfers.disk_load, *transfers.remote_load):  # verified by the engine
+            self._put_tier_rows(blocks, [host.index_select(0, slots).to(device) for host in self.host])
+        for payload, block in transfers.disk_load:  # verified by the engine; in the tiers' format
+            self._put_tier_rows(_index((block,), device), self._split(payload, self.host, device))
+        for payload, block in transfers.remote_load:  # a disaggregated producer's: the pool's layout
             self._copy_in(payload, block)
 
     def _copy_in(self, payload: bytes, block: int) -> None:
         """One block's bytes (every cache tensor's, in order) into pool block `block`."""
+        for pool, rows in zip(self.pool, self._split(payload, self.pool, self.pool[0].device)):
+            pool[block].copy_(rows[0])
+
+    @staticmethod
+    def _split(payload: bytes, like: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
+        """One block's bytes cut into a row [1, ...] of each tensor of `like` (in order)."""
         data = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-        offset = 0
-        for pool in self.pool:
-            n = pool[block].numel()
-            pool[block].copy_(data[offset: offset + n].view(pool.shape[1:]))
+        rows, offset = [], 0
+        for t in like:
+            n = t[0].numel()
+            rows.append(data[offset: offset + n].view(1, *t.shape[1:]).to(device))
             offset += n
+        return rows
 
     def block_bytes(self, block: int) -> bytes:
         """Pool block `block` as bytes: every cache tensor's (K, V, an 8-bit cache's scales), in
-        the order `_copy_in` reads them (the disk tier's files, a disaggregated producer's replies)."""
+        the order `_copy_in` reads them (a disaggregated producer's replies)."""
         return b"".join(t[block].cpu().numpy().tobytes() for t in self.pool)
+
+    def tier_block_bytes(self, block: int) -> bytes:
+        """Pool block `block` as the tiers keep it (a disk-tier file's payload)."""
+        rows = self._tier_rows(_index((block,), self.pool[0].device))
+        return b"".join(r[0].cpu().numpy().tobytes() for r in rows)
+
+    # ----- the tiers' format -----------------------------------------------------------
+
+    def _tier_rows(self, blocks: torch.Tensor) -> list[torch.Tensor]:
+        """These pool blocks as the tiers keep them: one uint8 tensor [len(blocks), ...] per
+        host tensor (the pool's bytes, or the 8-bit format's codes and scales)."""
+        if self.host_spec is None:
+            return [pool.index_select(0, blocks) for pool in self.pool]
+        rows = []
+        for layer in self.kv_cache:
+            for cache in (layer.k, layer.v):
+                x = cache.index_select(0, blocks)  # [n, block_size, heads, head_dim]
+                if self.host_spec.rotation:
+                    x = kv_quant.rotate(x.float(), self.host_spec.rotation)
+                codes, scales = kv_quant.quantize(x, self.host_spec.dtype)  # scales [n, block_size, heads]
+                rows += [codes.view(torch.uint8), scales.transpose(1, 2).contiguous().view(torch.uint8)]
+        return [rows[i] for i in self._host_order()]
+
+    def _put_tier_rows(self, blocks: torch.Tensor, rows: list[torch.Tensor]) -> None:
+        """The inverse of `_tier_rows`: tier-format rows into these pool blocks."""
+        if self.host_spec is None:
+            for pool, r in zip(self.pool, rows):
+                pool.index_copy_(0, blocks, r)
+            return
+        rows = dict(zip(self._host_order(), rows))
+        i = 0
+        for layer in self.kv_cache:
+            for cache in (layer.k, layer.v):
+                codes = rows[i].view(self.host_spec.dtype)
+                scales = rows[i + 1].view(kv_quant.SCALE_DTYPE).transpose(1, 2)
+                x = kv_quant.dequantize(codes, scales)
+                if self.host_spec.rotation:
+                    x = kv_quant.rotate(x, self.host_spec.rotation)  # H is its own inverse
+                cache.index_copy_(0, blocks, x.to(cache.dtype))
+                i += 2
+
+    def _host_order(self) -> list[int]:
+        """K codes, V codes, K scales, V scales per layer: an 8-bit pool's tensor order
+        (`_block_tensors`), so a tier file reads like an 8-bit pool's block."""
+        order = []
+        for layer in range(len(self.kv_cache)):
+            base = 4 * layer
+            order += [base, base + 2, base + 1, base + 3]  # [k codes, k scales, v codes, v scales] -> k, v, ks, vs
+        return order
 
     def _write(self, path: str, data: bytes) -> None:
         try:
@@ -94,8 +160,15 @@ class HostKVBuffer:
     def _allocate(self, num_blocks: int) -> None:
         # Not zeroed: a slot is always written before it is read. Host memory: pinned on a
         # GPU machine would let the copies overlap compute; plain here (CPU pool).
-        self.host = [torch.empty((num_blocks, *t.shape[1:]), dtype=torch.uint8) for t in self.pool]
+        like = self.pool if self.host_spec is None else _block_tensors(_one_block_cache(self.kv_cache, self.host_spec))
+        self.host = [torch.empty((num_blocks, *t.shape[1:]), dtype=torch.uint8) for t in like]
         self.num_blocks = num_blocks
+
+
+def _one_block_cache(kv_cache: PagedKVCache, spec: KVCacheSpec) -> list[LayerKVCache]:
+    """One block of every layer in the 8-bit format (only its tensors' shapes are used)."""
+    return [LayerKVCache.allocate(1, spec.block_size, spec.num_kv_heads, spec.head_dim, spec.dtype, "cpu",
+                                  spec.rotation) for _ in range(len(kv_cache))]
 
 
 def _index(ids: tuple[int, ...], device: torch.device | str) -> torch.Tensor:

@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, BatchLayout, ForwardContext, forward_context
-from tokenmill.attention.kv_cache import PagedKVCache
+from tokenmill.attention.kv_cache import KVCacheSpec, PagedKVCache
 from tokenmill.engine.batch import PromptLogprobsChunk, RequestTable, RunnerOutput, SchedulerOutput, StepRequest
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.pooling import Pooler
@@ -62,6 +62,7 @@ class ModelRunner:
         # The pooling runner's (set by the builder): pooling requests' vectors instead of tokens.
         self.pooler: Pooler | None = None
         self.host_kv: HostKVBuffer | None = None  # the host KV tier's memory, made at its first transfer
+        self.host_kv_spec: KVCacheSpec | None = None  # its 8-bit block format (--kv-offloading-cache-dtype); None: the pool's
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
@@ -73,7 +74,7 @@ class ModelRunner:
             self.pooler.release([*batch.finished_ids, *batch.preempted_ids])
         if batch.kv_transfers:  # the host tier's copies, before anything reads or writes the pool
             if self.host_kv is None:
-                self.host_kv = HostKVBuffer(self.kv_cache)
+                self.host_kv = HostKVBuffer(self.kv_cache, self.host_kv_spec)
             self.host_kv.apply(batch.kv_transfers)
         return self.run(self.requests.apply(batch))
 
@@ -81,7 +82,7 @@ class ModelRunner:
         """These pool blocks' KV as bytes, one entry per block, in the pool's own layout and
         dtype (a disaggregated producer serves them; the blocks are held, so no step writes
         them meanwhile, and this may run on another thread)."""
-        buffer = self.host_kv if self.host_kv is not None else HostKVBuffer(self.kv_cache)
+        buffer = self.host_kv if self.host_kv is not None else HostKVBuffer(self.kv_cache, self.host_kv_spec)
         return [buffer.block_bytes(b) for b in block_ids]
 
     @torch.inference_mode()

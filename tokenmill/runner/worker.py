@@ -122,6 +122,8 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltRank
     kv_cache = PagedKVCache(spec, num_blocks, device, sliding_layers, num_sliding_blocks)
     runner_class = rank.runner_class if rank is not None else ModelRunner
     runner = runner_class(loaded.model, kv_cache, backend, plan, device, seed=config.model.seed, threads=governor)
+    host_spec = offload_cache_spec(config, spec, device)
+    runner.host_kv_spec = host_spec
     runner.structured_output = StructuredOutputManager(
         compiler_for(loaded.tokenizer, loaded.arch.vocab_size, config.model.structured_outputs_backend))
     if rank is not None and rank.microbatches is not None:
@@ -142,6 +144,8 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltRank
         load_seconds=time.perf_counter() - start, speculative=describe_speculation(speculative, draft_runner),
         kv_cache_format=spec.describe(), num_sliding_blocks=num_sliding_blocks, sliding_window=window,
         runner=runner_type, pooling=pooling,
+        kv_offload_cache_dtype=host_spec.describe() if host_spec is not None else "",
+        kv_offload_bytes_per_token=host_spec.bytes_per_token if host_spec is not None else 0,
     )
     logger.info(
         "loaded %s (%s) on %s in %.1f s: %d KV blocks of %d tokens = %d tokens (%.2f GiB, %d bytes per token, "
@@ -378,6 +382,21 @@ def check_fp8_kv_cache(device: torch.device) -> None:
     except (RuntimeError, TypeError) as exc:
         raise ValueError(f"kv_cache_dtype fp8_e4m3: {device} cannot store float8 tensors ({exc}); use int8 "
                          "(same size)") from exc
+
+
+def offload_cache_spec(config: EngineConfig, pool: KVCacheSpec, device: torch.device) -> KVCacheSpec | None:
+    """The host tier's block format under --kv-offloading-cache-dtype (None: the pool's own
+    bytes): the pool's layout in an 8-bit dtype, rotated where head_dim allows."""
+    name = config.cache.kv_offloading_cache_dtype
+    if name == "auto" or config.cache.kv_offloading_size is None:
+        return None
+    if pool.quantized:
+        raise ValueError(f"kv_offloading_cache_dtype {name}: the pool is already 8-bit ({pool.describe()}); "
+                         "leave it auto (the host tier then keeps the pool's bytes)")
+    name = kv_cache_dtype_name(name)
+    if name == "fp8_e4m3":
+        check_fp8_kv_cache(device)
+    return dataclasses.replace(pool, dtype=torch_dtype(name), rotation=kv_quant.rotation_block(pool.head_dim))
 
 
 def kv_cache_spec(config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,
