@@ -163,6 +163,38 @@ def test_a_stream_whose_replica_dies_ends_with_an_error_event_and_done(router):
     assert router.get("/health").status_code == 200  # one replica is enough
 
 
+def test_a_responses_stream_whose_replica_dies_ends_with_its_error_event(tiny: Path):
+    """A Responses API stream ends as the single server's does when its engine dies: an
+    `error` event numbered after the last one relayed, and no `[DONE]` (the router sent the
+    chat streams' ErrorResponse and `[DONE]`, which the route's schema does not allow)."""
+    server = start_router(tiny)
+    pids = replica_pids(server)
+    body = {"input": "w5 w6 w7", "max_output_tokens": 3500, "temperature": 0, "stream": True}
+    try:
+        with httpx.stream("POST", server.url + "/v1/responses", headers=server.headers, json=body,
+                          timeout=120) as response:
+            assert response.status_code == 200
+            chunks = response.iter_text()
+            raw = first_event(chunks)
+            serving: list[int] = []  # the replica's gauge may lag the first event
+            assert wait_until(lambda: serving.extend(
+                r for r, value in replica_gauge(server, "tokenmill:num_requests_running").items() if value == 1)
+                or serving, 10)
+            os.kill(pids[serving[0]], signal.SIGKILL)
+            raw += "".join(chunks)
+        blocks = raw.split("\n\n")
+        assert blocks[-1] == "" and "[DONE]" not in raw, raw[-300:]
+        events = [dict(line.split(": ", 1) for line in block.split("\n")) for block in blocks[:-1]]
+        payloads = [json.loads(event["data"]) for event in events]
+        assert [p["sequence_number"] for p in payloads] == list(range(len(payloads)))
+        assert all(event["event"] == payload["type"] for event, payload in zip(events, payloads))
+        assert payloads[-1] == {"type": "error", "sequence_number": len(payloads) - 1, "code": "engine_unavailable",
+                                "message": payloads[-1]["message"], "param": None}, payloads[-1]
+        assert "replica" in payloads[-1]["message"] and payloads[-2]["type"] != "response.completed"
+    finally:
+        server.stop()
+
+
 def test_sigterm_drains_the_replicas_and_exits_0(tiny: Path):
     """The router's drain is the single server's: new requests 503 with Connection: close,
     /health 503, a running stream ends `abort` + `[DONE]` at the replicas' shutdown

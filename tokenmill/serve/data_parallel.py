@@ -423,7 +423,9 @@ class Router:
 
         headers = {k: v for k, v in upstream.headers.items() if k.lower() not in NOT_PASSED}
         if upstream.headers.get("content-type", "").startswith("text/event-stream"):
-            return SSEResponse(self._relay(upstream, replica), self.send_timeout, upstream.status_code, headers)
+            responses = upstream.request.url.path.startswith("/v1/responses")
+            return SSEResponse(self._relay(upstream, replica, responses), self.send_timeout, upstream.status_code,
+                               headers)
         try:
             content = b"".join([chunk async for chunk in upstream.aiter_raw()])
         except httpx.TransportError as exc:
@@ -434,18 +436,21 @@ class Router:
             await upstream.aclose()
         return Response(content=content, status_code=upstream.status_code, headers=headers)
 
-    async def _relay(self, upstream, replica: Replica) -> AsyncIterator[bytes]:
+    async def _relay(self, upstream, replica: Replica, responses: bool = False) -> AsyncIterator[bytes]:
         """A replica's SSE stream, passed on whole events at a time, so that a replica that
         fails mid-stream leaves no half event: its stream then ends as the single server's
-        does when its engine dies, with an error event and `data: [DONE]`."""
+        does when its engine dies, with an error event and `data: [DONE]` (a Responses API
+        stream: an `error` event numbered after the events relayed, and no `[DONE]`)."""
         import httpx
 
         pending = b""
+        events = 0
         try:
             async for chunk in upstream.aiter_raw():
                 pending += chunk
                 end = pending.rfind(b"\n\n")
                 if end >= 0:
+                    events += pending.count(b"\n\n", 0, end + 2)
                     yield pending[:end + 2]
                     pending = pending[end + 2:]
             if pending:
@@ -453,7 +458,8 @@ class Router:
         except httpx.TransportError as exc:
             logger.error("replica %d failed mid-stream (%s): the stream ends with an error event",
                          replica.index, type(exc).__name__)
-            yield _stream_error("the data-parallel replica serving this stream failed")
+            yield _stream_error("the data-parallel replica serving this stream failed",
+                                sequence_number=events if responses else None)
         finally:  # also when the client went away: closing aborts the replica's request
             replica.load -= 1
             await upstream.aclose()
@@ -552,11 +558,17 @@ def _unavailable(message: str):
     return error_response(503, message, code="engine_unavailable", headers={"Connection": "close"})
 
 
-def _stream_error(message: str) -> bytes:
+def _stream_error(message: str, sequence_number: int | None = None) -> bytes:
+    """The single server's last events when its engine dies: an ErrorResponse and `[DONE]`;
+    with `sequence_number`, the Responses API's `error` event (what serve/responses.py sends)."""
     from tokenmill.serve.errors import error_body
 
-    payload = json.dumps(error_body(503, message, code="engine_unavailable"), separators=(",", ":"))
-    return f"data: {payload}\n\ndata: [DONE]\n\n".encode()
+    error = error_body(503, message, code="engine_unavailable")
+    if sequence_number is not None:
+        event = {"type": "error", "sequence_number": sequence_number, "code": error["error"]["code"],
+                 "message": error["error"]["message"], "param": None}
+        return f"event: error\ndata: {json.dumps(event, separators=(',', ':'))}\n\n".encode()
+    return f"data: {json.dumps(error, separators=(',', ':'))}\n\ndata: [DONE]\n\n".encode()
 
 
 def create_router_app(router: Router, settings: argparse.Namespace, on_all_dead):
