@@ -551,3 +551,37 @@ def test_onednn_primitives_do_not_grow_with_row_counts() -> None:
                            "print(b()['LRU_CACHE_CAPACITY'])"], env={**env, "LRU_CACHE_CAPACITY": "7"},
                           capture_output=True, text=True, timeout=60)
     assert user.stdout.strip() == "7", user.stderr[-2000:]
+
+
+@pytest.mark.parametrize("n,L,heads,kv_heads,d", [(200, 200, 9, 3, 64), (37, 37, 4, 2, 32), (5, 50, 8, 8, 128),
+                                                  (33, 70, 6, 2, 96), (1, 1, 2, 1, 64)])
+def test_native_bf16_prefill_attention_matches_sdpa(n, L, heads, kv_heads, d) -> None:
+    """The AVX-512 BF16 prefill kernel: n query rows over L keys (the last n are the chunk's
+    own: bottom-right causal), grouped heads, strided views of one qkv tensor as the model
+    gives them; against float32 SDPA it is as close as torch's bf16 SDPA is (bf16 inputs and
+    probabilities, float32 softmax). Where the CPU lacks AVX-512 BF16 the op says so."""
+    from tokenmill.hardware import cpu_info
+
+    gen = torch.Generator().manual_seed(n + L)
+    qkv = torch.randn(L, (heads + 2 * kv_heads) * d, generator=gen).bfloat16()
+    q = qkv[L - n:, : heads * d].view(n, heads, d)
+    k = qkv[:, heads * d : (heads + kv_heads) * d].view(L, kv_heads, d)
+    v = qkv[:, (heads + kv_heads) * d :].view(L, kv_heads, d)
+    out = torch.empty(n, heads, d, dtype=torch.bfloat16)
+    if not kernels.has_prefill_attention(d):
+        assert not cpu_info().has("avx512_bf16")
+        with pytest.raises(RuntimeError, match="AVX-512 BF16"):
+            kernels.prefill_attention(out, q, k, v, d**-0.5)
+        return
+    kernels.prefill_attention(out, q, k, v, d**-0.5)
+    mask = torch.arange(L).unsqueeze(0) <= torch.arange(n).unsqueeze(1) + (L - n)
+
+    def sdpa(dtype):
+        qp, kp, vp = (t.to(dtype).transpose(0, 1).unsqueeze(0) for t in (q, k, v))
+        o = F.scaled_dot_product_attention(qp, kp, vp, attn_mask=mask, scale=d**-0.5, enable_gqa=True)
+        return o.squeeze(0).transpose(0, 1).float()
+
+    exact, torch_bf16 = sdpa(torch.float32), sdpa(torch.bfloat16)
+    err = float((out.float() - exact).abs().max())
+    assert err <= 1.5 * float((torch_bf16 - exact).abs().max()) + 4e-3, err
+    assert not kernels.has_prefill_attention(80)  # head sizes without a kernel go to SDPA

@@ -31,11 +31,12 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [
-    _CSRC / name for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_ops.cpp", "cpu_decoder.cpp", "cpu_quant.cpp")
+    _CSRC / name for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_ops.cpp", "cpu_decoder.cpp", "cpu_quant.cpp",
+                              "cpu_prefill_attention.cpp")
 ]
 _OPS = ("paged_decode_attention", "skinny_linear", "grouped_skinny_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary_",
         "llama_decode_layer", "write_kv_cache", "hadamard_", "quant_linear", "quant_dequantize",
-        "quantize_activations_q8", "quant_isa")
+        "quantize_activations_q8", "quant_isa", "prefill_attention", "has_prefill_attention")
 _NAME = "tokenmill_cpu_kernels"
 
 
@@ -108,6 +109,21 @@ def paged_decode_attention(
     then SDPA). A row's keys are reduced in position order whatever else is in the call."""
     torch.ops.tokenmill.paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, scale,
                                                *(kv_scales or (None, None)), window)
+
+
+@functools.cache
+def has_prefill_attention(head_dim: int) -> bool:
+    """Whether this build has the native bf16 prefill attention for this head_dim (AVX-512
+    BF16 dot products; head_dim 32, 64, 96 or 128)."""
+    return bool(torch.ops.tokenmill.has_prefill_attention(head_dim))
+
+
+def prefill_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
+    """out [n, heads, d] = softmax(q k^T * scale) v, bf16 (rows of d contiguous, any other
+    strides), q [n, heads, d] over k, v [L, kv_heads, d], L >= n, bottom-right causal (query
+    row i sees keys 0 .. L - n + i), float32 scores and softmax, probabilities rounded to bf16
+    for the value product (what SDPA's bf16 flash kernel computes; reference: SDPA)."""
+    torch.ops.tokenmill.prefill_attention(out, q, k, v, scale)
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],
