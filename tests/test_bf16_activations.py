@@ -170,3 +170,11 @@ def test_the_default_model_gives_the_float32_activation_path_tokens(default_llm)
         runner.plan, runner.backend = plan, backend
     assert results["bf16"][1] == results["float32"][1]
     assert results["bf16"][0] == results["float32"][0]
+
+
+def test_bf16_prefill_attention_runs_natively_where_the_cpu_has_avx512_bf16_and_no_amx() -> None:
+    from tokenmill.attention.cpu_native import native_prefill_attention
+
+    cpu = cpu_info()
+    assert native_prefill_attention(64) == (cpu.has("avx512_bf16") and not cpu.has("amx_bf16"))
+    assert not native_prefill_attention(80)  # no kernel for this head size: SDPA

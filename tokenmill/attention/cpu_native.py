@@ -5,8 +5,8 @@ Decode queries (one token each) attend over their histories read in place from t
 paged cache (`tokenmill/kernels/csrc/cpu_attention.cpp`), instead of the padded gather
 plus masked SDPA of the pure-PyTorch backend; it reads int8/fp8 caches with their scales
 as they are. Prefill chunks go through the shared SDPA path (`paged_sdpa`), except bf16
-ones (the plan's prefill attention dtype) over a bf16 cache where the build has AVX-512 BF16:
-those run the native kernel (`cpu_prefill_attention.cpp`: 2x torch's flash kernel at a
+ones (the plan's prefill attention dtype) over a bf16 cache where the build has AVX-512 BF16
+and the CPU no AMX: those run the native kernel (`cpu_prefill_attention.cpp`: 2x torch's flash kernel at a
 1024-token layer of 9 heads of 64 on a Zen 4 core). An 8-bit cache is written by the native write (one op
 instead of a dozen per layer), to the same bytes as the PyTorch write.
 
@@ -17,12 +17,14 @@ kernel's `window`); its prefill chunks through SDPA narrowed to the window.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass, field
 
 import torch
 
 from tokenmill.attention.backend import AttentionBackend, BatchLayout, padded_block_tables
 from tokenmill.attention.paged_sdpa import PrefillSpan, attend_prefills, prefill_spans, windowed_spans, write_kv
+from tokenmill.hardware import cpu_info
 from tokenmill.kernels import (hadamard_, has_prefill_attention, paged_decode_attention, prefill_attention,
                                write_kv_cache)
 
@@ -92,7 +94,7 @@ class CPUNativeBackend(AttentionBackend):
         otherwise, and for float32 attention, by SDPA."""
         bf16 = torch.bfloat16
         if (self.prefill_dtype or q.dtype) != bf16 or window is not None or kv_cache.quantized \
-                or not has_prefill_attention(q.shape[-1]):
+                or not native_prefill_attention(q.shape[-1]):
             attend_prefills(q, k, v, kv_cache, metadata.prefills, scale, out, metadata.slot_mapping,
                             self.prefill_dtype)
             return
@@ -121,6 +123,14 @@ class CPUNativeBackend(AttentionBackend):
         paged_decode_attention(od, qd, k_cache, v_cache, native.block_tables, native.context_lens, scale,
                                kv_cache.scales, native.window)
         out[native.rows] = od
+
+
+@functools.cache
+def native_prefill_attention(head_dim: int) -> bool:
+    """Whether bf16 prefill chunks run the native kernel here: built with AVX-512 BF16 for this
+    head_dim, on a CPU without AMX (there torch's flash kernel multiplies on AMX tiles, 2.8x
+    its float32 at 1024 tokens on a Xeon; the two were not measured against each other)."""
+    return has_prefill_attention(head_dim) and not cpu_info().has("amx_bf16")
 
 
 def _native_decode(layout: BatchLayout, decodes: list[int], device: torch.device) -> NativeDecode:
