@@ -13,6 +13,12 @@ no cache outlives its run), measured in alternation round by round:
   pool       --num-blocks P, prefix caching (what tokenmill does without the tier: recompute)
   pool+host  the same pool and --kv-offloading-size GIB
   unbounded  a pool that holds the whole working set (the prefix hit rate to compare with)
+  pool+host8 (--host8) the pool and the same GiB of host tier in the 8-bit format
+             (--kv-offloading-cache-dtype int8: about twice the blocks below a bfloat16 pool)
+  pool+disk  (--disk-dir) a small host tier over a disk tier; with --restart, after its trace
+             a new engine over the same directory (empty pool and host tier) takes one more
+             turn of every session: the first returning turn after a restart, against the
+             same turn recomputed
 For each: the prefix hit rate (hit tokens / prompt tokens, all turns), and the median TTFT
 of the returning turns (turn >= 2). Not part of CI.
 
@@ -57,6 +63,7 @@ def run_trace(llm, sessions: list[dict], args: argparse.Namespace) -> dict:
             answer = list(out.outputs[0].token_ids)
             answers.append(answer)
             histories[i] = prompt + answer
+    args.final_histories = histories
     stats = llm.engine.stats()
     return {"hit_rate": hits / queries, "prompt_tokens": queries, "hit_tokens": hits,
             "returning_ttft_ms": 1e3 * statistics.median(returning_ttft),
@@ -64,6 +71,19 @@ def run_trace(llm, sessions: list[dict], args: argparse.Namespace) -> dict:
             "host_hit_tokens": stats.external_prefix_cache_hits, "host_loaded_blocks": stats.kv_offload_loaded_blocks,
             "host_stored_blocks": stats.kv_offload_stored_blocks, "answers": answers,
             "disk_hit_tokens": _disk_hit_tokens(llm)}
+
+
+def one_more_turn(llm, histories: list[list[int]], users: list[list[int]], args: argparse.Namespace) -> dict:
+    """Every session's next turn on `llm` (one at a time): median TTFT and hit tokens."""
+    from tokenmill import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=args.answer, ignore_eos=True)
+    ttfts, hits = [], 0
+    for history, user in zip(histories, users):
+        out = llm.generate([history + user], params, use_tqdm=False)[0]
+        ttfts.append(out.metrics.first_token_time - out.metrics.arrival_time)
+        hits += out.num_cached_tokens
+    return {"ttft_ms": 1e3 * statistics.median(ttfts), "hit_tokens": hits, "disk_hit_tokens": _disk_hit_tokens(llm)}
 
 
 def _disk_hit_tokens(llm) -> int:
@@ -89,13 +109,16 @@ def main() -> None:
                                                            "over a disk tier in a fresh subdirectory of this per run")
     parser.add_argument("--disk-host-gib", type=float, default=0.005)
     parser.add_argument("--configs", default=None, help="comma-separated subset of the engines to run")
+    parser.add_argument("--host8", action="store_true", help="also run pool+host8: the host tier in int8")
+    parser.add_argument("--restart", action="store_true", help="with --disk-dir: time the first returning turn "
+                                                               "after a restart (see above)")
     args = parser.parse_args()
 
     from tokenmill.llm import LLM
     from tokenmill.workloads.offline import ordinary_token_ids
 
     longest = args.history + args.turns * (args.user + args.answer)
-    base = LLM(dtype=args.dtype, num_threads=args.threads, max_model_len=longest + 64, seed=0,
+    base = LLM(dtype=args.dtype, num_threads=args.threads, max_model_len=longest + args.user + args.answer + 64, seed=0,
                kv_cache_memory="1GiB", enable_prefix_caching=False)
     facts = base.engine.facts
     working_set_blocks = args.sessions * -(-longest // facts.block_size)
@@ -111,9 +134,18 @@ def main() -> None:
     }
     if args.disk_dir:
         configs["pool+disk"] = dict(num_blocks=args.pool_blocks, kv_offloading_size=args.disk_host_gib)
+    base8 = None
+    if args.host8:  # the host tier's format is the runner's: its own model and KV memory
+        base8 = LLM(dtype=args.dtype, num_threads=args.threads, max_model_len=longest + args.user + args.answer + 64, seed=0,
+                    kv_cache_memory="1GiB", enable_prefix_caching=False, kv_offloading_size=args.offloading_gib,
+                    kv_offloading_cache_dtype="int8")
+        configs["pool+host8"] = dict(num_blocks=args.pool_blocks, kv_offloading_size=args.offloading_gib)
     if args.configs:
         configs = {k: v for k, v in configs.items() if k in args.configs.split(",")}
     runs: dict[str, list[dict]] = {name: [] for name in configs}
+    restarts: list[dict] = []
+    next_users = [[random.Random(args.seed + 1 + i).choice(sessions[0]["history"]) for _ in range(args.user)]
+                  for i in range(args.sessions)]
     load = []
     for rnd in range(args.rounds):
         for name, settings in configs.items():
@@ -121,10 +153,22 @@ def main() -> None:
             extra = {k: v for k, v in settings.items() if k != "num_blocks"}
             if name == "pool+disk":
                 extra["kv_offloading_disk_dir"] = os.path.join(args.disk_dir, f"round{rnd}")
-            llm = LLM.from_engine(base.engine.sibling(num_blocks, enable_prefix_caching=True, **extra))
+            owner = base8 if name == "pool+host8" else base
+            llm = LLM.from_engine(owner.engine.sibling(num_blocks, enable_prefix_caching=True, **extra))
             load.append(os.getloadavg()[0])
             result = run_trace(llm, sessions, args)
             runs[name].append(result)
+            if name == "pool+disk" and args.restart:  # a restart, then every session's next turn
+                histories = args.final_histories
+                del llm
+                restarted = LLM.from_engine(base.engine.sibling(num_blocks, enable_prefix_caching=True, **extra))
+                after = one_more_turn(restarted, histories, next_users, args)
+                del restarted
+                recompute = one_more_turn(LLM.from_engine(base.engine.sibling(num_blocks, enable_prefix_caching=True)),
+                                          histories, next_users, args)
+                restarts.append({"after_restart": after, "recompute": recompute})
+                print(f"round {rnd} restart: next turn TTFT {after['ttft_ms']:.1f} ms from disk "
+                      f"({after['disk_hit_tokens']} tokens) vs {recompute['ttft_ms']:.1f} ms recomputed", flush=True)
             print(f"round {rnd} {name:10s} hit rate {result['hit_rate']:.3f} returning TTFT "
                   f"{result['returning_ttft_ms']:.1f} ms (first turns {result['first_turn_ttft_ms']:.1f} ms) "
                   f"host+disk hits {result['host_hit_tokens']} tokens (disk {result['disk_hit_tokens']}), "
@@ -158,6 +202,13 @@ def main() -> None:
                                         for name in summary if "pool" in summary},
         "summary": summary,
     }
+    if restarts:
+        ratios = [r["after_restart"]["ttft_ms"] / r["recompute"]["ttft_ms"] for r in restarts]
+        report["restart"] = {"rounds": restarts, "ttft_vs_recompute_median": statistics.median(ratios),
+                             "ttft_vs_recompute_min": min(ratios), "ttft_vs_recompute_max": max(ratios)}
+    if base8 is not None:
+        report["host8_blocks"] = int(args.offloading_gib * 2**30) // (
+            base8.engine.facts.kv_offload_bytes_per_token * facts.block_size)
     print(json.dumps(report, indent=1))
     if args.output:
         with open(args.output, "w") as f:
