@@ -107,6 +107,10 @@ def test_function_tools_and_their_output_items(server, client) -> None:
 
 
 def test_bad_requests(server, client) -> None:
+    # validated strictly, as the other bodies (`store: 0.0` was taken for false; the long fuzz)
+    for field, value in (("store", 0.0), ("stream", 1), ("max_output_tokens", 2.0), ("temperature", "0")):
+        response = server.post("/v1/responses", json={"input": "hi", field: value})
+        assert response.status_code == 400 and field in response.text, response.text
     with pytest.raises(openai.BadRequestError, match="background"):
         client.responses.create(model=server.model, input="hi", background=True)
     with pytest.raises(openai.BadRequestError, match="invalid JSON schema"):

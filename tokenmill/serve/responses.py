@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tokenmill.outputs import RequestOutput
 from tokenmill.serve.async_engine import EngineUnavailableError
 from tokenmill.serve.errors import APIError, bad_request, error_body
-from tokenmill.serve.protocol import ChatCompletionRequest, ChatMessage, sse_content
+from tokenmill.serve.protocol import ChatCompletionRequest, ChatMessage, OpenAIModel, RequestBody, sse_content
 from tokenmill.serve.reasoning import get_reasoning_parser
 from tokenmill.serve.serving import (
     OpenAIServing,
@@ -43,22 +43,21 @@ from tokenmill.serve.tools import ChoiceOutput, plan_tools
 MAX_STORED_RESPONSES = 1000
 
 
-class _Lenient(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-
-class TextFormat(_Lenient):
+class TextFormat(OpenAIModel):
     type: Literal["text", "json_object", "json_schema"] = "text"
     name: str | None = None
     schema_: dict[str, Any] | None = Field(default=None, alias="schema")
     strict: bool | None = None
 
 
-class TextConfig(_Lenient):
+class TextConfig(OpenAIModel):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(_Lenient):
+class ResponsesRequest(RequestBody):
+    """Validated as the other bodies (protocol.py): strictly (`store: 0.0` was taken for
+    false: a schema-violating body the long fuzz found), unknown fields ignored."""
+
     model: str | None = None
     input: str | list[dict[str, Any]]
     instructions: str | None = None
