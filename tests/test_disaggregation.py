@@ -41,13 +41,16 @@ def kv_config(role: str, **extra: object) -> str:
 
 
 class Router:
-    def __init__(self, prefill: ServerProcess, decode: ServerProcess) -> None:
+    def __init__(self, prefill: ServerProcess | list[ServerProcess], decode: ServerProcess, *args: str) -> None:
+        prefills = prefill if isinstance(prefill, list) else [prefill]
+        prefill = prefills[0]
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = open(prefill.log.name + f".router{self.port}", "w")
         self.proc = subprocess.Popen(
             vllm_router("--host", "127.0.0.1", "--port", str(self.port), "--vllm-pd-disaggregation",
-                        "--prefill", prefill.url, "--decode", decode.url, "--health-check-interval-secs", "1"),
+                        *(a for p in prefills for a in ("--prefill", p.url)), "--decode", decode.url,
+                        "--health-check-interval-secs", "1", *args),
             stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
@@ -95,7 +98,8 @@ PROMPTS: list[str] = []
 @pytest.fixture(scope="module", params=["tiny", pytest.param("default", marks=pytest.mark.slow)])
 def instances(request, tmp_path_factory):
     """{kv dtype: (prefill, decode)}: bfloat16 and int8 KV (float32 compute, as the suite's
-    servers), on the tiny random checkpoint with 4-token blocks (CI) or the default model."""
+    servers), on the tiny random checkpoint with 4-token blocks (CI) or the default model;
+    "bfloat16-2": a second bfloat16 prefill instance (2P1D)."""
     if request.param == "tiny":
         model = ["--model", str(write_tiny_llama(tmp_path_factory.mktemp("tiny") / "tied")), "--block-size", "4"]
         PROMPTS[:] = TINY_PROMPTS
@@ -106,6 +110,8 @@ def instances(request, tmp_path_factory):
     for kv in ("bfloat16", "int8"):
         servers[kv] = tuple(ServerProcess(*model, "--kv-cache-dtype", kv, "--kv-transfer-config", kv_config(role))
                             for role in ("kv_producer", "kv_consumer"))
+    servers["bfloat16-2"] = (ServerProcess(*model, "--kv-cache-dtype", "bfloat16", "--kv-transfer-config",
+                                           kv_config("kv_producer")),)
     start_all([s for pair in servers.values() for s in pair])
     yield servers
     for pair in servers.values():
@@ -236,3 +242,24 @@ def test_kv_transfer_params_without_a_connector_or_malformed_are_400(instances) 
                                                     "kv_transfer_params": {"do_remote_prefill": True}})
     assert response.status_code == 400 and "remote_engine_id" in response.text
     assert response.json()["error"]["param"] == "kv_transfer_params"
+
+
+def test_two_prefill_instances_one_decode_instance(instances) -> None:
+    """2P1D: the router spreads the prefills (round robin) over two producers on their own
+    kv_ports; the decode instance pulls from whichever one its request names."""
+    prefill, decode = instances["bfloat16"]
+    (second,) = instances["bfloat16-2"]
+    router = Router([prefill, second], decode, "--prefill-policy", "round_robin")
+    try:
+        one = openai.OpenAI(base_url=prefill.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+        sent = [metric(p, "kv_transfer_sent_blocks") for p in (prefill, second)]
+        for i in range(4):
+            prompt = f"{PROMPTS[0]} {i} {PROMPTS[0]}"
+            want = one.completions.create(model=prefill.model, prompt=prompt, max_tokens=8, temperature=0)
+            got = router.client.completions.create(model=prefill.model, prompt=prompt, max_tokens=8, temperature=0)
+            assert got.choices[0].text == want.choices[0].text
+        assert all(metric(p, "kv_transfer_sent_blocks") > before for p, before in zip((prefill, second), sent))
+        for server in (prefill, second, decode):
+            assert wait_freed(server)["tokenmill:kv_cache_usage_perc"] == 0
+    finally:
+        router.stop()
