@@ -100,9 +100,12 @@ def calibrate_plan(url: str) -> None:
     """Enough steps timed for POST /v1/plan's step cost model (before, it answers 503
     `not_calibrated`: a documented state, not a fault, but a 5xx for the fuzz). Through the
     router, the replica that answers /v1/plan is the one that must have them."""
-    def complete(words: int) -> None:
-        httpx.post(url + COMPLETIONS, json={"prompt": "a b c " * words, "max_tokens": 12, "ignore_eos": True},
-                   timeout=120)
+    def complete(n: int) -> None:
+        # a prompt of its own (prompts sharing a prefix all go to one replica under
+        # cache_aware routing, maybe not the one that answers /v1/plan: a run failed so),
+        # of 2 to 181 tokens (the context is 256)
+        httpx.post(url + COMPLETIONS, json={"prompt": f"{n} " + "a b c " * (1 + n % 60), "max_tokens": 12,
+                                            "ignore_eos": True}, timeout=120)
 
     for attempt in range(10):
         if httpx.post(url + "/v1/plan", json={}, timeout=120).status_code != 503:
@@ -110,7 +113,7 @@ def calibrate_plan(url: str) -> None:
         # a refit tells its terms apart only from varied steps: prompts of several
         # lengths, decoded in batches of several sizes
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            list(pool.map(complete, [1 + 7 * attempt + 5 * i for i in range(8)]))
+            list(pool.map(complete, [7 * attempt + 13 * i for i in range(8)]))
     raise AssertionError("POST /v1/plan stayed 503 after 80 varied requests")
 
 
