@@ -66,6 +66,9 @@ class FakeEngine:
     def has_unfinished_requests(self):
         return bool(self.requests)
 
+    def poll_kv_transfers(self):  # no disaggregation here: nothing held, nothing pulled
+        return False
+
     def step(self):
         self.thread_ids.add(threading.get_ident())
         self.steps += 1
