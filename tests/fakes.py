@@ -190,9 +190,10 @@ class Harness:
         slo_tpot: float | None = None,
         step_cost: StepCostEstimator | None = None,
         clock: Callable[[], float] = time.monotonic,
+        priority_step_fraction: float = 0.0,
     ) -> None:
         self.config = SchedulerConfig(max_num_seqs, max_num_batched_tokens, max_model_len, scheduling_policy,
-                                      priority_aging, slo_ttft, slo_tpot)
+                                      priority_aging, slo_ttft, slo_tpot, priority_step_fraction)
         self.kv = KVBlockManager(num_blocks, block_size, enable_caching)
         self.sched = Scheduler(self.config, self.kv, clock, step_cost)
         # Admission as the engine runs it (the scheduler itself checks nothing).

@@ -417,6 +417,15 @@ class SchedulingConfig:
                                                 "so no request is overtaken by one that arrived more than "
                                                 "(its priority - the best priority) x SECONDS after it. "
                                                 "Default: strict priority, as vLLM")
+    priority_step_fraction: float = setting(0.25, metavar="F",
+                                            help="with --scheduling-policy priority: a running step cannot be "
+                                                 "interrupted, so while requests of a better priority wait, prefill "
+                                                 "or arrived lately, a worse-priority prompt's prefill chunk is cut so "
+                                                 "the step's predicted time (the learned step cost) stays within F x "
+                                                 "that priority's unloaded TTFT (its recent prompts' prefill step "
+                                                 "alone), at least one KV block a step; a step that prefills a "
+                                                 "better-priority prompt takes no worse-priority prefill beside it. "
+                                                 "0: off (vLLM's behaviour)")
     slo_ttft_ms: float | None = setting(None, metavar="MS",
                                         help="SLO mode: a time-to-first-token target for every request (a request's "
                                              "own slo_ttft_ms field wins). Under fcfs, requests that can still "
@@ -447,6 +456,8 @@ class SchedulingConfig:
                 raise ValueError(f"priority_aging must be a positive number of seconds, got {self.priority_aging}")
             if self.scheduling_policy != "priority":
                 raise ValueError("priority_aging applies to --scheduling-policy priority only")
+        if not 0 <= self.priority_step_fraction < float("inf"):
+            raise ValueError(f"priority_step_fraction must be a number >= 0, got {self.priority_step_fraction}")
         for name in ("slo_ttft_ms", "slo_tpot_ms"):
             value = getattr(self, name)
             if value is not None and not 0 < value < float("inf"):

@@ -223,7 +223,7 @@ class LLMEngine:
         # SLO mode aims a little under the targets: its step costs are predictions.
         limits = SchedulerConfig(sched.max_num_seqs, sched.max_num_batched_tokens, facts.max_model_len,
                                  sched.scheduling_policy, sched.priority_aging, slo_aim(sched.slo_ttft_ms),
-                                 slo_aim(sched.slo_tpot_ms))
+                                 slo_aim(sched.slo_tpot_ms), sched.priority_step_fraction)
         # SLO mode (the engine's targets or a request's own) predicts steps from the
         # engine's own: every step's time is fed back, whether or not targets are set yet.
         self.step_cost = StepCostEstimator()

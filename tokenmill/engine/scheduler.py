@@ -20,7 +20,11 @@ priority x priority_aging` (waiting earns rank, which bounds starvation). Runnin
 waiting requests are both kept in rank order and one step visits them merged in that
 order: a running request gets its next tokens, a waiting one is admitted. Whoever needs
 a sequence slot or KV memory preempts the worst-ranked running request, if that one
-ranks strictly worse (docs/scheduling.md).
+ranks strictly worse (docs/scheduling.md). A running step cannot be interrupted, so with
+`priority_step_fraction` a worse-priority prefill chunk is cut, while a better priority is
+waiting or arrived lately, to keep the step within that fraction of the better priority's
+unloaded TTFT (at least one KV block), and a step that prefills a better priority takes no
+worse-priority prefill.
 
 SLO mode (`slo_ttft` / `slo_tpot`, or a request's own targets, docs/scheduling.md): with
 a TPOT target, while streams are decoding each step's prefill tokens are capped so the
@@ -50,6 +54,12 @@ from tokenmill.engine.step_cost import StepCostEstimator
 
 logger = logging.getLogger(__name__)
 
+# The priority step bound (`priority_step_fraction`): a priority level counts as "likely to
+# arrive" for this long after its last arrival (or twice its median gap between arrivals,
+# when that is longer), and its unloaded TTFT is predicted from its last few prompts.
+PRIORITY_GUARD_SECONDS = 30.0
+PRIORITY_GUARD_HISTORY = 16
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int
@@ -59,6 +69,9 @@ class SchedulerConfig:
     priority_aging: float | None = None  # seconds of waiting worth one priority level
     slo_ttft: float | None = None  # seconds: SLO mode's time-to-first-token target
     slo_tpot: float | None = None  # seconds: SLO mode's time-per-output-token target
+    # Under priority: while a better priority is waiting or arrived lately, a worse-priority
+    # prefill step is kept within this fraction of that priority's unloaded TTFT (0: off).
+    priority_step_fraction: float = 0.0
 
     @property
     def by_priority(self) -> bool:
@@ -127,6 +140,9 @@ class Scheduler:
         self.pulling: dict[str, Request] = {}
         self._remote_loads: list[tuple[bytes, int]] = []
         self._hold_ids = itertools.count()
+        # Under priority with a step bound: each priority level's latest arrivals, as
+        # (arrival time, prompt tokens to compute).
+        self._arrivals: dict[int, deque[tuple[float, int]]] = {}
 
     # ----- admission -----------------------------------------------------------------
 
@@ -136,6 +152,9 @@ class Scheduler:
         if request.request_id in self.requests:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         self.requests[request.request_id] = request
+        if self.config.by_priority and self.config.priority_step_fraction > 0:
+            recent = self._arrivals.setdefault(request.priority, deque(maxlen=PRIORITY_GUARD_HISTORY))
+            recent.append((request.arrival_time, self._prompt_cost_tokens(request)))
         self._enqueue(request)
 
     def rank(self, request: Request) -> tuple[float, float]:
@@ -456,7 +475,9 @@ class Scheduler:
         scheduled: list[ScheduledRequest] = []
         preempted: list[str] = []
         rows, allowances = self._allowances()
+        guards = self._priority_guards()
         prefill = 0  # prefill tokens scheduled so far in this step
+        prefill_priority: int | None = None  # the best priority among them
         i = 0  # running[:i] were visited; running[i:] rank no better than anything admitted now
         admitting = True
         while budget > 0:
@@ -470,18 +491,21 @@ class Scheduler:
                 num_known = request.num_tokens - request.num_computed_tokens
                 num_new = min(num_known + len(self._proposals(request)), budget)
                 if num_known > 1:  # a prefill chunk (or a recomputation)
-                    cap = self._rank_cap(request, rows, allowances, prefill)
+                    cap = _least(self._rank_cap(request, rows, allowances, prefill),
+                                 self._guard_cap(request, rows, guards, prefill, prefill_priority))
                     if cap == 0:
-                        i += 1  # waits for decode steps to save time (it ranks worse than what it spares)
+                        i += 1  # waits for decode steps to save time, or for a step without better work
                         continue
                     num_new = min(num_new, cap if cap is not None else num_new)
                     prefill += num_new
+                    prefill_priority = _least(prefill_priority, request.priority)
                 if self._allocate_or_preempt(request, num_new, preempted):
                     scheduled.append(self._schedule(request, num_new))
                     budget -= num_new
                     i += 1
                 continue  # (a request that preempted itself was the tail: running[i:] is empty)
-            cap = self._rank_cap(head, rows, allowances, prefill)
+            cap = _least(self._rank_cap(head, rows, allowances, prefill),
+                         self._guard_cap(head, rows, guards, prefill, prefill_priority))
             better = [r for r in self.running if self.rank(r) < self.rank(head)]
             num_new = None
             if cap != 0 and self._slo_may_admit(head, better):
@@ -490,6 +514,7 @@ class Scheduler:
                 admitting = False  # strict order: nothing worse-ranked jumps the head
                 continue
             prefill += num_new
+            prefill_priority = _least(prefill_priority, head.priority)
             scheduled.append(self._schedule(head, num_new))
             budget -= num_new
             i += 1
@@ -502,6 +527,47 @@ class Scheduler:
         rank = self.rank(request)
         cap = self._prefill_cap(rows, [(r, a) for r, a in allowances if r is not request and self.rank(r) <= rank])
         return None if cap is None else max(cap - prefill, 0)
+
+    def _priority_guards(self) -> list[tuple[int, float]]:
+        """The priority step bound's levels for this step: [(priority, the longest step a
+        worse priority's prefill may make)], for every priority level that has requests
+        waiting or arrived within its guard window (PRIORITY_GUARD_SECONDS, or twice its
+        median gap between arrivals when longer): `priority_step_fraction` x its unloaded
+        TTFT, a step of its median recent prompt alone at the learned step cost. Empty when
+        off or while the step cost is not known."""
+        fraction = self.config.priority_step_fraction
+        cost = self.step_cost
+        if fraction <= 0 or not self._arrivals or cost is None or cost.coefficients is None:
+            return []
+        now = self.clock()
+        waiting = {r.priority for r in self.waiting}
+        guards = []
+        for priority, recent in self._arrivals.items():
+            times = [t for t, _ in recent]
+            gaps = sorted(b - a for a, b in zip(times, times[1:]))
+            window = max(PRIORITY_GUARD_SECONDS, 2 * gaps[len(gaps) // 2] if gaps else 0.0)
+            if priority in waiting or now - times[-1] <= window:
+                tokens = sorted(n for _, n in recent)[len(recent) // 2]
+                guards.append((priority, fraction * cost.predict(tokens, 0)))
+        return guards
+
+    def _guard_cap(self, request: Request, rows: int, guards: list[tuple[int, float]], prefill: int,
+                   prefill_priority: int | None) -> int | None:
+        """The priority step bound's limit on `request`'s prefill chunk (None: none). A step
+        cannot be interrupted, so a better-priority request that arrives while it runs
+        waits for it: while better priorities are likely, the step is kept within the
+        least of their limits (`_priority_guards`), but takes at least one KV block of
+        prefill (the worse priority progresses). A step that already prefills a better
+        priority adds none: its TTFT is this step."""
+        limits = [limit for priority, limit in guards if priority < request.priority]
+        if not limits:
+            return None
+        if prefill_priority is not None and prefill_priority < request.priority:
+            return 0
+        tokens = self.step_cost.max_prefill_tokens(rows, min(limits))
+        if tokens is None:
+            return None
+        return max(tokens - prefill, 0) if prefill else max(tokens, self.kv.block_size)
 
     def _admit_by_rank(self, request: Request, index: int, budget: int, preempted: list[str]) -> int | None:
         """Admit the head of waiting at running[index], preempting worse-ranked running
@@ -745,3 +811,8 @@ class Scheduler:
         self._sent.pop(request.request_id, None)
         del self.requests[request.request_id]
         self._finished_since_last_step.append(request.request_id)
+
+
+def _least(a: int | None, b: int | None) -> int | None:
+    """The smaller of two limits, None meaning no limit."""
+    return b if a is None else a if b is None else min(a, b)
