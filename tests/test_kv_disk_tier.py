@@ -12,6 +12,8 @@ import pytest
 
 from tests.conftest import assert_engine_idle, sibling
 from tokenmill import SamplingParams
+from tokenmill.config import KVEventsConfig
+from tokenmill.engine.kv_events import BlockStored
 from tokenmill.engine.kv_tiers import DiskTier, decode_block_file, encode_block_file, kv_fingerprint
 
 FP = kv_fingerprint("model", "q4_1", "bfloat16", 16, 1000)
@@ -87,16 +89,19 @@ def _prompts(llm):
     return prefix, prefix + ids[400:420], prefix + ids[384:390], others
 
 
-def _disk_engine(llm, disk_dir: str):
+def _disk_engine(llm, disk_dir: str, **overrides):
     # 32 blocks (512 tokens): one request at a time fits; the next one evicts the prefix.
     return sibling(llm, num_blocks=32, enable_prefix_caching=True, kv_offloading_size=HOST_GIB,
-                   kv_offloading_disk_dir=disk_dir)
+                   kv_offloading_disk_dir=disk_dir, **overrides)
+
+
+EVENTS = KVEventsConfig(enable_kv_cache_events=True, publisher="null")  # the event log on, nothing sent
 
 
 def test_prefix_evicted_past_the_host_tier_comes_back_from_disk_and_after_a_restart(llm_f32, tmp_path) -> None:
     prefix, returning, first_turn, others = _prompts(llm_f32)
     reference = sibling(llm_f32, enable_prefix_caching=False).generate([returning], GREEDY)[0].outputs[0].token_ids
-    tiered = _disk_engine(llm_f32, str(tmp_path))
+    tiered = _disk_engine(llm_f32, str(tmp_path), kv_events_config=EVENTS)
     assert tiered.generate([first_turn], GREEDY)[0].num_cached_tokens == 0
     for other in others:
         tiered.generate([other], GREEDY)
@@ -108,14 +113,21 @@ def test_prefix_evicted_past_the_host_tier_comes_back_from_disk_and_after_a_rest
     assert host.disk.stats.hit_tokens == 384 and host.disk.stats.loaded_blocks == 24
     assert host.stats.hit_tokens == 0
     assert out.outputs[0].token_ids == reference
-    # A restart: a new engine (empty pool and host tier) over the same directory.
-    restarted = _disk_engine(llm_f32, str(tmp_path))
+    # A restart: a new engine (empty pool and host tier) over the same directory. With KV
+    # events on, it announces the files it found (their records: parent and tokens), so a
+    # KV-aware router knows this replica holds the prefix before anyone asks for it.
+    restarted = _disk_engine(llm_f32, str(tmp_path), kv_events_config=EVENTS)
+    events: list = []
+    restarted.engine.kv_event_sink = events.extend
     disk = restarted.engine.scheduler.kv.host_tier.disk
     assert len(disk) >= 24
     out = restarted.generate([returning], GREEDY)[0]
     assert_engine_idle(restarted)
     assert out.num_cached_tokens == 384 and disk.stats.hit_tokens == 384
     assert out.outputs[0].token_ids == reference
+    announced = [tuple(e.token_ids[i: i + 16]) for e in events if isinstance(e, BlockStored) and e.medium == "DISK"
+                 for i in range(0, len(e.token_ids), 16)]
+    assert {tuple(prefix[i: i + 16]) for i in range(0, 384, 16)} <= set(announced)
 
 
 def test_a_corrupt_or_truncated_file_is_recomputed_never_used(llm_f32, tmp_path) -> None:

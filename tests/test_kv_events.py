@@ -22,7 +22,7 @@ from tokenmill import SamplingParams
 from tokenmill.config import KVEventsConfig, parse_kv_events_config
 from tokenmill.engine import kv_events as ev
 from tokenmill.engine.block_manager import KVBlockManager, hash_block
-from tokenmill.engine.kv_tiers import DiskTier, HostTier, kv_fingerprint
+from tokenmill.engine.kv_tiers import DiskTier, HostTier, encode_block_file, encode_block_record, kv_fingerprint
 from tokenmill.kv_events.publisher import ZmqEventPublisher, external_hash
 
 BS = 4
@@ -193,6 +193,7 @@ def test_event_log_follows_blocks_through_pool_and_host_tier() -> None:
 def test_disk_tier_blocks_are_announced_on_the_disk_medium(tmp_path) -> None:
     fingerprint = kv_fingerprint("events test")
     file_bytes = DiskTier(str(tmp_path / "probe"), fingerprint, 100, 10**6).file_bytes
+    file_bytes += len(encode_block_record(ev.BlockMeta(bytes(32), list(range(BS)))))  # a block's record
     disk = DiskTier(str(tmp_path), fingerprint, 100, 2 * file_bytes)  # two files
     kv = KVBlockManager(3, BS, host_tier=HostTier(1, bytes_per_block=100, disk=disk))
     kv.events = ev.KVEventLog(BS)
@@ -216,6 +217,53 @@ def test_disk_tier_blocks_are_announced_on_the_disk_medium(tmp_path) -> None:
     assert disk_events() == [ev.BlockRemoved([a0], "DISK")] and a0 not in kv.events.meta
     assert kv.reset_prefix_cache()
     assert kv.take_events()[-1] == ev.AllBlocksCleared() and len(disk) == 0
+
+
+def run_and_write(kv: KVBlockManager, request) -> None:
+    """run_once, writing the step's spilled blocks' files as the runner does (with a
+    stand-in KV payload)."""
+    hits, num_hit = kv.get_computed_blocks(request)
+    assert kv.allocate_slots(request, request.num_tokens - num_hit, hits)
+    request.num_computed_tokens = request.num_tokens
+    transfers = kv.take_transfers()
+    for _, _, path, block_hash, record in transfers.spill if transfers else []:
+        with open(path, "wb") as f:
+            f.write(encode_block_file(transfers.disk_header, block_hash, bytes(100), record))
+    kv.free(request)
+
+
+def test_a_restarted_engine_announces_the_disk_files_it_finds(tmp_path) -> None:
+    fingerprint = kv_fingerprint("restart test")
+    kv = KVBlockManager(3, BS, host_tier=HostTier(1, bytes_per_block=100,
+                                                  disk=DiskTier(str(tmp_path), fingerprint, 100, 10**6)))
+    kv.events = ev.KVEventLog(BS)
+    a, b, c = list(range(100, 109)), list(range(200, 209)), list(range(300, 309))
+    for name, tokens in (("a", a), ("b", b), ("c", c)):
+        run_and_write(kv, make_request(name, tokens))
+    (a0, a1), (b0, b1) = chain(a), chain(b)
+    on_disk = {e.block_hashes[0]: e for e in kv.take_events() if isinstance(e, ev.BlockStored) and e.medium == "DISK"}
+    assert set(on_disk) == {a0, a1, b1}
+    # Restarted: a new block manager over the same directory says what it found, once, as
+    # the first run said it (parent, tokens), so a router can route to this replica's files.
+    again = KVBlockManager(3, BS, host_tier=HostTier(1, bytes_per_block=100,
+                                                     disk=DiskTier(str(tmp_path), fingerprint, 100, 10**6)))
+    again.events = ev.KVEventLog(BS)
+    found = [e for e in again.take_events() if isinstance(e, ev.BlockStored)]
+    assert sorted(found, key=lambda e: e.block_hashes[0]) == sorted(
+        [ev.BlockStored([a1], a0, a[4:8], BS, "DISK"), ev.BlockStored([a0], None, a[:4], BS, "DISK"),
+         ev.BlockStored([b1], b0, b[4:8], BS, "DISK")], key=lambda e: e.block_hashes[0])
+    assert again.take_events() == []
+    # ... and removes them from its events when they go (here: a reset).
+    assert again.reset_prefix_cache() and again.take_events() == [ev.AllBlocksCleared()]
+    # Files written without events carry no record: found, served, but not announced.
+    quiet = KVBlockManager(3, BS, host_tier=HostTier(1, bytes_per_block=100,
+                                                     disk=DiskTier(str(tmp_path / "quiet"), fingerprint, 100, 10**6)))
+    for name, tokens in (("a", a), ("b", b)):
+        run_and_write(quiet, make_request(name, tokens))
+    later = KVBlockManager(3, BS, host_tier=HostTier(1, bytes_per_block=100,
+                                                     disk=DiskTier(str(tmp_path / "quiet"), fingerprint, 100, 10**6)))
+    later.events = ev.KVEventLog(BS)
+    assert len(later.host_tier.disk) == 1 and later.take_events() == []
 
 
 def test_without_events_the_disk_tier_keeps_no_event_lists(tmp_path) -> None:

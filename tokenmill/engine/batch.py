@@ -74,9 +74,9 @@ class KVTransfers:
     # The disk tier: blocks the host tier dropped, to write first (before any store reuses
     # the slot or a load the pool block) to these files, from their host slot, or from their
     # pool block when their KV never reached the host tier (stored and dropped in one step),
-    # headed by `disk_header` (the tier's fingerprint); and verified KV bytes read from disk
-    # to copy into pool blocks (after the loads).
-    spill: list[tuple[int | None, int | None, str, bytes]] = field(default_factory=list)  # (slot, block, path, hash)
+    # headed by `disk_header` (the tier's fingerprint) and the block's record; and verified
+    # KV bytes read from disk to copy into pool blocks (after the loads).
+    spill: list[tuple[int | None, int | None, str, bytes, bytes]] = field(default_factory=list)  # (slot, block, path, hash, record)
     disk_load: list[tuple[bytes, int]] = field(default_factory=list)  # (KV bytes, pool block)
     disk_header: bytes = b""
     # Prefill-decode disaggregation: KV bytes a consumer pulled from a producer, to copy into

@@ -118,6 +118,8 @@ class KVBlockManager:
         self.stats = PrefixCacheStats()
         # A lower tier evicted cached blocks go to instead of being dropped (None: dropped).
         self.host_tier = host_tier if enable_caching else None
+        if self.host_tier is not None:
+            self.host_tier.meta_of = self._event_meta  # disk files carry what events say of a block
         self.events: KVEventLog | None = None  # vLLM's KV events, when someone publishes them
 
     # ----- queries -------------------------------------------------------------------
@@ -367,16 +369,23 @@ class KVBlockManager:
         elif not kept and not self._held_anywhere(block_hash):  # (a refused demotion may go to disk)
             events.forget(block_hash)
 
+    def _event_meta(self, block_hash: BlockHash) -> BlockMeta | None:
+        return self.events.meta.get(block_hash) if self.events is not None else None
+
     def _disk_tier_events(self) -> None:
         """The disk tier's files written and dropped since the last call, as events on the
-        DISK medium (its own lists emptied either way, so they never grow without events)."""
+        DISK medium (its own lists emptied either way, so they never grow without events).
+        The first call also announces the files an earlier run left, from their records."""
         disk = self.host_tier.disk if self.host_tier is not None else None
-        if disk is None or not (disk.added or disk.removed):
+        if disk is None or not (disk.added or disk.removed or disk.found):
             return
         added, removed, disk.added, disk.removed = disk.added, disk.removed, [], []
+        found, disk.found = disk.found, {}
         events = self.events
         if events is None:
             return
+        if found:
+            events.stored(list(found), list(found.values()), MEDIUM_DISK)
         known = [h for h in added if h in events.meta]  # a block whose tokens an event told
         events.stored(known, [events.meta[h] for h in known], MEDIUM_DISK)
         events.removed([h for h in removed if h in events.meta], MEDIUM_DISK)

@@ -18,10 +18,11 @@ import logging
 import os
 import struct
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from tokenmill.engine.batch import KVTransfers
+from tokenmill.engine.kv_events import BlockMeta
 
 BlockHash = bytes
 
@@ -47,6 +48,9 @@ class HostTier:
     bytes_per_block: int
     medium: str = "CPU"  # vLLM's name of the host medium in KV events
     disk: DiskTier | None = None  # where entries the LRU drops are written (None: dropped)
+    # What a KV event says of a block (the block manager's, when events are on): written
+    # into its disk file, so a restarted engine can announce the file.
+    meta_of: Callable[[BlockHash], BlockMeta | None] | None = None
     entries: OrderedDict[BlockHash, int] = field(default_factory=OrderedDict)  # head: evicted first
     stats: TierStats = field(default_factory=TierStats)
 
@@ -57,7 +61,8 @@ class HostTier:
         self._pinned: set[BlockHash] = set()
         self._store: dict[int, int] = {}  # host slot -> pool block (a reused slot keeps the last store)
         self._load: list[tuple[int, int]] = []
-        self._spill: list[tuple[int | None, int | None, str, BlockHash]] = []  # (host slot | pool block, file, hash): dropped entries to write to disk
+        # (host slot | pool block, file, hash, record): dropped entries to write to disk
+        self._spill: list[tuple[int | None, int | None, str, BlockHash, bytes]] = []
         self.removed: list[BlockHash] = []  # evicted since the events were last taken
 
     def __contains__(self, block_hash: BlockHash) -> bool:
@@ -135,9 +140,12 @@ class HostTier:
     def _to_disk(self, block_hash: BlockHash, slot: int | None, block_id: int | None) -> None:
         """A block dropped from this tier: written to the disk tier, if any, from its host slot
         or (its KV not copied here yet) its pool block; the runner writes before any copy."""
-        path = self.disk.admit(block_hash) if self.disk is not None else None
+        if self.disk is None:
+            return
+        record = encode_block_record(self.meta_of(block_hash) if self.meta_of is not None else None)
+        path = self.disk.admit(block_hash, record)
         if path is not None:
-            self._spill.append((slot, block_id, path, block_hash))
+            self._spill.append((slot, block_id, path, block_hash, record))
 
     def check_integrity(self) -> None:
         slots = list(self.entries.values())
@@ -148,8 +156,13 @@ class HostTier:
 
 # ----- the disk tier ------------------------------------------------------------------
 
-FILE_MAGIC = b"TMKV1\0"
-_HEADER = struct.Struct("<6s32s32sQ32s")  # magic, fingerprint, block hash, payload bytes, blake2b of payload
+FILE_MAGIC = b"TMKV2\0"  # TMKV1 files (no record) read as foreign: deleted, recomputed
+# magic, fingerprint, block hash, payload bytes, blake2b of record + payload, record bytes
+_HEADER = struct.Struct("<6s32s32sQ32sI")
+# The block's record, after the header: whether it has a parent, the parent hash, the extra
+# key's UTF-8 bytes, the token count; then the extra key, then the token ids (int32). What a
+# KV event says of the block, so a restarted engine can announce the files it finds.
+_RECORD = struct.Struct("<B32sHH")
 
 
 def kv_fingerprint(*parts: object) -> bytes:
@@ -158,23 +171,64 @@ def kv_fingerprint(*parts: object) -> bytes:
     return hashlib.blake2b(repr(parts).encode(), digest_size=32).digest()
 
 
-def encode_block_file(fingerprint: bytes, block_hash: BlockHash, payload: bytes) -> bytes:
-    """A disk-tier file: header (magic, fingerprint, block hash, length, checksum), then the KV bytes."""
-    digest = hashlib.blake2b(payload, digest_size=32).digest()
-    return _HEADER.pack(FILE_MAGIC, fingerprint, block_hash.ljust(32, b"\0")[:32], len(payload), digest) + payload
+def encode_block_record(meta: BlockMeta | None) -> bytes:
+    """What a file says of its block besides its KV (b"": nothing known, e.g. events off)."""
+    if meta is None:
+        return b""
+    extra = (meta.extra_key or "").encode()
+    parent = meta.parent.ljust(32, b"\0")[:32] if meta.parent is not None else bytes(32)
+    head = _RECORD.pack(meta.parent is not None, parent, len(extra), len(meta.token_ids))
+    return head + extra + struct.pack(f"<{len(meta.token_ids)}i", *meta.token_ids)
+
+
+def decode_block_record(record: bytes) -> BlockMeta | None:
+    """The inverse of `encode_block_record` (None: no record, or one that does not parse)."""
+    if len(record) < _RECORD.size:
+        return None
+    has_parent, parent, extra_len, num_tokens = _RECORD.unpack_from(record)
+    if len(record) != _RECORD.size + extra_len + 4 * num_tokens:
+        return None
+    extra = record[_RECORD.size: _RECORD.size + extra_len]
+    tokens = list(struct.unpack_from(f"<{num_tokens}i", record, _RECORD.size + extra_len))
+    try:
+        extra_key = extra.decode() if extra_len else None
+    except UnicodeDecodeError:
+        return None
+    return BlockMeta(parent if has_parent else None, tokens, extra_key)
+
+
+def encode_block_file(fingerprint: bytes, block_hash: BlockHash, payload: bytes, record: bytes = b"") -> bytes:
+    """A disk-tier file: header (magic, fingerprint, block hash, length, checksum, record
+    length), the block's record (`encode_block_record`), then the KV bytes."""
+    digest = hashlib.blake2b(record + payload, digest_size=32).digest()
+    header = _HEADER.pack(FILE_MAGIC, fingerprint, block_hash.ljust(32, b"\0")[:32], len(payload), digest, len(record))
+    return header + record + payload
 
 
 def decode_block_file(data: bytes, fingerprint: bytes, block_hash: BlockHash, payload_bytes: int) -> bytes | None:
     """The KV bytes of a file, or None when it is truncated, corrupt or another model's / block's."""
-    if len(data) != _HEADER.size + payload_bytes:
+    if len(data) < _HEADER.size:
         return None
-    magic, fp, h, n, digest = _HEADER.unpack_from(data)
-    if magic != FILE_MAGIC or fp != fingerprint or h != block_hash.ljust(32, b"\0")[:32] or n != payload_bytes:
+    magic, fp, h, n, digest, record_bytes = _HEADER.unpack_from(data)
+    if (magic != FILE_MAGIC or fp != fingerprint or h != block_hash.ljust(32, b"\0")[:32] or n != payload_bytes
+            or len(data) != _HEADER.size + record_bytes + payload_bytes):
         return None
-    payload = data[_HEADER.size:]
-    if hashlib.blake2b(payload, digest_size=32).digest() != digest:
+    if hashlib.blake2b(data[_HEADER.size:], digest_size=32).digest() != digest:
         return None
-    return payload
+    return data[_HEADER.size + record_bytes:]
+
+
+def read_block_record(path: str, fingerprint: bytes) -> BlockMeta | None:
+    """The record of a file, from its header alone (the KV is verified when it is read):
+    None when the file has none, or is not this tier's."""
+    with open(path, "rb") as f:
+        head = f.read(_HEADER.size)
+        if len(head) != _HEADER.size:
+            return None
+        magic, fp, _, _, _, record_bytes = _HEADER.unpack(head)
+        if magic != FILE_MAGIC or fp != fingerprint or record_bytes > 1 << 20:
+            return None
+        return decode_block_record(f.read(record_bytes))
 
 
 def write_block_file(path: str, data: bytes) -> None:
@@ -208,21 +262,24 @@ class DiskTier:
     Bookkeeping and reads here (bytes, no tensors); the runner writes the files a step's
     `KVTransfers.spill` names. Least recently used out first past `max_bytes`. A directory
     that cannot be made or written disables the tier with one warning: the pool and the
-    host tier keep serving."""
+    host tier keep serving. Each file carries its block's record (parent, tokens, extra key)
+    when the engine knew it (KV events on): a restarted engine finds the files and `found`
+    holds their records, for the block manager to announce on the DISK medium."""
 
     root: str
     fingerprint: bytes
     bytes_per_block: int
     max_bytes: int
     medium: str = "DISK"
-    entries: OrderedDict[BlockHash, None] = field(default_factory=OrderedDict)  # head: deleted first
+    entries: OrderedDict[BlockHash, int] = field(default_factory=OrderedDict)  # -> file bytes; head: deleted first
     stats: DiskStats = field(default_factory=DiskStats)
 
     def __post_init__(self) -> None:
         self.directory = os.path.join(self.root, self.fingerprint.hex()[:32])
-        self.file_bytes = _HEADER.size + self.bytes_per_block
-        self.max_files = max(self.max_bytes // self.file_bytes, 0)
+        self.file_bytes = _HEADER.size + self.bytes_per_block  # without a record (the smallest file)
+        self.used_bytes = 0
         self.enabled = True
+        self.found: dict[BlockHash, BlockMeta] = {}  # files of an earlier run, with a record: to announce
         self._loads: list[tuple[bytes, int]] = []
         self._pending: set[BlockHash] = set()  # admitted, written by the runner in the coming step
         self.added: list[BlockHash] = []  # admitted since the events were last taken
@@ -235,20 +292,25 @@ class DiskTier:
         except OSError as e:
             self.disable(f"{self.directory}: {e}")
             return
+        if self.max_bytes < self.file_bytes:
+            self.disable(f"--kv-offloading-disk-size holds no block ({self.file_bytes} bytes a file)")
+            return
         found = []
         for name in os.listdir(self.directory):
             if name.endswith(".kv") and len(name) == 67:
                 path = os.path.join(self.directory, name)
                 try:
-                    found.append((os.path.getmtime(path), bytes.fromhex(name[:64])))
+                    stat = os.stat(path)
+                    found.append((stat.st_mtime, bytes.fromhex(name[:64]), stat.st_size, read_block_record(path, self.fingerprint)))
                 except (OSError, ValueError):
                     continue
-        for _, block_hash in sorted(found):  # oldest first: the LRU head
-            self.entries[block_hash] = None
+        for _, block_hash, size, meta in sorted(found, key=lambda f: f[0]):  # oldest first: the LRU head
+            self.entries[block_hash] = size
+            self.used_bytes += size
+            if meta is not None:
+                self.found[block_hash] = meta
         self._trim()
-        self.removed.clear()  # files of an earlier run: never announced in this one's events
-        if self.max_files < 1:
-            self.disable(f"--kv-offloading-disk-size holds no block ({self.file_bytes} bytes a file)")
+        self.removed.clear()  # files of an earlier run dropped before anyone heard of them
 
     def disable(self, reason: str) -> None:
         if self.enabled:
@@ -256,6 +318,8 @@ class DiskTier:
         self.enabled = False
         self.removed.extend(self.entries)
         self.entries.clear()
+        self.used_bytes = 0
+        self.found.clear()
 
     def __contains__(self, block_hash: BlockHash) -> bool:
         return self.enabled and block_hash in self.entries
@@ -265,19 +329,21 @@ class DiskTier:
 
     @property
     def nbytes_used(self) -> int:
-        return len(self.entries) * self.file_bytes
+        return self.used_bytes
 
     def path(self, block_hash: BlockHash) -> str:
         return os.path.join(self.directory, block_hash.hex() + ".kv")
 
-    def admit(self, block_hash: BlockHash) -> str | None:
-        """A host entry dropped now: the file to write it to (None: already there, or no tier)."""
+    def admit(self, block_hash: BlockHash, record: bytes = b"") -> str | None:
+        """A host entry dropped now: the file to write it to (None: already there, or no tier);
+        `record`: what the file will say of the block (`encode_block_record`)."""
         if not self.enabled:
             return None
         if block_hash in self.entries:
             self.entries.move_to_end(block_hash)
             return None
-        self.entries[block_hash] = None
+        self.entries[block_hash] = size = self.file_bytes + len(record)
+        self.used_bytes += size
         self._pending.add(block_hash)
         self.added.append(block_hash)
         self.stats.stored_blocks += 1
@@ -292,17 +358,15 @@ class DiskTier:
         path = self.path(block_hash)
         try:
             with open(path, "rb") as f:
-                data = f.read(self.file_bytes + 1)
+                data = f.read(self.entries[block_hash] + 1)  # its size when written (or found)
         except OSError:
-            del self.entries[block_hash]  # never written (a failed write) or deleted by someone
-            self.removed.append(block_hash)
+            self._forget(block_hash)  # never written (a failed write) or deleted by someone
             return None
         payload = decode_block_file(data, self.fingerprint, block_hash, self.bytes_per_block)
         if payload is None:
             self.stats.corrupt_blocks += 1
             logger.warning("disk KV tier: %s is truncated, corrupt or foreign; deleted, recomputing", path)
-            del self.entries[block_hash]
-            self.removed.append(block_hash)
+            self._forget(block_hash)
             self._remove(path)
             return None
         self.entries.move_to_end(block_hash)
@@ -323,17 +387,24 @@ class DiskTier:
         for block_hash in list(self.entries):
             self._remove(self.path(block_hash))
         self.entries.clear()
+        self.used_bytes = 0
+        self.found.clear()
         self._loads.clear()
         self._pending.clear()
         self.added.clear()
         self.removed.clear()
 
     def _trim(self) -> None:
-        while len(self.entries) > self.max_files:
-            block_hash, _ = self.entries.popitem(last=False)
-            self.removed.append(block_hash)
+        while self.used_bytes > self.max_bytes and self.entries:
+            block_hash = next(iter(self.entries))
+            self._forget(block_hash)
             self._remove(self.path(block_hash))
             self.stats.evicted_blocks += 1
+
+    def _forget(self, block_hash: BlockHash) -> None:
+        self.used_bytes -= self.entries.pop(block_hash)
+        self.found.pop(block_hash, None)
+        self.removed.append(block_hash)
 
     @staticmethod
     def _remove(path: str) -> None:

@@ -99,9 +99,10 @@ class SchedulerStats:
     kv_offload_stores_skipped: int = 0
     # The disk tier below it (all 0 without one; capacity 0 also when it was turned off).
     kv_disk_enabled: int = 0
-    kv_disk_blocks: int = 0  # capacity: files under --kv-offloading-disk-size
+    kv_disk_max_bytes: int = 0  # capacity: --kv-offloading-disk-size (0: no disk tier, or off)
     kv_disk_used_blocks: int = 0
-    kv_disk_bytes_per_block: int = 0  # a file: header and KV
+    kv_disk_used_bytes: int = 0  # the files' sizes: header, block record, KV
+    kv_disk_bytes_per_block: int = 0  # a file without its record: header and KV
     kv_disk_stored_blocks: int = 0  # files written (host tier -> disk)
     kv_disk_loaded_blocks: int = 0  # disk -> pool
     kv_disk_evicted_blocks: int = 0
@@ -687,8 +688,8 @@ class Scheduler:
         if disk is None:
             return {}
         return dict(
-            kv_disk_enabled=int(disk.enabled), kv_disk_blocks=disk.max_files if disk.enabled else 0,
-            kv_disk_used_blocks=len(disk), kv_disk_bytes_per_block=disk.file_bytes,
+            kv_disk_enabled=int(disk.enabled), kv_disk_max_bytes=disk.max_bytes if disk.enabled else 0,
+            kv_disk_used_blocks=len(disk), kv_disk_used_bytes=disk.nbytes_used, kv_disk_bytes_per_block=disk.file_bytes,
             kv_disk_stored_blocks=disk.stats.stored_blocks, kv_disk_loaded_blocks=disk.stats.loaded_blocks,
             kv_disk_evicted_blocks=disk.stats.evicted_blocks, kv_disk_corrupt_blocks=disk.stats.corrupt_blocks,
             kv_disk_hit_tokens=disk.stats.hit_tokens,

@@ -59,12 +59,12 @@ class HostKVBuffer:
         if transfers.num_host_blocks != self.num_blocks:
             self._allocate(transfers.num_host_blocks)
         device = self.pool[0].device
-        for slot, block, path, block_hash in transfers.spill:  # before any copy overwrites its source
+        for slot, block, path, block_hash, record in transfers.spill:  # before any copy overwrites its source
             if slot is not None:
                 payload = b"".join(host[slot].numpy().tobytes() for host in self.host)
             else:
                 payload = self.tier_block_bytes(block)
-            self._write(path, encode_block_file(transfers.disk_header, block_hash, payload))
+            self._write(path, encode_block_file(transfers.disk_header, block_hash, payload, record))
         if transfers.store:
             blocks, slots = zip(*transfers.store)
             blocks, slots = _index(blocks, device), _index(slots, "cpu")

@@ -306,9 +306,9 @@ def disk_tier_metrics(stats: EngineStats, name: str) -> Iterator[Metric]:
     gauges = [
         ("kv_offload_disk_enabled", stats.kv_disk_enabled,
          "1 while the disk tier serves; 0 after it was turned off (see the log for why)."),
-        ("kv_offload_disk_cache_usage_perc", stats.kv_disk_used_blocks / max(stats.kv_disk_blocks, 1),
-         "Fraction of the disk tier's files in use (1 = at --kv-offloading-disk-size)."),
-        ("kv_offload_disk_cache_bytes", stats.kv_disk_used_blocks * stats.kv_disk_bytes_per_block,
+        ("kv_offload_disk_cache_usage_perc", stats.kv_disk_used_bytes / max(stats.kv_disk_max_bytes, 1),
+         "Fraction of --kv-offloading-disk-size the disk tier's files use (1 = full)."),
+        ("kv_offload_disk_cache_bytes", stats.kv_disk_used_bytes,
          "Bytes of KV files the disk tier holds."),
     ]
     for metric, value, doc in gauges:
