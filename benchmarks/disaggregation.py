@@ -14,6 +14,9 @@ Systems and modes are alternated over `--rounds`; medians and the spread are rep
 On a shared machine, the load average is printed with every run: read the ratios.
 
     .venv/bin/python benchmarks/disaggregation.py --streams 4 --output-tokens 64 --prompt-tokens 2048 --rounds 2
+
+`--simulate PROFILE.json` predicts the same cells with `tokenmill simulate`'s engine instead
+(no server; docs/disaggregation.md, "Predicting it").
 """
 
 from __future__ import annotations
@@ -118,6 +121,56 @@ def measure(url: str, model: str, args: argparse.Namespace, load: bool, rng: ran
             "long_ttft_ms": 1e3 * statistics.median(ttfts) if ttfts else None, "load_avg": os.getloadavg()[0]}
 
 
+def predict(args: argparse.Namespace) -> dict:
+    """The same measurement on `tokenmill simulate`'s engine (no server started): a calibration
+    profile (`--simulate PROFILE`, `tokenmill simulate calibrate --num-threads 1 --max-model-len
+    8192`) prices every step; colocated is one instance, 1P1D two (simulator/disaggregation.py)
+    with the KV pulled at --kv-transfer-bandwidth. The workload is built as `measure` sends it:
+    the first long prompt, then the streams `--load-lead` s later, then the closed loop (one
+    long prompt in flight at a time, the client's cap = streams + 1)."""
+    from tokenmill.config import EngineConfig
+    from tokenmill.planner.costmodel import MEASURED_KV_TRANSFER_BANDWIDTH, KVTransferCost
+    from tokenmill.simulator.disaggregation import Layout
+    from tokenmill.simulator.profile import load_profile
+    from tokenmill.simulator.setup import setup_from_profile
+    from tokenmill.simulator.simulate import simulate
+    from tokenmill.workloads.trace import Trace, TraceRequest
+
+    profile = load_profile(args.simulate)
+    setup = setup_from_profile(EngineConfig.from_kwargs(max_model_len=8192), profile, args.simulate)
+    bandwidth = args.kv_transfer_bandwidth * 1e9 if args.kv_transfer_bandwidth else MEASURED_KV_TRANSFER_BANDWIDTH
+    transfer = KVTransferCost(bandwidth)
+    rng = random.Random(0)
+
+    def prompt(n: int) -> list[int]:
+        return [rng.randrange(1000, 40000) for _ in range(n)]
+
+    summary = {}
+    for system, layout in (("colocated", Layout()), ("1P1D", Layout.parse("1P1D"))):
+        for load in (False, True):
+            longs = 400 if load else 0
+            requests = [TraceRequest(0.0, prompt(args.prompt_tokens), 4)] if load else []
+            streams = list(range(len(requests), len(requests) + args.streams))
+            requests += [TraceRequest(args.load_lead if load else 0.0, prompt(32), args.output_tokens)
+                         for _ in streams]
+            requests += [TraceRequest(args.load_lead, prompt(args.prompt_tokens), 4) for _ in range(longs - 1)]
+            trace = Trace(requests, f"{args.streams} streams + closed loop of {args.prompt_tokens}-token prompts", {})
+            run = simulate(trace, setup, max_concurrency=args.streams + (1 if load else 0), layout=layout,
+                           transfer=transfer)
+            end = max(run.records[i].start_time + run.records[i].latency for i in streams)
+            itl = sorted(g for i in streams for g in run.records[i].itl)
+            ttfts = [r.ttft for k, r in enumerate(run.records) if k not in streams and r.start_time < end]
+            pulls = [p.done - p.started for p in run.pulls]
+            key = f"{system} {'with' if load else 'without'} prompt load"
+            summary[key] = {"itl_p50_ms": 1e3 * itl[len(itl) // 2],
+                            "itl_p99_ms": 1e3 * itl[min(len(itl) - 1, int(0.99 * len(itl)))],
+                            "long_ttft_ms": 1e3 * statistics.median(ttfts) if ttfts else None,
+                            "median_pull_ms": 1e3 * statistics.median(pulls) if pulls else None}
+            print(key, json.dumps(summary[key]), flush=True)
+    return {"profile": args.simulate, "cost_model": setup.cost_model_source, "transfer": transfer.to_dict(),
+            "summary": summary}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--streams", type=int, default=4)
@@ -131,7 +184,18 @@ def main() -> None:
     parser.add_argument("--server-args", default="--max-model-len 8192")
     parser.add_argument("--systems", default="colocated,1P1D")
     parser.add_argument("--output")
+    parser.add_argument("--simulate", default=None, metavar="PROFILE.json",
+                        help="predict the measurement with tokenmill simulate's engine and this calibration instead "
+                             "of running servers")
+    parser.add_argument("--kv-transfer-bandwidth", type=float, default=None, metavar="GB/s",
+                        help="with --simulate: the pull's bandwidth (default: the loopback pull measured here)")
     args = parser.parse_args()
+    if args.simulate:
+        report = predict(args)
+        print(json.dumps(report["summary"], indent=1))
+        if args.output:
+            Path(args.output).write_text(json.dumps(report, indent=1))
+        return
     extra = args.server_args.split()
     first, second = args.cores.split(",")[:2]
     threads = str(args.colocated_threads or len(args.cores.split(",")))

@@ -280,3 +280,42 @@ class RooflineStepModel:
         time = StepTime(read, flops, read / dep.device.bandwidth, flops / dep.flops_rate,
                         communication_seconds(dep, tokens), parallel.pipeline_parallel_size)
         return time.seconds + self.overhead_s
+
+
+# What moving a request's KV costs in prefill-decode disaggregation (docs/disaggregation.md).
+# The default link of a catalog device: one 400 Gb/s NIC per device (RDMA), as H100/H200 nodes have.
+DEVICE_KV_TRANSFER_BANDWIDTH = 50e9
+# This machine: the loopback pull measured by benchmarks/disaggregation.py (docs/disaggregation.md:
+# 128 blocks, 47.2 MB of bfloat16 KV in 226 ms median over ZMQ/TCP, the producer's core busy
+# with the next prompt): ~0.21 GB/s.
+MEASURED_KV_TRANSFER_BANDWIDTH = 47.2e6 / 0.226
+
+
+@dataclass(frozen=True)
+class KVTransferCost:
+    """A decode instance pulling a request's KV from a prefill instance: `latency_s` per
+    pull (the request and the answer's round trip) plus its bytes over `bandwidth`
+    (bytes/s; one pull at a time per decode instance, as its puller thread runs them).
+    `copy_in_bandwidth` (bytes/s; 0: not counted): the decode instance copying the pulled
+    bytes into its KV pool, on its engine thread before the step that schedules the request.
+    Bytes are the KV cache's own: blocks x block_size x KV bytes per token."""
+
+    bandwidth: float
+    latency_s: float = 0.0
+    copy_in_bandwidth: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not (self.bandwidth > 0 and self.bandwidth < float("inf")):
+            raise ValueError(f"the KV transfer bandwidth must be a positive number of bytes/s, got {self.bandwidth}")
+        if not (self.latency_s >= 0 and self.copy_in_bandwidth >= 0):
+            raise ValueError("the KV transfer latency and copy-in bandwidth must be >= 0")
+
+    def pull_seconds(self, nbytes: float) -> float:
+        return self.latency_s + nbytes / self.bandwidth
+
+    def copy_in_seconds(self, nbytes: float) -> float:
+        return nbytes / self.copy_in_bandwidth if self.copy_in_bandwidth else 0.0
+
+    def to_dict(self) -> dict[str, float]:
+        return {"bandwidth_bytes_per_s": self.bandwidth, "latency_s": self.latency_s,
+                "copy_in_bandwidth_bytes_per_s": self.copy_in_bandwidth}

@@ -47,6 +47,8 @@ examples:
   tokenmill simulate sweep --dtype float32 --num-threads 1 --request-rates 0.5,1,2 \\
       --grid max_num_seqs=8,32 --grid max_num_batched_tokens=256,2048 --output-dir grid/
   tokenmill simulate --model llama-3.1-8b --target-device h100-sxm --request-rate 20 --input-len 1024 --output-len 256
+  tokenmill simulate --num-threads 1 --max-model-len 8192 --request-rate 0.1 --input-len 2048 --output-len 64 \\
+      --pd 1P1D --goodput ttft:10000 tpot:50      # 1 prefill + 1 decode instance beside 2 replicas
   tokenmill simulate validate --dtype float32 --num-threads 1 --max-model-len 1024 \\
       --request-rates 0.25,0.5,1,2,inf --num-prompts 32 --input-len 128 --output-len 32 --output-dir val/
 """
@@ -180,8 +182,29 @@ def add_inputs(parser: argparse.ArgumentParser, sweep: bool) -> None:
     add_report_args(parser)
 
 
+def add_layout_args(parser: argparse.ArgumentParser) -> None:
+    """Several instances: aggregated replicas, or prefill-decode disaggregation (xPyD)."""
+    group = parser.add_argument_group(
+        "instances (several engines on one virtual time; requests round-robin, as vllm-router's round_robin)")
+    group.add_argument("--data-parallel-size", "-dp", type=positive_int, default=1,
+                       help="aggregated replicas, each prefilling and decoding (serve's --data-parallel-size)")
+    group.add_argument("--pd", default=None, metavar="xPyD",
+                       help="prefill-decode disaggregation, e.g. 1P1D or 2P1D: x prefill and y decode instances, "
+                            "the KV pulled over --kv-transfer-bandwidth (docs/disaggregation.md); the report puts it "
+                            "beside x + y aggregated replicas on the same load")
+    group.add_argument("--kv-transfer-bandwidth", type=float, default=None, metavar="GB/s",
+                       help="the link a decode instance pulls KV over, one pull at a time (default: this machine's "
+                            "loopback pull as measured, 0.21 GB/s; a catalog device: 50 GB/s, a 400 Gb/s NIC)")
+    group.add_argument("--kv-transfer-latency-ms", type=float, default=0.0,
+                       help="added to every pull (the round trip, the producer reading its blocks); default 0")
+    group.add_argument("--kv-copy-in-bandwidth", type=float, default=0.0, metavar="GB/s",
+                       help="the decode instance copying pulled KV into its pool on its engine thread, before the "
+                            "step that schedules the request (default 0: not counted)")
+
+
 def add_run_args(parser: argparse.ArgumentParser) -> None:
     add_inputs(parser, sweep=False)
+    add_layout_args(parser)
     out = parser.add_argument_group("output")
     out.add_argument("--json", action="store_true", help="print the result as JSON (bench serve's keys)")
     out.add_argument("--save-result", default=None, metavar="FILE", help="write the result as JSON")
@@ -337,14 +360,34 @@ def _encoder(args: argparse.Namespace, setup):
     return encode
 
 
+def transfer_cost(args: argparse.Namespace):
+    """The KV transfer's cost from the flags (simulate --pd)."""
+    from tokenmill.planner.costmodel import (
+        DEVICE_KV_TRANSFER_BANDWIDTH,
+        MEASURED_KV_TRANSFER_BANDWIDTH,
+        KVTransferCost,
+    )
+
+    if args.kv_transfer_bandwidth is not None:
+        bandwidth = args.kv_transfer_bandwidth * 1e9
+    elif args.target_device.strip().lower() == "this":
+        bandwidth = MEASURED_KV_TRANSFER_BANDWIDTH
+    else:
+        bandwidth = DEVICE_KV_TRANSFER_BANDWIDTH
+    return KVTransferCost(bandwidth, args.kv_transfer_latency_ms / 1e3, args.kv_copy_in_bandwidth * 1e9)
+
+
 def cmd_simulate(args: argparse.Namespace) -> int:
+    from tokenmill.simulator.disaggregation import Layout
     from tokenmill.simulator.sweep import run_point
     from tokenmill.workloads.load_client import format_table, save_result
 
     setup = build_setup(args)
     trace = _trace(args, setup)
+    if args.pd:
+        return _compare_layouts(args, setup, trace, Layout.parse(args.pd))
     report = _report(args)
-    result = run_point(trace, setup, args.max_concurrency, report)
+    result = run_point(trace, setup, args.max_concurrency, report, Layout(replicas=args.data_parallel_size))
     if args.json:
         print(json.dumps(result))
     else:
@@ -361,6 +404,72 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0 if result["completed"] else 1
 
 
+def _compare_layouts(args: argparse.Namespace, setup, trace, layout) -> int:
+    """--pd xPyD: the disaggregated layout and as many aggregated replicas, on the same trace."""
+    from tokenmill.simulator.sweep import run_point
+    from tokenmill.workloads.load_client import save_result
+
+    if args.data_parallel_size != 1:
+        raise ValueError("--pd compares xPyD with x + y aggregated replicas; leave --data-parallel-size out")
+    report = _report(args, extra_percentile=99.0)
+    transfer = transfer_cost(args)
+    results = {name: run_point(trace, setup, args.max_concurrency, report, which, transfer)
+               for name, which in (("aggregated", layout.aggregated_peer()), ("disaggregated", layout))}
+    if args.json:
+        print(json.dumps(results))
+    else:
+        print(format_comparison(results, report.percentiles))
+        print(f"cost model: {setup.cost_model_source}")
+    if args.save_result:
+        save_result(results, args.save_result)
+        print(f"result: {args.save_result}", file=sys.stderr)
+    if args.plot:
+        from tokenmill.workloads.plots import plot_run
+
+        stem, dot, ext = args.plot.rpartition(".")
+        for name, result in results.items():
+            path = f"{stem}-{result['layout']}.{ext}" if dot else f"{args.plot}-{result['layout']}"
+            plot_run(result, path)
+            print(f"figure: {path}", file=sys.stderr)
+    return 0 if all(r["completed"] for r in results.values()) else 1
+
+
+def format_comparison(results: dict[str, dict[str, Any]], percentiles) -> str:
+    """Aggregated beside disaggregated: bench serve's latencies, throughput and goodput,
+    the instances' busy time and the KV pulls."""
+    runs = list(results.values())
+    lines = ["{:=^76}".format(" Aggregated vs disaggregated, same load ")]
+
+    def row(label: str, values: list[str]) -> None:
+        lines.append(f"{label:<40}" + "".join(f"{v:>18}" for v in values))
+
+    def number(value: Any, fmt: str = ",.1f") -> str:
+        return "-" if value is None else format(value, fmt)
+
+    row("", [r["layout"] for r in runs])
+    row("Successful requests:", [number(r["completed"], ",") for r in runs])
+    row("Duration (s):", [number(r["duration"], ",.2f") for r in runs])
+    row("Output token throughput (tok/s):", [number(r["output_throughput"], ",.2f") for r in runs])
+    if runs[0].get("request_goodput") is not None:
+        row("Request goodput (req/s):", [number(r["request_goodput"], ",.2f") for r in runs])
+    for metric, label in (("ttft", "TTFT"), ("itl", "ITL"), ("tpot", "TPOT")):
+        row(f"Median {label} (ms):", [number(r[f"median_{metric}_ms"]) for r in runs])
+        for p in percentiles:
+            key = f"p{p:g}_{metric}_ms"
+            if p != 50 and key in runs[0]:
+                row(f"P{p:g} {label} (ms):", [number(r[key]) for r in runs])
+    row("Instances busy (%):", [", ".join(f"{i['busy_fraction'] * 100:.0f}" for i in r["instances"]) for r in runs])
+    row("Preemptions:", [number(r["num_preemptions"], ",") for r in runs])
+    pull = next(r["kv_transfer"] for r in runs if "kv_transfer" in r)
+    lines.append(f"KV pulls: {pull['num_pulls']:,}, median {pull['median_pull_bytes'] / 1e6:,.1f} MB in "
+                 f"{pull['median_pull_ms']:,.1f} ms (p99 {pull['p99_pull_ms']:,.1f} ms, queueing included); link "
+                 f"{pull['cost']['bandwidth_bytes_per_s'] / 1e9:g} GB/s + {pull['cost']['latency_s'] * 1e3:g} ms per "
+                 f"pull, copy-in " + (f"{pull['cost']['copy_in_bandwidth_bytes_per_s'] / 1e9:g} GB/s"
+                                     if pull['cost']['copy_in_bandwidth_bytes_per_s'] else "not counted"))
+    lines.append("=" * 76)
+    return "\n".join(lines)
+
+
 def format_extras(result: dict[str, Any]) -> str:
     """What the simulator adds to bench serve's table."""
     lines = ["{:-^60}".format(" Simulation ")]
@@ -373,6 +482,9 @@ def format_extras(result: dict[str, Any]) -> str:
     row("Peak / mean KV cache usage (%):", f"{result['max_kv_usage']:.1%} / {result['mean_kv_usage']:.1%}")
     row("Prefix cache hit rate (%):", f"{result['prefix_cache_hit_rate']:.1%}")
     row("Simulated in (s):", f"{result['simulation_wall_s']:.2f}")
+    if "instances" in result:
+        row(f"Instances ({result['layout']}), busy (%):",
+            ", ".join(f"{i['busy_fraction'] * 100:.0f}" for i in result["instances"]))
     lines.append(f"cost model: {result['cost_model']['source']}")
     over = result["server_overheads"]
     lines.append(f"server overheads: {over['request_s'] * 1e3:.1f} ms per request, {over['step_s'] * 1e3:.1f} ms per "

@@ -39,8 +39,11 @@ class VirtualClock:
 
 class StepMeter:
     """Features of each step, from the step messages alone (as the runner side sees them):
-    a chunk that starts inside its prompt is prefill (a recomputation after a preemption
-    included, as `LLMEngine` counts it), the rest are decode rows."""
+    a chunk of several tokens that starts inside its prompt is prefill (a recomputation after
+    a preemption included, as `LLMEngine` counts it), the rest are decode rows. A one-token
+    chunk is a decode row even inside its prompt (a disaggregated decode instance computing
+    the last prompt token of a pulled prompt): the runner lays it out as one (its attention
+    layout's `all_decode`), and a step of such rows runs the fused decode layer."""
 
     def __init__(self) -> None:
         self.prompt_lens: dict[str, int] = {}
@@ -53,7 +56,7 @@ class StepMeter:
             if item.new is not None:
                 self.prompt_lens[item.request_id] = len(item.new.prompt_token_ids)
             n = item.num_tokens
-            if item.start_pos < self.prompt_lens[item.request_id]:
+            if item.start_pos < self.prompt_lens[item.request_id] and n > 1:
                 prefill += n
                 pairs += n * item.start_pos + n * (n + 1) // 2
             else:
@@ -73,16 +76,19 @@ class SimulatedStep:
 
 class SimulatedExecutor:
     """`execute` prices the step with `cost_model`, advances `clock` by it (plus the
-    server's `step_overhead_s` per step and `chunk_overhead_s` per token it streams) and
-    samples `token_id` for every request that samples. `last` is the step just executed."""
+    server's `step_overhead_s` per step, `chunk_overhead_s` per token it streams and, on a
+    disaggregated decode instance, `load_s_per_block` per pulled block copied into the pool
+    before the forward) and samples `token_id` for every request that samples. `last` is
+    the step just executed."""
 
     def __init__(self, cost_model: StepTimeModel, clock: VirtualClock, token_id: int = 0,
-                 step_overhead_s: float = 0.0, chunk_overhead_s: float = 0.0) -> None:
+                 step_overhead_s: float = 0.0, chunk_overhead_s: float = 0.0, load_s_per_block: float = 0.0) -> None:
         self.cost_model = cost_model
         self.clock = clock
         self.token_id = token_id
         self.step_overhead_s = step_overhead_s
         self.chunk_overhead_s = chunk_overhead_s
+        self.load_s_per_block = load_s_per_block
         self.meter = StepMeter()
         self.last: SimulatedStep | None = None
 
@@ -93,6 +99,8 @@ class SimulatedExecutor:
         if batch.scheduled:
             seconds = (self.cost_model.predict(features) + self.step_overhead_s
                        + self.chunk_overhead_s * len(sampled))
+        if batch.kv_transfers is not None and batch.kv_transfers.remote_load:
+            seconds += self.load_s_per_block * len(batch.kv_transfers.remote_load)
         self.clock.advance(seconds)
         self.last = SimulatedStep(features, seconds, sampled)
         return RunnerOutput(sampled_token_ids={request_id: [self.token_id] for request_id in sampled})

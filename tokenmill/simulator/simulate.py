@@ -26,6 +26,7 @@ serve`, plus the KV cache's usage over time and the preemptions.
 from __future__ import annotations
 
 import heapq
+import itertools
 import math
 import time
 from collections import deque
@@ -37,8 +38,9 @@ from typing import Any
 from tokenmill.config import EngineConfig, EngineFacts
 from tokenmill.engine.engine import LLMEngine, SLOUnattainableError, StepObserver, StepRecord
 from tokenmill.outputs import RequestOutput
-from tokenmill.planner.costmodel import StepFeatures, StepTimeModel
+from tokenmill.planner.costmodel import KVTransferCost, StepFeatures, StepTimeModel
 from tokenmill.sampling.params import SamplingParams
+from tokenmill.simulator.disaggregation import PREFILL_PARAMS, Layout, Pull, SimulatedKVConnector
 from tokenmill.simulator.executor import SimulatedExecutor, VirtualClock
 from tokenmill.workloads.metrics import DEFAULT_PERCENTILES, RequestRecord, calculate_metrics
 from tokenmill.workloads.trace import Trace
@@ -123,71 +125,182 @@ class _Timeline(StepObserver):
 
 
 @dataclass
+class InstanceSummary:
+    """One instance of a layout: its role and what it did."""
+
+    role: str  # "both" (aggregated), "prefill" or "decode"
+    num_steps: int
+    busy_s: float  # virtual seconds spent in steps
+    max_kv_usage: float
+    num_preemptions: int
+
+    def to_dict(self, duration: float) -> dict[str, Any]:
+        return {**asdict(self), "busy_fraction": self.busy_s / duration if duration > 0 else 0.0}
+
+
+@dataclass
 class SimulationResult:
     records: list[RequestRecord]
-    steps: list[StepRecord]
+    steps: list[StepRecord]  # every instance's, in order of their start
     duration: float
     wall_seconds: float  # how long the simulation itself took
     num_preemptions: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    layout: Layout = field(default_factory=Layout)
+    instances: list[InstanceSummary] = field(default_factory=list)
+    pulls: list[Pull] = field(default_factory=list)  # disaggregated: every KV pull
+    transfer: KVTransferCost | None = None
+    kv_block_bytes: int = 0
+
+
+class _Instance:
+    """One simulated server: an engine on its own clock, the requests on their way to it."""
+
+    def __init__(self, setup: SimulationSetup, role: str, name: str, connectors: dict[str, SimulatedKVConnector],
+                 transfer: KVTransferCost | None, warm_step_cost: bool) -> None:
+        self.role = role
+        self.clock = VirtualClock()
+        block_bytes = setup.kv_bytes_per_token * setup.config.cache.block_size
+        load_s = transfer.copy_in_seconds(block_bytes) if transfer is not None and role == "decode" else 0.0
+        self.executor = SimulatedExecutor(setup.cost_model, self.clock, step_overhead_s=setup.overheads.step_s,
+                                          chunk_overhead_s=setup.overheads.chunk_s, load_s_per_block=load_s)
+        self.engine = LLMEngine(setup.config, self.executor, SimulatedTokenizer(), setup.facts(), self.clock)
+        self.connector = None
+        if role != "both":
+            self.connector = SimulatedKVConnector(name, role, self.clock, transfer, block_bytes, connectors)
+            self.engine.set_kv_connector(self.connector)
+        if warm_step_cost:
+            _warm(self.engine, setup)
+        self.timeline = _Timeline(self.executor)
+        self.engine.add_observer(self.timeline)
+        self.inbox: list[tuple[float, int, int, dict | None]] = []  # (when it reaches the engine, seq, index, params)
+        self.blocked = False  # it has requests but its last try scheduled nothing (KV pulls in flight, full cache)
+
+    def send(self, moment: float, seq: int, index: int, params: dict | None = None) -> None:
+        heapq.heappush(self.inbox, (moment, seq, index, params))
+        self.blocked = False
+
+    def next_time(self) -> float | None:
+        """When it next has something to do: now while it can step, else the next arrival or
+        KV event."""
+        if self.engine.has_unfinished_requests() and not self.blocked:
+            return self.clock.now
+        times = [self.inbox[0][0]] if self.inbox else []
+        event = self.connector.next_event() if self.connector is not None else None
+        if event is not None and self.engine.has_unfinished_requests():
+            times.append(max(event, self.clock.now))
+        return min(times) if times else None
+
+    def due(self) -> list[tuple[int, dict | None]]:
+        ready = []
+        while self.inbox and self.inbox[0][0] <= self.clock.now:
+            _, _, index, params = heapq.heappop(self.inbox)
+            ready.append((index, params))
+        return ready
+
+    def summary(self) -> InstanceSummary:
+        steps = self.timeline.steps
+        return InstanceSummary(self.role, len(steps), sum(s.duration_s for s in steps),
+                               max((s.kv_usage for s in steps), default=0.0), self.engine.stats().num_preemptions)
 
 
 def simulate(trace: Trace, setup: SimulationSetup, max_concurrency: int | None = None,
-             warm_step_cost: bool = False, max_steps: int | None = None) -> SimulationResult:
+             warm_step_cost: bool = False, max_steps: int | None = None, layout: Layout | None = None,
+             transfer: KVTransferCost | None = None) -> SimulationResult:
     """Run `trace` through the engine on virtual time; at most `max_concurrency` requests in
     flight at the client (the rest wait for a slot, as `bench serve --max-concurrency`).
     `warm_step_cost`: the engine starts knowing what a step costs (as a server that has
     been running; SLO mode and early rejection then act from the first step), else it
     learns from its first steps as a freshly started one. `max_steps`: ValueError past
-    that many engine steps (a what-if on a server's CPU is bounded)."""
+    that many engine steps (a what-if on a server's CPU is bounded). `layout`: several
+    instances (aggregated replicas, or xPyD disaggregated with `transfer` pricing the KV
+    pulls; simulator/disaggregation.py), each an engine with the same settings and cost
+    model, on one virtual time; default one instance."""
     if max_concurrency is not None and max_concurrency < 1:
         raise ValueError(f"max_concurrency must be at least 1, got {max_concurrency}")
+    layout = layout or Layout()
+    if layout.disaggregated:
+        if transfer is None:
+            raise ValueError("a disaggregated layout needs a KV transfer cost")
+        if not setup.kv_bytes_per_token:
+            raise ValueError("a disaggregated layout needs the KV bytes per token (this setup does not know them)")
     wall_start = time.perf_counter()
-    clock = VirtualClock()
-    executor = SimulatedExecutor(setup.cost_model, clock, step_overhead_s=setup.overheads.step_s,
-                                 chunk_overhead_s=setup.overheads.chunk_s)
-    engine = LLMEngine(setup.config, executor, SimulatedTokenizer(), setup.facts(), clock)
-    if warm_step_cost:
-        _warm(engine, setup)
-    timeline = _Timeline(executor)
-    engine.add_observer(timeline)
+    connectors: dict[str, SimulatedKVConnector] = {}
+    instances = [_Instance(setup, role, f"{role}-{k}", connectors, transfer, warm_step_cost)
+                 for k, role in enumerate(layout.roles())]
+    first = [i for i in instances if i.role in ("both", "prefill")]  # where the client's requests go
+    answering = [i for i in instances if i.role in ("both", "decode")]  # whose tokens the client gets
     client = _Client(trace, setup.overheads, max_concurrency)
+    sequence = itertools.count()
+    turn = {"first": 0, "decode": 0}  # round-robin
+    overheads = setup.overheads
+
+    def route(pool: list[_Instance], key: str) -> _Instance:
+        instance = pool[turn[key] % len(pool)]
+        turn[key] += 1
+        return instance
 
     while True:
-        for index, request in client.due(clock.now):
+        upcoming = client.next_arrival()
+        ready = [(t, k) for k, instance in enumerate(instances) if (t := instance.next_time()) is not None]
+        moment, k = min(ready) if ready else (None, -1)
+        if upcoming is not None and (moment is None or upcoming <= moment):
+            for index, _ in client.due(upcoming):  # the router sends it on
+                route(first, "first").send(upcoming, next(sequence), index,
+                                           dict(PREFILL_PARAMS) if layout.disaggregated else None)
+            continue
+        if moment is None:
+            if any(i.engine.has_unfinished_requests() for i in instances):
+                raise RuntimeError("the engine holds requests it cannot schedule and nothing else arrives")
+            break
+        instance = instances[k]
+        engine, clock = instance.engine, instance.clock
+        clock.advance_to(moment)
+        for index, params in instance.due():
+            request = trace.requests[index]
+            max_tokens = 1 if instance.role == "prefill" else request.output_len
             try:
                 engine.add_request(str(index), request.prompt_token_ids,
-                                   SamplingParams(max_tokens=request.output_len, ignore_eos=True),
-                                   arrival_time=clock.now, final_only=True, priority=request.priority)
+                                   SamplingParams(max_tokens=max_tokens, ignore_eos=True),
+                                   arrival_time=clock.now, final_only=True, priority=request.priority,
+                                   kv_transfer_params=params)
             except ValueError as error:  # the server answers 400 before streaming anything
-                client.fail(index, f"HTTP 400: {error}", clock.now + setup.overheads.token_s)
+                client.fail(index, f"HTTP 400: {error}", clock.now + overheads.token_s)
             except SLOUnattainableError as error:  # --slo-reject: the server answers 429
-                client.fail(index, f"HTTP 429: {error}", clock.now + setup.overheads.token_s)
+                client.fail(index, f"HTTP 429: {error}", clock.now + overheads.token_s)
+        instance.blocked = False
         if engine.has_unfinished_requests():
             steps = engine.num_steps
             for output in engine.step():
-                if output.finished:
-                    client.finish(int(output.request_id), clock.now + setup.overheads.token_s)
-            if max_steps is not None and engine.num_steps > max_steps:
+                if not output.finished:
+                    continue
+                if instance.role == "prefill":  # its answer goes back through the router to a decode instance
+                    route(answering, "decode").send(clock.now + overheads.token_s + overheads.request_s,
+                                                    next(sequence), int(output.request_id), output.kv_transfer_params)
+                else:
+                    client.finish(int(output.request_id), clock.now + overheads.token_s)
+            instance.blocked = engine.num_steps == steps
+            if max_steps is not None and sum(i.engine.num_steps for i in instances) > max_steps:
                 raise ValueError(f"the load needs more than {max_steps:,} engine steps to simulate: ask for fewer "
                                  "prompts or output tokens, or more sequences per step")
-            if engine.num_steps > steps:
-                continue
-        upcoming = client.next_arrival()
-        if upcoming is None:
-            if engine.has_unfinished_requests():
-                raise RuntimeError("the engine holds requests it cannot schedule and nothing else arrives")
-            break
-        clock.advance_to(upcoming)
 
-    records = client.records(timeline.token_times, setup.overheads.token_s)
-    stats = engine.stats()
+    token_times: dict[str, list[float]] = {}
+    for instance in answering:
+        token_times.update(instance.timeline.token_times)
+    records = client.records(token_times, overheads.token_s)
+    stats = [i.engine.stats() for i in instances]
     ends = [r.start_time + r.latency for r in records]
+    steps = sorted((s for i in instances for s in i.timeline.steps), key=lambda s: s.started)
     return SimulationResult(
-        records=records, steps=timeline.steps, duration=max([*ends, clock.now, 1e-9]),
-        wall_seconds=time.perf_counter() - wall_start, num_preemptions=stats.num_preemptions,
-        prefix_cache_queries=stats.prefix_cache_queries, prefix_cache_hits=stats.prefix_cache_hits,
+        records=records, steps=steps, duration=max([*ends, *(i.clock.now for i in instances), 1e-9]),
+        wall_seconds=time.perf_counter() - wall_start, num_preemptions=sum(s.num_preemptions for s in stats),
+        prefix_cache_queries=sum(s.prefix_cache_queries for s in stats),
+        prefix_cache_hits=sum(s.prefix_cache_hits for s in stats), layout=layout,
+        instances=[i.summary() for i in instances],
+        pulls=[p for i in instances if i.connector is not None for p in i.connector.pulls],
+        transfer=transfer if layout.disaggregated else None,
+        kv_block_bytes=setup.kv_bytes_per_token * setup.config.cache.block_size,
     )
 
 
@@ -323,7 +436,35 @@ def result_dict(trace: Trace, setup: SimulationSetup, run: SimulationResult, *, 
         "cost_model": {"source": setup.cost_model_source, **_model_dict(setup.cost_model)},
         "server_overheads": setup.overheads.to_dict(),
     })
+    if run.layout.num_instances > 1 or run.layout.disaggregated:
+        result["layout"] = run.layout.name
+        result["instances"] = [i.to_dict(run.duration) for i in run.instances]
+    if run.layout.disaggregated:
+        result["kv_transfer"] = transfer_summary(run)
     return result
+
+
+def transfer_summary(run: SimulationResult) -> dict[str, Any]:
+    """The KV pulls of a disaggregated run: how many, their blocks and bytes, how long they
+    took (from the decode instance asking to the bytes there, queueing behind other pulls
+    included), and the cost model."""
+    pulls = run.pulls
+    seconds = sorted(p.done - p.started for p in pulls)
+    sizes = sorted(p.nbytes for p in pulls)
+
+    def pick(values: list, q: float) -> float:
+        return values[min(len(values) - 1, int(q * len(values)))] if values else 0.0
+
+    return {
+        "num_pulls": len(pulls),
+        "pulled_blocks": sum(p.blocks for p in pulls),
+        "pulled_bytes": sum(sizes),
+        "kv_block_bytes": run.kv_block_bytes,
+        "median_pull_bytes": pick(sizes, 0.5),
+        "median_pull_ms": pick(seconds, 0.5) * 1e3,
+        "p99_pull_ms": pick(seconds, 0.99) * 1e3,
+        "cost": run.transfer.to_dict() if run.transfer is not None else None,
+    }
 
 
 def kv_timeline(steps: Sequence[StepRecord], points: int = TIMELINE_POINTS) -> dict[str, list[float]]:

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from tokenmill.config import engine_settings
+from tokenmill.planner.costmodel import KVTransferCost
+from tokenmill.simulator.disaggregation import Layout
 from tokenmill.simulator.setup import with_settings
 from tokenmill.simulator.simulate import SimulationSetup, result_dict, simulate
 from tokenmill.workloads.datasets import DatasetConfig
@@ -37,8 +39,9 @@ class Report:
     label: str | None = None
 
 
-def run_point(trace: Trace, setup: SimulationSetup, max_concurrency: int | None, report: Report) -> dict[str, Any]:
-    run = simulate(trace, setup, max_concurrency)
+def run_point(trace: Trace, setup: SimulationSetup, max_concurrency: int | None, report: Report,
+              layout: Layout | None = None, transfer: KVTransferCost | None = None) -> dict[str, Any]:
+    run = simulate(trace, setup, max_concurrency, layout=layout, transfer=transfer)
     return result_dict(trace, setup, run, max_concurrency=max_concurrency, goodput=report.goodput,
                        percentiles=report.percentiles, label=report.label)
 
