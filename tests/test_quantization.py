@@ -490,6 +490,42 @@ def test_integer_rows_are_batch_and_thread_invariant(native, fmt) -> None:
         assert torch.equal(part, together[-m:]), f"the last {m} rows differ from the same rows among 130"
 
 
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_many_row_integer_kernel_gives_the_row_kernels_bits(native, fmt) -> None:
+    """The integer path's many-row kernel (16 activation rows in the vector lanes; it runs
+    from 16 rows on, so deterministic inference's prompts take it) must give every output
+    the row kernel's bits: 1, 7, 64 and 300 rows (partial lane blocks), ragged N (37 rows:
+    a partial weight tile) and K (96: padded to whole spans), every stored format and group
+    size, one thread and two. (On builds without AVX512-VNNI both are the row kernel.)"""
+    qt = FORMATS[fmt]()
+    gen = torch.Generator().manual_seed(11)
+    threads = torch.get_num_threads()
+    for m in (1, 7, 64, 300):
+        x = torch.randn(m, qt.shape[1], generator=gen) * torch.logspace(-2, 1, qt.shape[1])
+        row = kernels.quant_linear(x, qt.packed, qt.format, qt.col_perm, ALL_ROWS, many_rows=ALL_ROWS)
+        many = kernels.quant_linear(x, qt.packed, qt.format, qt.col_perm, ALL_ROWS, many_rows=1)
+        assert torch.equal(many, row), f"{m} rows: {int((many != row).sum())} outputs differ"
+        try:
+            torch.set_num_threads(1)
+            assert torch.equal(kernels.quant_linear(x, qt.packed, qt.format, qt.col_perm, ALL_ROWS, many_rows=1), row)
+        finally:
+            torch.set_num_threads(threads)
+        ref = quant_linear_reference(x, qt)
+        assert float((many - ref).norm() / ref.norm()) < 2e-6
+    # 300 rows: the op's default (many_rows=-1) takes the many-row kernel
+    assert torch.equal(kernels.quant_linear(x, qt.packed, qt.format, qt.col_perm, ALL_ROWS), row)
+
+
+@pytest.mark.parametrize("bits,symmetric", [(4, False), (4, True), (8, True), (8, False)])
+def test_many_row_integer_kernel_is_exact_on_exact_inputs(native, bits, symmetric) -> None:
+    """On inputs whose products and sums are exact in float32 the many-row kernel equals the
+    PyTorch reference bit for bit, as the row kernel does."""
+    for m in (1, 16, 17, 40):
+        qt, x = _exact_case(bits, symmetric, m, seed=100 + m)
+        y = kernels.quant_linear(x, qt.packed, qt.format, None, ALL_ROWS, many_rows=1)
+        assert torch.equal(y, quant_linear_reference(x, qt)), f"M = {m}"
+
+
 @pytest.mark.parametrize("tile_dtype", [torch.float32, torch.bfloat16])
 def test_skinny_rows_are_batch_and_thread_invariant(native, tile_dtype) -> None:
     """The dense half of the same guarantee: the skinny kernel at any row count."""

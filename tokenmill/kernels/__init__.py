@@ -194,6 +194,7 @@ def quant_linear(
     format: Sequence[int],
     col_perm: torch.Tensor | None = None,
     max_integer_rows: int = -1,
+    many_rows: int = -1,
 ) -> torch.Tensor:
     """x [M, K] float32 or bfloat16 (contiguous) @ W^T for a quantized W given as a
     QuantizedTensor's `packed`, `format` and `col_perm` (tokenmill/quantization/qtensor.py):
@@ -201,8 +202,11 @@ def quant_linear(
     Up to `max_integer_rows` rows x is quantized to int8 per 32 (llama.cpp's Q8_1) and
     multiplied on integers; beyond, W is dequantized to bf16 for a GEMM. The engine passes the
     execution plan's row count (runner/plan.py, `RowThresholds.quant_integer_rows`); -1 is the
-    op's built-in default, equal to the plan's (the fused decode layer uses that one)."""
-    return torch.ops.tokenmill.quant_linear(x, packed, format, col_perm, max_integer_rows)
+    op's built-in default, equal to the plan's (the fused decode layer uses that one).
+    From `many_rows` rows on (-1: the op's default, 16) the integer path runs its many-row
+    kernel, whose every output is bit for bit the row kernel's (AVX512-VNNI builds; others
+    keep the row kernel); a large `many_rows` keeps the row kernel at any row count."""
+    return torch.ops.tokenmill.quant_linear(x, packed, format, col_perm, max_integer_rows, many_rows)
 
 
 def quant_dequantize(

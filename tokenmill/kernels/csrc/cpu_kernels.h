@@ -34,7 +34,11 @@ struct QuantWeight {
 // to 4 MiB for oneDNN's bf16 GEMM. Pass a large max_integer_rows to keep every row count on
 // the integer arithmetic (e.g. so that speculative verification computes exactly what
 // one-token decoding computes).
-at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w, int64_t max_integer_rows = -1);
+// From many_rows rows on (-1: the built-in 16) the integer path runs its many-row kernel
+// (activation rows in the vector lanes, AVX512-VNNI builds), which gives every output the
+// row kernel's bits; a large many_rows keeps the row kernel (tests compare the two).
+at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w, int64_t max_integer_rows = -1,
+                        int64_t many_rows = -1);
 // W (or its rows `rows`, e.g. embedding lookups) as float32 or bfloat16 [rows, K], in the
 // stored column order (col_perm not undone).
 at::Tensor quant_dequantize(const QuantWeight& w, at::ScalarType dtype, const std::optional<at::Tensor>& rows = std::nullopt);
