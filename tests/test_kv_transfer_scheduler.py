@@ -19,12 +19,14 @@ BLOCK = 4
 class MemoryConnector:
     is_producer = True
     is_consumer = True
+    writes_in_place = False
 
     def __init__(self) -> None:
         self.holds: dict[str, list[int]] = {}
         self.to_release: list[str] = []
         self.pulls: list[tuple[str, RemotePrefill, list[int]]] = []
         self.results: list[PullResult] = []
+        self.local: dict[str, list[int]] = {}
 
     def hold(self, key, block_ids):
         self.holds[key] = list(block_ids)
@@ -35,8 +37,9 @@ class MemoryConnector:
         out, self.to_release = self.to_release, []
         return out
 
-    def start_pull(self, request_id, remote, remote_block_ids):
+    def start_pull(self, request_id, remote, remote_block_ids, local_block_ids):
         self.pulls.append((request_id, remote, remote_block_ids))
+        self.local[request_id] = list(local_block_ids)
 
     def take_pulled(self):
         out, self.results = self.results, []
@@ -99,6 +102,7 @@ def test_consumer_pulls_into_unhashed_blocks_then_computes_the_last_prompt_token
     assert (rid, remote.request_id, blocks) == ("d", "p-kv0", [100, 101, 102])
     local = kv.get_block_ids("d")
     assert len(local) == 3 and not kv.cached_blocks  # no prefix hit on KV not yet there
+    assert conn.local["d"] == local  # where the pulled blocks go
     conn.results.append(PullResult("d", [b"a", b"b", b"c"]))
     out = run_step(sched)
     (item,) = out.scheduled
@@ -122,7 +126,7 @@ def test_consumer_pulls_only_what_its_prefix_cache_lacks() -> None:
     (_, _, blocks), = conn.pulls
     assert blocks == [102, 103] and request.num_cached_tokens == 8
     local = kv.get_block_ids("d")
-    assert len(local) == 4
+    assert len(local) == 4 and conn.local["d"] == local[2:4]
     conn.results.append(PullResult("d", [b"c", b"d"]))
     out = run_step(sched)
     assert out.kv_transfers.remote_load == list(zip([b"c", b"d"], local[2:4]))
@@ -163,3 +167,70 @@ def test_under_the_priority_policy_a_pulled_request_runs_in_rank_order() -> None
     out = run_step(sched)
     assert [r.request_id for r in sched.running] == ["high", "low"]
     assert [item.request_id for item in out.scheduled] == ["high", "low"]
+
+
+def test_a_connector_writing_in_place_hands_no_bytes_to_the_runner() -> None:
+    sched, kv, conn = scheduler()
+    conn.writes_in_place = True
+    request = make_request("d", list(range(1, 11)), max_tokens=2)
+    request.kv_transfer_params = remote_params(3)
+    sched.add_request(request)
+    run_step(sched)
+    conn.results.append(PullResult("d", [], written=True))  # the puller thread copied them into the pool
+    out = run_step(sched)
+    (item,) = out.scheduled
+    assert (item.start_pos, item.num_new_tokens) == (9, 1)
+    assert not (out.kv_transfers and out.kv_transfers.remote_load)
+    assert len(kv.cached_blocks) == 2
+    while not request.is_finished:
+        run_step(sched)
+    assert kv.num_free_blocks == kv.num_blocks
+
+
+def test_an_abort_while_a_writer_pulls_keeps_the_blocks_until_the_pull_is_reported() -> None:
+    # The puller thread may still be writing into the request's blocks: freeing them at the abort
+    # would let another request take them and have its KV overwritten.
+    sched, kv, conn = scheduler(num_blocks=6)
+    conn.writes_in_place = True
+    aborted = make_request("x", list(range(20, 30)), max_tokens=1)
+    aborted.kv_transfer_params = remote_params(3)
+    sched.add_request(aborted)
+    run_step(sched)
+    blocks = kv.get_block_ids("x")
+    sched.finish_requests(["x"], RequestStatus.FINISHED_ABORTED)
+    assert "x" not in sched.pulling and kv.num_free_blocks == 6 - 3
+    other = make_request("o", list(range(40, 52)), max_tokens=1)  # needs 3 blocks: only the 3 free ones
+    sched.add_request(other)
+    run_step(sched)
+    assert not set(kv.get_block_ids("o")) & set(blocks)
+    conn.results.append(PullResult("x", [], written=True))
+    run_step(sched)
+    assert kv.num_free_blocks == 6
+
+
+def test_pulled_blocks_copy_into_the_pool_in_staged_chunks_bit_for_bit() -> None:
+    """The consumer's copy-in (runner/kv_offload.copy_in_blocks): blocks' bytes as the producer
+    reads them (`block_bytes`: K, V and an 8-bit cache's scales, every layer) land in other pool
+    blocks bit for bit, in chunks smaller than the pull (a staging buffer of 2 blocks), and no
+    other block changes."""
+    import torch
+
+    from tokenmill.attention.kv_cache import KVCacheSpec, PagedKVCache
+    from tokenmill.runner.kv_offload import HostKVBuffer, block_tensors, copy_in_blocks
+
+    for dtype in (torch.bfloat16, torch.int8):
+        spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=32, block_size=4, dtype=dtype)
+        source = PagedKVCache(spec, 8, torch.device("cpu"))
+        for t in block_tensors(source):
+            t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8))
+        payloads = [HostKVBuffer(source).block_bytes(b) for b in (1, 2, 3, 5, 6)]
+        assert all(len(p) == spec.bytes_per_block for p in payloads)
+        pool = PagedKVCache(spec, 10, torch.device("cpu"))
+        before = [t.clone() for t in block_tensors(pool)]
+        staging = torch.zeros((2, spec.bytes_per_block), dtype=torch.uint8)
+        copy_in_blocks(block_tensors(pool), payloads, [9, 0, 4, 7, 2], staging)
+        reader = HostKVBuffer(pool)
+        assert [reader.block_bytes(b) for b in (9, 0, 4, 7, 2)] == payloads, dtype
+        for t, old in zip(block_tensors(pool), before):
+            untouched = [b for b in range(10) if b not in (9, 0, 4, 7, 2)]
+            assert torch.equal(t[untouched], old[untouched])

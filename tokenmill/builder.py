@@ -44,7 +44,8 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         facts = built.facts
         engine.set_kv_connector(ZmqKVConnector(transfer, kv_layout_facts(facts),
                                                facts.kv_bytes_per_token * facts.block_size,
-                                               built.executor.kv_block_bytes))
+                                               built.executor.kv_block_bytes,
+                                               write_blocks=built.executor.write_kv_blocks))
     return engine
 
 

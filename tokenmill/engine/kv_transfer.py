@@ -12,7 +12,9 @@ computes only the last prompt token before decoding.
 
 The scheduler talks to a `KVConnector` (the transport, `tokenmill.kv_transfer`, is injected by
 the builder): `hold` / `released` on the producer, `start_pull` / `take_pulled` on the consumer.
-The pulled bytes reach the runner in the step's `KVTransfers.remote_load`, copied into the pool
+A connector that `writes_in_place` (the ZMQ transport with the runner's writer) copies the
+pulled bytes into the allocated pool blocks on its own thread, while the engine's steps go on;
+otherwise they reach the runner in the step's `KVTransfers.remote_load`, copied into the pool
 before the forward, as the tiers' loads are.
 """
 
@@ -68,6 +70,7 @@ class PullResult:
     request_id: str
     payloads: list[bytes] | None  # one per pulled block, the pool's bytes; None when it failed
     error: str | None = None
+    written: bool = False  # the connector wrote the blocks into the pool itself (payloads empty)
 
 
 @dataclass
@@ -86,6 +89,9 @@ class KVConnector(Protocol):
 
     is_producer: bool
     is_consumer: bool
+    # The consumer writes pulled blocks into the pool itself, off the engine thread: the
+    # scheduler then keeps an aborted pull's blocks until its result is reported.
+    writes_in_place: bool
 
     def hold(self, key: str, block_ids: list[int]) -> dict[str, Any]:
         """Serve these blocks under `key` until pulled or timed out; returns the response's
@@ -94,8 +100,10 @@ class KVConnector(Protocol):
     def released(self) -> list[str]:
         """Holds pulled, aborted by the consumer or timed out since the last call."""
 
-    def start_pull(self, request_id: str, remote: RemotePrefill, remote_block_ids: list[int]) -> None:
-        """Fetch these remote blocks' bytes in the background."""
+    def start_pull(self, request_id: str, remote: RemotePrefill, remote_block_ids: list[int],
+                   local_block_ids: list[int]) -> None:
+        """Fetch these remote blocks' bytes in the background, for these local pool blocks
+        (written there when `writes_in_place`, else handed back in the PullResult)."""
 
     def take_pulled(self) -> list[PullResult]:
         """Pulls finished since the last call."""

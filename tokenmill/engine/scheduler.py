@@ -139,6 +139,9 @@ class Scheduler:
         # whose prompt KV is being pulled, and the pulled bytes for this step's runner.
         self.connector: KVConnector | None = None
         self.pulling: dict[str, Request] = {}
+        # Requests aborted while a connector that writes in place pulled into their blocks:
+        # freed when the pull is reported, never under the writer.
+        self._aborted_pulls: dict[str, Request] = {}
         self._remote_loads: list[tuple[bytes, int]] = []
         self._hold_ids = itertools.count()
         # Under priority with a step bound: each priority level's latest arrivals, as
@@ -200,15 +203,19 @@ class Scheduler:
         pulled = connector.take_pulled()
         for result in pulled:
             request = self.pulling.pop(result.request_id, None)
-            if request is None:
-                continue  # aborted while its pull ran
+            if request is None:  # aborted while its pull ran: the connector is done with its blocks now
+                aborted = self._aborted_pulls.pop(result.request_id, None)
+                if aborted is not None:
+                    self.kv.free(aborted)
+                continue
             if result.payloads is None:
                 self._pull_failed(request, result.error or "the pull failed")
                 continue
             num_load = request.num_prompt_tokens - 1
-            blocks = self.kv.get_block_ids(request.request_id)
-            first = self.kv.blocks_needed(num_load) - len(result.payloads)
-            self._remote_loads.extend(zip(result.payloads, blocks[first:]))
+            if not result.written:
+                blocks = self.kv.get_block_ids(request.request_id)
+                first = self.kv.blocks_needed(num_load) - len(result.payloads)
+                self._remote_loads.extend(zip(result.payloads, blocks[first:]))
             request.num_computed_tokens = num_load
             self.kv.mark_computed(request, num_load)
             request.status = RequestStatus.RUNNING
@@ -259,7 +266,8 @@ class Scheduler:
             request.num_cached_tokens = num_hit_tokens
             self.pulling[request.request_id] = request
             first = num_hit_tokens // self.kv.block_size
-            self.connector.start_pull(request.request_id, remote, list(remote.block_ids[first:needed]))
+            local = self.kv.get_block_ids(request.request_id)[first:needed]
+            self.connector.start_pull(request.request_id, remote, list(remote.block_ids[first:needed]), local)
 
     def _schedule_fcfs(self) -> tuple[list[ScheduledRequest], list[str]]:
         budget = self.config.max_num_batched_tokens
@@ -798,6 +806,8 @@ class Scheduler:
             self.running.remove(request)
         elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             self.pulling.pop(request.request_id, None)
+            if self.connector is not None and self.connector.writes_in_place:
+                self._aborted_pulls[request.request_id] = request
         elif request in self.waiting:
             self.waiting.remove(request)
         request.status = status
@@ -807,7 +817,7 @@ class Scheduler:
             # A disaggregated prefill: its blocks stay until a consumer pulls them (or a timeout).
             key = f"{request.request_id}-kv{next(self._hold_ids)}"
             request.kv_transfer_params_out = connector.hold(key, self.kv.hold(request, key))
-        else:
+        elif request.request_id not in self._aborted_pulls:
             self.kv.free(request)
         self._sent.pop(request.request_id, None)
         del self.requests[request.request_id]

@@ -13,7 +13,8 @@ A hold nobody pulls is released after `abort_request_timeout` seconds (vLLM's
 VLLM_NIXL_ABORT_REQUEST_TIMEOUT). A hold being read cannot time out under the reader.
 
 The consumer pulls on one background thread (a DEALER socket per producer), so the transfer
-overlaps the decode steps of other requests; a pull that fails (producer gone, hold expired,
+overlaps the decode steps of other requests; given the runner's writer (`write_blocks`), that
+thread also copies the pulled blocks into the request's pool blocks, off the engine thread; a pull that fails (producer gone, hold expired,
 timeout, short reply, mismatched facts) is reported and the scheduler recomputes the prompt.
 Frames are JSON headers and raw block bytes; ZMQ does the framing, connection and reconnection.
 """
@@ -62,10 +63,15 @@ class _Hold:
 class ZmqKVConnector:
     def __init__(self, config: KVTransferConfig, facts: dict[str, Any], bytes_per_block: int,
                  read_blocks: Callable[[list[int]], list[bytes]] | None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 write_blocks: Callable[[list[int], list[bytes]], None] | None = None) -> None:
         self.config = config
         self.is_producer = config.is_producer
         self.is_consumer = config.is_consumer
+        # A consumer given the runner's writer copies pulled blocks into the pool on its puller
+        # thread, overlapping the engine's steps; else the bytes go to the scheduler.
+        self._write_blocks = write_blocks if config.is_consumer else None
+        self.writes_in_place = self._write_blocks is not None
         self.engine_id = config.engine_id or uuid.uuid4().hex
         self.facts = facts
         self.bytes_per_block = bytes_per_block
@@ -125,8 +131,9 @@ class ZmqKVConnector:
             released, self._released = self._released, []
         return released
 
-    def start_pull(self, request_id: str, remote: RemotePrefill, remote_block_ids: list[int]) -> None:
-        self._jobs.put((request_id, remote, list(remote_block_ids)))
+    def start_pull(self, request_id: str, remote: RemotePrefill, remote_block_ids: list[int],
+                   local_block_ids: list[int]) -> None:
+        self._jobs.put((request_id, remote, list(remote_block_ids), list(local_block_ids)))
 
     def take_pulled(self) -> list[PullResult]:
         with self._lock:
@@ -241,14 +248,19 @@ class ZmqKVConnector:
             job = self._jobs.get()
             if job is None:
                 break
-            request_id, remote, block_ids = job
+            request_id, remote, block_ids, local_block_ids = job
             peer = (remote.host, remote.port)
             started = time.monotonic()
             try:
                 payloads = self._pull(sockets, peer, remote, block_ids)
+                pulled = time.monotonic()
                 result = PullResult(request_id, payloads)
-                logger.info("kv transfer: %s pulled %d blocks (%.1f MB) from %s:%d in %.1f ms", request_id,
-                            len(payloads), sum(map(len, payloads)) / 1e6, *peer, 1e3 * (time.monotonic() - started))
+                if self._write_blocks is not None:  # into the pool here, while the engine's steps go on
+                    self._write_blocks(local_block_ids[:len(payloads)], payloads)
+                    result = PullResult(request_id, [], written=True)
+                logger.info("kv transfer: %s pulled %d blocks (%.1f MB) from %s:%d in %.1f ms%s", request_id,
+                            len(payloads), sum(map(len, payloads)) / 1e6, *peer, 1e3 * (pulled - started),
+                            f", copied in in {1e3 * (time.monotonic() - pulled):.1f} ms" if result.written else "")
             except Exception as e:  # noqa: BLE001 - reported; the scheduler recomputes
                 sock = sockets.pop(peer, None)  # a late reply must not answer the next pull
                 if sock is not None:
@@ -258,7 +270,7 @@ class ZmqKVConnector:
                 if result.payloads is None:
                     self._stats.failed_pulls += 1
                 else:
-                    self._stats.pulled_blocks += len(result.payloads)
+                    self._stats.pulled_blocks += len(payloads)
                 self._pulled.append(result)
             self._pull_done.set()
         for sock in sockets.values():

@@ -18,7 +18,7 @@ from tokenmill.attention.kv_cache import KVCacheSpec, PagedKVCache
 from tokenmill.engine.batch import PromptLogprobsChunk, RequestTable, RunnerOutput, SchedulerOutput, StepRequest
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.pooling import Pooler
-from tokenmill.runner.kv_offload import HostKVBuffer
+from tokenmill.runner.kv_offload import COPY_IN_CHUNK, HostKVBuffer, block_tensors, copy_in_blocks
 from tokenmill.runner.plan import ExecutionPlan
 from tokenmill.runner.threads import ThreadGovernor
 from tokenmill.sampling.rejection import RejectionSampler, Verification
@@ -63,6 +63,8 @@ class ModelRunner:
         self.pooler: Pooler | None = None
         self.host_kv: HostKVBuffer | None = None  # the host KV tier's memory, made at its first transfer
         self.host_kv_spec: KVCacheSpec | None = None  # its 8-bit block format (--kv-offloading-cache-dtype); None: the pool's
+        self._pool_bytes: list[torch.Tensor] | None = None  # the pool's tensors as bytes (pulled KV is written there)
+        self._copy_in_staging: torch.Tensor | None = None  # pulled blocks staged for the copy into the pool
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
@@ -84,6 +86,18 @@ class ModelRunner:
         them meanwhile, and this may run on another thread)."""
         buffer = self.host_kv if self.host_kv is not None else HostKVBuffer(self.kv_cache, self.host_kv_spec)
         return [buffer.block_bytes(b) for b in block_ids]
+
+    def write_kv_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
+        """Pulled KV (`kv_block_bytes`' bytes, from a producer) into these pool blocks. A
+        disaggregated consumer's puller thread calls it while the engine thread runs steps:
+        the blocks belong to a request waiting for its KV, which no step reads or writes, and
+        the scheduler frees them only once the pull is reported (engine/kv_transfer.py)."""
+        with torch.inference_mode():
+            if self._pool_bytes is None:
+                self._pool_bytes = block_tensors(self.kv_cache)
+                size = sum(t[0].numel() for t in self._pool_bytes)
+                self._copy_in_staging = torch.zeros((COPY_IN_CHUNK, size), dtype=torch.uint8)  # touched once
+            copy_in_blocks(self._pool_bytes, payloads, block_ids, self._copy_in_staging)
 
     @torch.inference_mode()
     def run(self, items: list[StepRequest]) -> RunnerOutput:

@@ -112,6 +112,8 @@ class SimulatedKVConnector:
     def __post_init__(self) -> None:
         self.registry[self.engine_id] = self
 
+    writes_in_place = False  # the scheduler hands the (empty) payloads to the executor, which prices the copy
+
     @property
     def is_producer(self) -> bool:
         return self.role == "prefill"
@@ -139,7 +141,8 @@ class SimulatedKVConnector:
         return out
 
     # consumer
-    def start_pull(self, request_id: str, remote: RemotePrefill, remote_block_ids: list[int]) -> None:
+    def start_pull(self, request_id: str, remote: RemotePrefill, remote_block_ids: list[int],
+                   local_block_ids: list[int]) -> None:
         nbytes = len(remote_block_ids) * self.block_bytes
         started = max(self.clock.now, self.link_free)
         done = started + self.cost.pull_seconds(nbytes)
