@@ -14,6 +14,7 @@ from tests.conftest import assert_engine_idle, sibling
 from tokenmill import SamplingParams
 from tokenmill.config import KVEventsConfig
 from tokenmill.engine.kv_events import BlockStored
+from tokenmill.engine.request import RequestStatus
 from tokenmill.engine.kv_tiers import DiskTier, decode_block_file, encode_block_file, kv_fingerprint
 
 FP = kv_fingerprint("model", "q4_1", "bfloat16", 16, 1000)
@@ -124,10 +125,40 @@ def test_prefix_evicted_past_the_host_tier_comes_back_from_disk_and_after_a_rest
     out = restarted.generate([returning], GREEDY)[0]
     assert_engine_idle(restarted)
     assert out.num_cached_tokens == 384 and disk.stats.hit_tokens == 384
+    assert disk.stats.read_ahead_blocks == 24  # every file read in the background, none by a step
     assert out.outputs[0].token_ids == reference
     announced = [tuple(e.token_ids[i: i + 16]) for e in events if isinstance(e, BlockStored) and e.medium == "DISK"
                  for i in range(0, len(e.token_ids), 16)]
     assert {tuple(prefix[i: i + 16]) for i in range(0, 384, 16)} <= set(announced)
+
+
+def test_a_request_waiting_for_its_disk_blocks_does_not_stall_the_batch(llm_f32, tmp_path) -> None:
+    """The read-ahead: a returning prefix on disk is read by a background thread while the
+    request waits outside the queue (WAITING_FOR_REMOTE_KVS); the running stream keeps
+    getting a token every step; then the request is admitted with every block from the
+    bytes read, and answers as a cache-less engine does."""
+    prefix, returning, first_turn, others = _prompts(llm_f32)
+    reference = sibling(llm_f32, enable_prefix_caching=False).generate([returning], GREEDY)[0].outputs[0].token_ids
+    tiered = _disk_engine(llm_f32, str(tmp_path))
+    tiered.generate([first_turn, *others], GREEDY)  # the prefix goes past the host tier to disk
+    engine = tiered.engine
+    disk = engine.scheduler.kv.host_tier.disk
+    assert len(disk) >= 24
+    engine.add_request("stream", others[0][:40], SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True))
+    engine.step()  # its prompt
+    engine.add_request("returning", returning, GREEDY)
+    outputs = engine.step()
+    assert engine.scheduler.requests["returning"].status == RequestStatus.WAITING_FOR_REMOTE_KVS
+    assert [o.request_id for o in outputs] == ["stream"]  # the stream's token: the step did not wait
+    done = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+    assert_engine_idle(tiered)
+    assert done["returning"].num_cached_tokens == 384 and disk.stats.read_ahead_blocks == 24
+    assert done["returning"].outputs[0].token_ids == reference
+    assert len(done["stream"].outputs[0].token_ids) == 40
 
 
 def test_a_corrupt_or_truncated_file_is_recomputed_never_used(llm_f32, tmp_path) -> None:

@@ -411,8 +411,8 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         self._publish_kv_events()
         if batch.is_empty and not batch.finished_ids and not batch.kv_transfers:
-            if self.scheduler.pulling:  # only KV pulls in flight: wait for one instead of spinning
-                self.scheduler.connector.wait(0.005)
+            if self.scheduler.pulling or self.scheduler.reading:  # only KV in flight: wait, do not spin
+                self.scheduler.wait_for_kv(0.005)
             return []
         scheduled = self.clock()
         num_prefill, context, pairs = self._step_shape(batch)

@@ -17,8 +17,10 @@ import hashlib
 import logging
 import os
 import struct
+import threading
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from tokenmill.engine.batch import KVTransfers
@@ -253,6 +255,7 @@ class DiskStats:
     loaded_blocks: int = 0  # blocks read back into the pool
     evicted_blocks: int = 0  # files deleted by the size cap (LRU)
     corrupt_blocks: int = 0  # files found truncated, corrupt or foreign: deleted, recomputed
+    read_ahead_blocks: int = 0  # files read in the background before their request was admitted
 
 
 @dataclass
@@ -282,6 +285,14 @@ class DiskTier:
         self.found: dict[BlockHash, BlockMeta] = {}  # files of an earlier run, with a record: to announce
         self._loads: list[tuple[bytes, int]] = []
         self._pending: set[BlockHash] = set()  # admitted, written by the runner in the coming step
+        # Read-ahead (`start_reads`): one background thread reads files a waiting request will
+        # hit, so the engine thread never waits on the disk for them; the bytes wait here
+        # (checked, and forgotten if bad, when `read` takes them, on the engine thread).
+        self._reader: ThreadPoolExecutor | None = None
+        self._read_lock = threading.Lock()
+        self._read_done = threading.Condition(self._read_lock)
+        self._raw: dict[BlockHash, bytes | None] = {}  # read ahead (None: the read failed)
+        self._reading: set[BlockHash] = set()
         self.added: list[BlockHash] = []  # admitted since the events were last taken
         self.removed: list[BlockHash] = []  # dropped since then (size cap, corrupt or missing file)
         try:
@@ -320,6 +331,7 @@ class DiskTier:
         self.entries.clear()
         self.used_bytes = 0
         self.found.clear()
+        self._drop_read_ahead(list(self._raw) + list(self._reading))
 
     def __contains__(self, block_hash: BlockHash) -> bool:
         return self.enabled and block_hash in self.entries
@@ -356,9 +368,12 @@ class DiskTier:
         if block_hash not in self or block_hash in self._pending:
             return None
         path = self.path(block_hash)
+        with self._read_lock:
+            ahead = self._raw.pop(block_hash, False)
         try:
-            with open(path, "rb") as f:
-                data = f.read(self.entries[block_hash] + 1)  # its size when written (or found)
+            data = self._read_file(path, self.entries[block_hash]) if ahead is False else ahead
+            if data is None:
+                raise OSError("the read-ahead failed")
         except OSError:
             self._forget(block_hash)  # never written (a failed write) or deleted by someone
             return None
@@ -371,6 +386,60 @@ class DiskTier:
             return None
         self.entries.move_to_end(block_hash)
         return payload
+
+    @staticmethod
+    def _read_file(path: str, size: int) -> bytes:
+        with open(path, "rb") as f:
+            return f.read(size + 1)  # its size when written (or found): a longer file reads as corrupt
+
+    # ----- read-ahead ------------------------------------------------------------------
+
+    def start_reads(self, hashes: Iterable[BlockHash]) -> None:
+        """Read these files in the background (each once; `read` takes the bytes later)."""
+        jobs = [(h, self.path(h), self.entries[h]) for h in hashes
+                if h in self and h not in self._raw and h not in self._reading and h not in self._pending]
+        if not jobs:
+            return
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="tokenmill-kv-disk-read")
+        with self._read_lock:
+            self._reading.update(h for h, _, _ in jobs)
+        self._reader.submit(self._read_in_background, jobs)
+
+    def _read_in_background(self, jobs: list[tuple[BlockHash, str, int]]) -> None:
+        for block_hash, path, size in jobs:
+            try:
+                data: bytes | None = self._read_file(path, size)
+            except OSError:
+                data = None
+            with self._read_lock:
+                if block_hash in self._reading:  # (not dropped meanwhile)
+                    self._reading.discard(block_hash)
+                    self._raw[block_hash] = data
+                    self.stats.read_ahead_blocks += 1
+                self._read_done.notify_all()
+
+    def read_ahead(self, block_hash: BlockHash) -> bool:
+        """Whether the block's file is read, or being read, in the background."""
+        with self._read_lock:
+            return block_hash in self._raw or block_hash in self._reading
+
+    def reads_done(self, hashes: Iterable[BlockHash]) -> bool:
+        with self._read_lock:
+            return not self._reading.intersection(hashes)
+
+    def wait_for_reads(self, timeout: float) -> None:
+        """Block until a background read finishes (or `timeout` seconds): an engine with
+        nothing else to do waits here instead of spinning."""
+        with self._read_lock:
+            if self._reading:
+                self._read_done.wait(timeout)
+
+    def _drop_read_ahead(self, hashes: Iterable[BlockHash]) -> None:
+        with self._read_lock:
+            for h in hashes:
+                self._raw.pop(h, None)
+                self._reading.discard(h)
 
     def load(self, payloads: Iterable[bytes], block_ids: Iterable[int]) -> None:
         for payload, block_id in zip(payloads, block_ids, strict=True):
@@ -389,6 +458,7 @@ class DiskTier:
         self.entries.clear()
         self.used_bytes = 0
         self.found.clear()
+        self._drop_read_ahead(list(self._raw) + list(self._reading))
         self._loads.clear()
         self._pending.clear()
         self.added.clear()
@@ -402,6 +472,7 @@ class DiskTier:
             self.stats.evicted_blocks += 1
 
     def _forget(self, block_hash: BlockHash) -> None:
+        self._drop_read_ahead((block_hash,))
         self.used_bytes -= self.entries.pop(block_hash)
         self.found.pop(block_hash, None)
         self.removed.append(block_hash)

@@ -59,6 +59,9 @@ logger = logging.getLogger(__name__)
 # when that is longer), and its unloaded TTFT is predicted from its last few prompts.
 PRIORITY_GUARD_SECONDS = 30.0
 PRIORITY_GUARD_HISTORY = 16
+# The disk tier's read-ahead looks at this many requests at the head of the queue each step
+# (the ones admitted next; a bounded cost per step however long the queue).
+READ_AHEAD_WINDOW = 4
 
 @dataclass(frozen=True)
 class SchedulerConfig:
@@ -107,6 +110,8 @@ class SchedulerStats:
     kv_disk_loaded_blocks: int = 0  # disk -> pool
     kv_disk_evicted_blocks: int = 0
     kv_disk_corrupt_blocks: int = 0
+    kv_disk_read_ahead_blocks: int = 0  # files read in the background before admission
+    kv_disk_reading_requests: int = 0  # requests waiting for their files now
     kv_disk_hit_tokens: int = 0
     # Prefill-decode disaggregation (0 without a connector): a producer's held blocks and
     # requests, blocks it served and holds that timed out; a consumer's pulled blocks, the
@@ -144,6 +149,11 @@ class Scheduler:
         self._aborted_pulls: dict[str, Request] = {}
         self._remote_loads: list[tuple[bytes, int]] = []
         self._hold_ids = itertools.count()
+        # The disk KV tier's read-ahead: requests near the head of the queue whose prefix
+        # continues in disk files wait outside the queues while a background thread reads
+        # them (vLLM's WAITING_FOR_REMOTE_KVS), so no step waits on the disk; each with the
+        # blocks being read.
+        self.reading: dict[str, tuple[Request, list[bytes]]] = {}
         # Under priority with a step bound: each priority level's latest arrivals, as
         # (arrival time, prompt tokens to compute).
         self._arrivals: dict[int, deque[tuple[float, int]]] = {}
@@ -176,6 +186,7 @@ class Scheduler:
         if self.connector is not None:
             self.poll_connector()
             self._start_pulls()
+        self._read_ahead()
         if self.config.by_priority:
             scheduled, preempted = self._schedule_by_rank()
         else:
@@ -268,6 +279,37 @@ class Scheduler:
             first = num_hit_tokens // self.kv.block_size
             local = self.kv.get_block_ids(request.request_id)[first:needed]
             self.connector.start_pull(request.request_id, remote, list(remote.block_ids[first:needed]), local)
+
+    # ----- the disk tier's read-ahead -------------------------------------------------
+
+    def _read_ahead(self) -> None:
+        """Requests whose files are read go back to the queue, in front (fcfs) or at their
+        rank; then the first few waiting requests whose prefix continues on disk start
+        their reads and wait outside the queue. Their admission then takes the bytes read
+        (get_computed_blocks, unchanged): the engine thread reads no file for them."""
+        disk = getattr(getattr(self.kv, "host_tier", None), "disk", None)
+        if disk is None:
+            return
+        for request_id, (request, hashes) in list(self.reading.items()):
+            if disk.reads_done(hashes):
+                del self.reading[request_id]
+                request.status = RequestStatus.WAITING
+                self._enqueue(request, front=True)
+        for request in list(itertools.islice(self.waiting, READ_AHEAD_WINDOW)):
+            hashes = self.kv.disk_blocks_to_read(request)
+            if hashes:
+                disk.start_reads(hashes)
+                self.waiting.remove(request)
+                request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                self.reading[request.request_id] = (request, hashes)
+
+    def wait_for_kv(self, timeout: float) -> None:
+        """Nothing to schedule but KV in flight (a disaggregated pull, a disk read-ahead):
+        wait for some instead of spinning."""
+        if self.pulling and self.connector is not None:
+            self.connector.wait(timeout)
+        elif self.reading:
+            self.kv.host_tier.disk.wait_for_reads(timeout)
 
     def _schedule_fcfs(self) -> tuple[list[ScheduledRequest], list[str]]:
         budget = self.config.max_num_batched_tokens
@@ -688,7 +730,7 @@ class Scheduler:
             kv_offload_bytes_per_block=host.bytes_per_block, kv_offload_stored_blocks=host.stats.stored_blocks,
             kv_offload_loaded_blocks=host.stats.loaded_blocks, kv_offload_evicted_blocks=host.stats.evicted_blocks,
             kv_offload_stores_skipped=host.stats.rejected_blocks,
-            **self._disk_tier_stats(host.disk),
+            **self._disk_tier_stats(host.disk), kv_disk_reading_requests=len(self.reading),
         )
 
     @staticmethod
@@ -700,7 +742,7 @@ class Scheduler:
             kv_disk_used_blocks=len(disk), kv_disk_used_bytes=disk.nbytes_used, kv_disk_bytes_per_block=disk.file_bytes,
             kv_disk_stored_blocks=disk.stats.stored_blocks, kv_disk_loaded_blocks=disk.stats.loaded_blocks,
             kv_disk_evicted_blocks=disk.stats.evicted_blocks, kv_disk_corrupt_blocks=disk.stats.corrupt_blocks,
-            kv_disk_hit_tokens=disk.stats.hit_tokens,
+            kv_disk_hit_tokens=disk.stats.hit_tokens, kv_disk_read_ahead_blocks=disk.stats.read_ahead_blocks,
         )
 
     # ----- internals -----------------------------------------------------------------
@@ -805,8 +847,9 @@ class Scheduler:
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
-            self.pulling.pop(request.request_id, None)
-            if self.connector is not None and self.connector.writes_in_place:
+            pulled_here = self.pulling.pop(request.request_id, None) is not None
+            self.reading.pop(request.request_id, None)  # (a disk read-ahead: nothing allocated yet)
+            if pulled_here and self.connector is not None and self.connector.writes_in_place:
                 self._aborted_pulls[request.request_id] = request
         elif request in self.waiting:
             self.waiting.remove(request)

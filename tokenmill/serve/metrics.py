@@ -306,6 +306,8 @@ def disk_tier_metrics(stats: EngineStats, name: str) -> Iterator[Metric]:
     gauges = [
         ("kv_offload_disk_enabled", stats.kv_disk_enabled,
          "1 while the disk tier serves; 0 after it was turned off (see the log for why)."),
+        ("kv_offload_disk_reading_requests", stats.kv_disk_reading_requests,
+         "Requests waiting outside the queue while their prefix's disk files are read in the background."),
         ("kv_offload_disk_cache_usage_perc", stats.kv_disk_used_bytes / max(stats.kv_disk_max_bytes, 1),
          "Fraction of --kv-offloading-disk-size the disk tier's files use (1 = full)."),
         ("kv_offload_disk_cache_bytes", stats.kv_disk_used_bytes,
@@ -322,6 +324,8 @@ def disk_tier_metrics(stats: EngineStats, name: str) -> Iterator[Metric]:
          "KV files deleted by the disk tier's size cap (least recently used first)."),
         ("kv_offload_disk_corrupt_blocks", stats.kv_disk_corrupt_blocks,
          "KV files found truncated, corrupt or foreign: deleted, their tokens recomputed."),
+        ("kv_offload_disk_read_ahead_blocks", stats.kv_disk_read_ahead_blocks,
+         "KV files read in the background before their request was admitted (no step waited on them)."),
     ]
     for metric, value, doc in counters:
         family = CounterMetricFamily(PREFIX + metric, doc, labels=["model_name"])
