@@ -141,6 +141,60 @@ def test_paged_decode_attention_rows_are_batch_and_thread_invariant(window) -> N
         assert torch.equal(alone, together[s:s + 1]), f"row {s} differs alone and in the batch"
 
 
+@pytest.mark.parametrize("cache", ["float32", "bfloat16", "float16", "int8", "fp8"])
+@pytest.mark.parametrize(
+    "heads,kv_heads,head_dim,block_size",
+    [(9, 3, 64, 16), (4, 4, 32, 16), (2, 1, 128, 16), (8, 2, 64, 16), (6, 2, 20, 5)],
+    ids=["gqa3-d64", "mha-d32", "mqa-d128", "gqa4-d64-untiled", "gqa3-d20-bs5"],
+)
+def test_paged_decode_attention_prompt_rows_read_blocks_once_with_each_rows_bits(
+        cache, heads, kv_heads, head_dim, block_size) -> None:
+    """A prompt laid out as one-token rows over one block table (deterministic inference's
+    prefill) runs as runs of rows that read each K/V block once (attend_rows); every row must
+    keep the bits it has alone: 1, 7, 64 and 300 rows (ragged: the last block of each row
+    partial, runs split into items of up to 16 rows), two prompts and a decode row in one
+    call, every cache dtype (8-bit ones with their scales), tiled and untiled head groups, one
+    thread and two."""
+    from tokenmill.attention import kv_quant
+
+    gen = torch.Generator().manual_seed(heads * head_dim + block_size)
+    for rows in (1, 7, 64, 300):
+        lens = list(range(1, rows + 1)) + list(range(20, 29)) + [45]  # a prompt, another's chunk, a decode row
+        seqs = [0] * rows + [1] * 9 + [2]
+        blocks = -(-max(lens) // block_size)
+        k = torch.randn(3 * blocks + 2, block_size, kv_heads, head_dim, generator=gen)
+        v = torch.randn(3 * blocks + 2, block_size, kv_heads, head_dim, generator=gen)
+        scales = {}
+        if cache in ("int8", "fp8"):
+            dtype = torch.int8 if cache == "int8" else kv_quant.fp8_dtype()
+            if dtype is None:
+                pytest.skip("no float8_e4m3fn in this torch")
+            (k, ks), (v, vs) = kv_quant.quantize(k, dtype), kv_quant.quantize(v, dtype)
+            scales = {"kv_scales": (ks.transpose(1, 2).contiguous(), vs.transpose(1, 2).contiguous())}
+        else:
+            k, v = k.to(getattr(torch, cache)), v.to(getattr(torch, cache))
+        perm = torch.randperm(k.shape[0], generator=gen)[: 3 * blocks].view(3, blocks).int()
+        tables = perm[seqs].contiguous()
+        lens_t = torch.tensor(lens, dtype=torch.int32)
+        q = torch.randn(len(lens), heads, head_dim, generator=gen)
+        together = torch.empty_like(q)
+        paged_decode_attention(together, q, k, v, tables, lens_t, 0.125, **scales)
+        threads = torch.get_num_threads()
+        try:
+            torch.set_num_threads(1)
+            one_thread = torch.empty_like(q)
+            paged_decode_attention(one_thread, q, k, v, tables, lens_t, 0.125, **scales)
+        finally:
+            torch.set_num_threads(threads)
+        assert torch.equal(one_thread, together)
+        for s in range(len(lens)):
+            alone = torch.empty_like(q[s:s + 1])
+            paged_decode_attention(alone, q[s:s + 1], k, v, tables[s:s + 1], lens_t[s:s + 1], 0.125, **scales)
+            assert torch.equal(alone, together[s:s + 1]), f"{rows} rows: row {s} differs alone and in its run"
+        if cache == "float32":
+            torch.testing.assert_close(together, _reference(q, k, v, tables, lens_t, 0.125), atol=1e-5, rtol=1e-5)
+
+
 def test_paged_decode_attention_rejects_bad_shapes() -> None:
     q, k_cache, v_cache, tables, lens_t = _case(2, 6, 4, 32, 8, [4, 4])  # 6 heads, 4 KV heads
     with pytest.raises(RuntimeError, match="multiple of num_kv_heads"):

@@ -296,6 +296,72 @@ inline void attend(const float* qf, const cache_t* k_heads, const cache_t* v_hea
                         });
 }
 
+// Several query rows of one sequence (deterministic inference lays a prompt out as one-token
+// rows over one block table): each row's arithmetic is attend's, call for call (the same block
+// visits, the same block_dots / block_axpy on the same cache rows with the same row counts,
+// the same softmax), so its output is bit for bit what it is alone; but each K and V block is
+// taken from memory once for all the rows, which then find it in L1, instead of once per row
+// (a 1024-token prompt's rows each streamed up to 0.8 MB of K and V per layer). rows_ctx[i]:
+// row i's context length; qf, scores, acc: per row as attend's. The whole context (no
+// sliding window).
+template <int G, typename cache_t>
+void attend_rows(int64_t R, const int64_t* rows_ctx, float* const* qf, const cache_t* k_heads, const cache_t* v_heads,
+                 int64_t nh, const int32_t* table, int64_t group, int64_t head_dim, int64_t block_size,
+                 int64_t block_stride, int64_t token_stride, int64_t head_stride, const RowScales& row_scales,
+                 float* const* scores, float* const* acc) {
+  const int64_t rows = nh * group;
+  int64_t end = 0;
+  for (int64_t i = 0; i < R; ++i) end = std::max(end, rows_ctx[i]);
+  const int64_t row_bytes = ((nh - 1) * head_stride + head_dim) * static_cast<int64_t>(sizeof(cache_t));
+  // Pass 1: scores.
+  for_each_cached_block(k_heads, table, 0, end, block_size, block_stride, token_stride, row_bytes,
+                        [&](int64_t t0, int64_t block_id, int64_t offset, const cache_t* block, int64_t n) {
+                          for (int64_t i = 0; i < R; ++i) {
+                            const int64_t ctx = rows_ctx[i], ni = std::min(n, ctx - t0);
+                            if (ni <= 0) continue;
+                            for (int64_t h = 0; h < nh; ++h) {
+                              const float* qh = qf[i] + h * group * head_dim;
+                              float* sh = scores[i] + h * group * ctx + t0;
+                              const cache_t* bh = block + h * head_stride;
+                              if constexpr (G > 0) {
+                                block_dots<G>(qh, bh, ni, token_stride, head_dim, sh, ctx);
+                              } else {
+                                for (int64_t j = 0; j < ni; ++j)
+                                  group_dots(qh, bh + j * token_stride, group, head_dim, sh + j, ctx);
+                              }
+                            }
+                            if (row_scales.k != nullptr)
+                              row_scales.apply(row_scales.k, block_id, offset, nh, group, ctx, t0, ni, scores[i]);
+                          }
+                        });
+  for (int64_t i = 0; i < R; ++i)
+    for (int64_t r = 0; r < rows; ++r) softmax_(scores[i] + r * rows_ctx[i], rows_ctx[i]);
+  // Pass 2: weighted sums of V.
+  for (int64_t i = 0; i < R; ++i) std::fill(acc[i], acc[i] + rows * head_dim, 0.f);
+  for_each_cached_block(v_heads, table, 0, end, block_size, block_stride, token_stride, row_bytes,
+                        [&](int64_t t0, int64_t block_id, int64_t offset, const cache_t* block, int64_t n) {
+                          for (int64_t i = 0; i < R; ++i) {
+                            const int64_t ctx = rows_ctx[i], ni = std::min(n, ctx - t0);
+                            if (ni <= 0) continue;
+                            if (row_scales.v != nullptr)
+                              row_scales.apply(row_scales.v, block_id, offset, nh, group, ctx, t0, ni, scores[i]);
+                            for (int64_t h = 0; h < nh; ++h) {
+                              float* ah = acc[i] + h * group * head_dim;
+                              const float* sh = scores[i] + h * group * ctx + t0;
+                              const cache_t* bh = block + h * head_stride;
+                              if constexpr (G > 0) {
+                                block_axpy<G>(ah, sh, ctx, bh, ni, token_stride, head_dim);
+                              } else {
+                                for (int64_t j = 0; j < ni; ++j)
+                                  group_axpy(ah, sh + j, ctx, bh + j * token_stride, group, head_dim);
+                              }
+                            }
+                          }
+                        });
+}
+
+constexpr int64_t kMaxRunRows = 16;  // query rows per attend_rows call
+
 template <typename scalar_t, typename cache_t>
 void decode_kernel(
     at::Tensor& out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
@@ -328,6 +394,76 @@ void decode_kernel(
   if (k_scale.has_value()) {
     scales_0 = {k_scale->data_ptr<at::Half>(), v_scale->data_ptr<at::Half>(), k_scale->stride(0), k_scale->stride(1)};
     TORCH_CHECK(k_scale->stride(2) == 1, "a block's scales of one head must be contiguous");
+  }
+
+  // Consecutive rows over one block table (a prompt laid out as one-token rows: deterministic
+  // inference; a verification's rows) are runs: attend_rows reads each K/V block once for up
+  // to kMaxRunRows of them, each row's arithmetic unchanged.
+  std::vector<int64_t> run_items;  // item i: rows [run_items[i], run_items[i + 1])
+  if (window == 0 && num_seqs >= 2) {
+    bool any = false;
+    std::vector<int64_t> runs{0};
+    for (int64_t e = 1; e < num_seqs; ++e) {
+      const int64_t s0 = runs.back(), nb = (static_cast<int64_t>(lens[e]) + block_size - 1) / block_size;
+      const bool same = nb <= max_blocks && std::equal(tables + e * max_blocks, tables + e * max_blocks + nb,
+                                                       tables + s0 * max_blocks);
+      if (same) {
+        any = true;
+      } else {
+        runs.push_back(e);
+      }
+    }
+    runs.push_back(num_seqs);
+    if (any) {
+      const int64_t threads = at::get_num_threads();
+      for (size_t r = 0; r + 1 < runs.size(); ++r) {
+        const int64_t len = runs[r + 1] - runs[r];
+        const int64_t per = std::clamp<int64_t>((len + 4 * threads - 1) / (4 * threads), 1, kMaxRunRows);
+        for (int64_t s = runs[r]; s < runs[r + 1]; s += per) run_items.push_back(s);
+      }
+      run_items.push_back(num_seqs);
+    }
+  }
+  if (!run_items.empty()) {
+    const int64_t num_runs = static_cast<int64_t>(run_items.size()) - 1;
+    std::atomic<int64_t> next_run{0};
+    at::parallel_for(0, std::min<int64_t>(num_runs, at::get_num_threads()), 1, [&](int64_t, int64_t) {
+      const int64_t rows = num_kv_heads * group;
+      std::vector<std::vector<float>> qf(kMaxRunRows), acc(kMaxRunRows), scores(kMaxRunRows);
+      std::vector<float*> qp(kMaxRunRows), ap(kMaxRunRows), sp(kMaxRunRows);
+      std::vector<int64_t> ctxs(kMaxRunRows);
+      for (int64_t work = next_run++; work < num_runs; work = next_run++) {
+        const int64_t s0 = run_items[work], R = run_items[work + 1] - s0;
+        for (int64_t i = 0; i < R; ++i) {
+          const int64_t s = s0 + i;
+          ctxs[i] = lens[s];
+          TORCH_CHECK(ctxs[i] <= max_blocks * block_size, "context longer than its block table");
+          qf[i].resize(rows * head_dim), acc[i].resize(rows * head_dim), scores[i].resize(rows * ctxs[i]);
+          qp[i] = qf[i].data(), ap[i] = acc[i].data(), sp[i] = scores[i].data();
+          for (int64_t r = 0; r < rows; ++r) {
+            const scalar_t* src = q_ptr + s * q_seq_stride + r * q_head_stride;
+            for (int64_t d = 0; d < head_dim; ++d) qf[i][r * head_dim + d] = to_float(src[d]) * fscale;
+          }
+        }
+        const int32_t* table = tables + s0 * max_blocks;
+#define TOKENMILL_ATTEND_ROWS(G)                                                                                     \
+  attend_rows<G>(R, ctxs.data(), qp.data(), k_ptr, v_ptr, num_kv_heads, table, group, head_dim, block_size,          \
+                 kv_block_stride, kv_token_stride, kv_head_stride, scales_0, sp.data(), ap.data())
+        switch (variant) {
+          case 1: TOKENMILL_ATTEND_ROWS(1); break;
+          case 2: TOKENMILL_ATTEND_ROWS(2); break;
+          case 3: TOKENMILL_ATTEND_ROWS(3); break;
+          default: TOKENMILL_ATTEND_ROWS(0); break;
+        }
+#undef TOKENMILL_ATTEND_ROWS
+        for (int64_t i = 0; i < R; ++i)
+          for (int64_t r = 0; r < rows; ++r) {
+            scalar_t* dst = o_ptr + (s0 + i) * o_seq_stride + r * o_head_stride;
+            for (int64_t d = 0; d < head_dim; ++d) dst[d] = static_cast<scalar_t>(acc[i][r * head_dim + d]);
+          }
+      }
+    });
+    return;
   }
 
   // Items differ in cost (context lengths are ragged) and at::parallel_for splits a range
