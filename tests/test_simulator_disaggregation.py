@@ -149,3 +149,16 @@ def test_cli_compares_aggregated_and_disaggregated(capsys, tmp_path, profile_fil
     code, out, _ = run_cli(capsys, "--profile", profile_file, "--request-rate", "2", "--num-prompts", "10",
                            "--input-len", "64", "--output-len", "8", "-dp", "2")
     assert code == 0 and "Instances (2 replicas), busy (%):" in out
+
+
+def test_cli_sweep_runs_every_point_for_both_layouts(capsys, tmp_path, profile_file):  # noqa: F811
+    code, out, _ = run_cli(capsys, "sweep", "--profile", profile_file, "--request-rates", "1,2", "--num-prompts", "12",
+                           "--input-len", "128", "--output-len", "8", "--pd", "1P1D", "--output-dir", str(tmp_path))
+    assert code == 0
+    assert "[2-replicas]" in out and "[1P1D]" in out
+    for label, roles in (("2-replicas", ["both", "both"]), ("1P1D", ["prefill", "decode"])):
+        points = json.loads((tmp_path / label / "sweep.json").read_text())["points"]
+        assert [p["request_rate"] for p in points] == [1.0, 2.0]
+        result = json.loads((tmp_path / label / "rate-2.json").read_text())
+        assert [i["role"] for i in result["instances"]] == roles and result["completed"] == 12
+        assert ("kv_transfer" in result) == (label == "1P1D")

@@ -215,6 +215,7 @@ def add_run_args(parser: argparse.ArgumentParser) -> None:
 
 def add_sweep_args(parser: argparse.ArgumentParser) -> None:
     add_inputs(parser, sweep=True)
+    add_layout_args(parser)
     out = parser.add_argument_group("output")
     out.add_argument("--output-dir", required=True, help="one JSON per point, sweep.json and sweep.png (per setting)")
     out.add_argument("--plot", default=None, metavar="FILE.png", help="the sweep figure (default OUTPUT_DIR/sweep.png)")
@@ -385,7 +386,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     setup = build_setup(args)
     trace = _trace(args, setup)
     if args.pd:
-        return _compare_layouts(args, setup, trace, Layout.parse(args.pd))
+        return _compare_layouts(args, setup, trace)
     report = _report(args)
     result = run_point(trace, setup, args.max_concurrency, report, Layout(replicas=args.data_parallel_size))
     if args.json:
@@ -404,17 +405,15 @@ def cmd_simulate(args: argparse.Namespace) -> int:
     return 0 if result["completed"] else 1
 
 
-def _compare_layouts(args: argparse.Namespace, setup, trace, layout) -> int:
+def _compare_layouts(args: argparse.Namespace, setup, trace) -> int:
     """--pd xPyD: the disaggregated layout and as many aggregated replicas, on the same trace."""
     from tokenmill.simulator.sweep import run_point
     from tokenmill.workloads.load_client import save_result
 
-    if args.data_parallel_size != 1:
-        raise ValueError("--pd compares xPyD with x + y aggregated replicas; leave --data-parallel-size out")
+    layouts, transfer = _layouts(args)
     report = _report(args, extra_percentile=99.0)
-    transfer = transfer_cost(args)
     results = {name: run_point(trace, setup, args.max_concurrency, report, which, transfer)
-               for name, which in (("aggregated", layout.aggregated_peer()), ("disaggregated", layout))}
+               for name, which in zip(("aggregated", "disaggregated"), layouts)}
     if args.json:
         print(json.dumps(results))
     else:
@@ -511,7 +510,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     axis, points = sweep_points(rates, caps, base)
     grid = parse_grid(args.grid)
     everything = run_sweep(setup, dataset, axis, points, args.burstiness, report, args.output_dir, grid,
-                           args.plot, args.plot_runs)
+                           args.plot, args.plot_runs, *_layouts(args))
     if args.json:
         from tokenmill.workloads.sweep import summary_row
 
@@ -526,6 +525,19 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     print(f"cost model: {setup.cost_model_source}")
     print(f"results: {args.output_dir}/", file=sys.stderr)
     return 0
+
+
+def _layouts(args: argparse.Namespace) -> tuple[list, Any]:
+    """The layouts a sweep runs (--pd: x + y replicas and xPyD; -dp N: N replicas) and the
+    KV transfer's cost."""
+    from tokenmill.simulator.disaggregation import Layout
+
+    if args.pd:
+        if args.data_parallel_size != 1:
+            raise ValueError("--pd compares xPyD with x + y aggregated replicas; leave --data-parallel-size out")
+        layout = Layout.parse(args.pd)
+        return [layout.aggregated_peer(), layout], transfer_cost(args)
+    return [Layout(replicas=args.data_parallel_size) if args.data_parallel_size > 1 else None], None
 
 
 def cmd_calibrate(args: argparse.Namespace) -> int:

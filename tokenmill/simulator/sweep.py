@@ -86,8 +86,11 @@ def grid_label(settings: dict[str, Any]) -> str:
 
 def run_sweep(setup: SimulationSetup, dataset: DatasetConfig, axis: str, points: Sequence[SweepPoint],
               burstiness: float, report: Report, output_dir: str, grid: Sequence[dict[str, Any]] = ({},),
-              plot_path: str | None = None, plot_runs: bool = False) -> dict[str, list[dict[str, Any]]]:
-    """Every point for every grid setting: {grid label: results}. Files as `bench sweep`."""
+              plot_path: str | None = None, plot_runs: bool = False, layouts: Sequence[Layout | None] = (None,),
+              transfer: KVTransferCost | None = None) -> dict[str, list[dict[str, Any]]]:
+    """Every point for every layout (several instances: simulator/disaggregation.py) and grid
+    setting: {label: results}. Files as `bench sweep`, in a directory per label when there
+    are several."""
     from tokenmill.workloads.plots import plot_run, plot_sweep
 
     if not points:
@@ -95,15 +98,18 @@ def run_sweep(setup: SimulationSetup, dataset: DatasetConfig, axis: str, points:
     traces = [synthetic_trace(dataset, point.request_rate, burstiness, seed_offset=index)
               for index, point in enumerate(points)]
     everything: dict[str, list[dict[str, Any]]] = {}
-    for settings in grid:
+    combinations = [(layout, settings) for layout in layouts for settings in grid]
+    for layout, settings in combinations:
         label = grid_label(settings)
+        if layout is not None:
+            label = layout.name.replace(" ", "-") + ("" if label == "base" else f",{label}")
         point_setup = with_settings(setup, **settings) if settings else setup
-        directory = os.path.join(output_dir, label) if len(grid) > 1 else output_dir
+        directory = os.path.join(output_dir, label) if len(combinations) > 1 else output_dir
         os.makedirs(directory, exist_ok=True)
         results = []
         for trace, point in zip(traces, points):
             result = run_point(trace, point_setup, point.max_concurrency,
-                               Report(report.goodput, report.percentiles, report.label or label))
+                               Report(report.goodput, report.percentiles, report.label or label), layout, transfer)
             result["engine_grid"] = settings
             path = os.path.join(directory, point.file_name(axis))
             save_result(result, path)
@@ -114,7 +120,7 @@ def run_sweep(setup: SimulationSetup, dataset: DatasetConfig, axis: str, points:
             rows = [{**summary_row(r), **{k: r.get(k) for k in EXTRA_SUMMARY_KEYS}} for r in results]
             json.dump({"axis": axis, "engine_grid": settings, "points": rows}, file, indent=1)
             file.write("\n")
-        figure = plot_path if plot_path and len(grid) == 1 else os.path.join(directory, "sweep.png")
+        figure = plot_path if plot_path and len(combinations) == 1 else os.path.join(directory, "sweep.png")
         plot_sweep(results, figure, axis)
         everything[label] = results
     return everything
