@@ -228,15 +228,18 @@ ActRows quantize_activations(const float* x, int64_t M, int64_t K, const int64_t
   a.M = M, a.Kp = L.Kp, a.lanes = L.Kp / 4, a.spans = L.spans;
   const size_t q_bytes = round64(M * a.Kp), d_bytes = round64(M * a.lanes * 4);
   const size_t init_bytes = init_mult ? d_bytes : 0, gsum_bytes = L.has_mins ? round64(M * a.spans * kLanes * 4) : 0;
-  const size_t row_bytes = round64(a.Kp * 4);
-  uint8_t* base = scratch.take(q_bytes + d_bytes + init_bytes + gsum_bytes + row_bytes);
+  const size_t row_bytes = round64(a.Kp * 4);  // a gathered / padded row, one per thread
+  uint8_t* base = scratch.take(q_bytes + d_bytes + init_bytes + gsum_bytes + row_bytes * at::get_num_threads());
   a.q = reinterpret_cast<int8_t*>(base);
   a.d = reinterpret_cast<float*>(base + q_bytes);
   a.init = init_mult ? reinterpret_cast<int32_t*>(base + q_bytes + d_bytes) : nullptr;
   a.gsum = L.has_mins ? reinterpret_cast<float*>(base + q_bytes + d_bytes + init_bytes) : nullptr;
-  float* row = reinterpret_cast<float*>(base + q_bytes + d_bytes + init_bytes + gsum_bytes);
+  uint8_t* rows_base = base + q_bytes + d_bytes + init_bytes + gsum_bytes;
   const bool copy = perm != nullptr || a.Kp != K;
-  for (int64_t m = 0; m < M; ++m) {
+  // Each row alone (the same bits on any thread); rows spread over the threads when many.
+  auto quantize_rows = [&](int64_t m0, int64_t m1) {
+  float* row = reinterpret_cast<float*>(rows_base + row_bytes * at::get_thread_num());
+  for (int64_t m = m0; m < m1; ++m) {
     const float* xr = x + m * K;
     if (copy) {  // gathered and zero-padded to whole spans
       if (perm)
@@ -274,6 +277,11 @@ ActRows quantize_activations(const float* x, int64_t M, int64_t K, const int64_t
         for (int64_t r = 0; r < kLanes; ++r) gsum[s * kLanes + r] = r < kRows * L.gps ? groups[r % L.gps] : 0.f;
     }
   }
+  };
+  if (M >= kMaxIntegerRows)
+    at::parallel_for(0, M, 4, quantize_rows);
+  else
+    quantize_rows(0, M);
   return a;
 }
 
