@@ -39,7 +39,7 @@ def _write(tier: DiskTier, block_hash: bytes, payload: bytes) -> None:
     assert path is not None
     with open(path, "wb") as f:
         f.write(encode_block_file(tier.fingerprint, block_hash, payload))
-    tier.take_loads()  # the step that wrote it is over
+    tier.writes_done([block_hash], [])  # the runner's writer reports it written
 
 
 def test_disk_tier_lru_cap_restart_and_corruption(tmp_path) -> None:
@@ -64,6 +64,55 @@ def test_disk_tier_lru_cap_restart_and_corruption(tmp_path) -> None:
     pending = bytes([9]) * 32
     again.admit(pending)
     assert again.read(pending) is None and pending in again
+
+
+def test_a_file_not_written_is_forgotten_counted_and_never_read(tmp_path) -> None:
+    tier = DiskTier(str(tmp_path), FP, 100, 10**6)
+    a, b = bytes([1]) * 32, bytes([2]) * 32
+    tier.admit(a), tier.admit(b)
+    assert tier.read(a) is None and a in tier  # not written yet: never read
+    tier.writes_done([], [a])  # dropped behind a slow disk (or a failed write)
+    assert a not in tier and tier.stats.dropped_writes == 1 and a in tier.removed
+    with open(tier.path(b), "wb") as f:  # b's file lands before its report does
+        f.write(encode_block_file(FP, b, bytes(100)))
+    assert not tier.is_pending(b) and tier.read(b) == bytes(100)
+    tier.writes_done([b], [])
+    c = bytes([3]) * 32
+    tier.admit(c)
+    tier.clear()  # a reset while c's file is being written: the late file is deleted on its report
+    with open(tier.path(c), "wb") as f:
+        f.write(encode_block_file(FP, c, bytes(100)))
+    tier.writes_done([c], [])
+    assert not os.path.exists(tier.path(c))
+
+
+def test_the_writer_drops_past_its_buffer_when_the_disk_falls_behind(tmp_path, caplog) -> None:
+    """A stalled disk, for real: the writer's first file is a FIFO no one reads yet, so its
+    write blocks, as on a disk that stopped answering. Steps never wait on a disk that is
+    behind; writes queue up to the buffer, then are dropped, and the report says which."""
+    from tokenmill.runner.kv_offload import DiskWriter
+
+    writer = DiskWriter(buffer_bytes=250)
+    stuck = tmp_path / "stuck.kv"
+    os.mkfifo(f"{stuck}.{os.getpid()}.tmp")  # write_block_file's temporary name
+    hashes = [bytes([i]) * 32 for i in range(4)]
+    with caplog.at_level(logging.WARNING):
+        writer.submit(str(stuck), b"x" * 100, hashes[0])  # blocks in open() until read
+        assert not writer.wait(0.2) and writer.behind
+        writer.submit(str(tmp_path / "1.kv"), b"y" * 100, hashes[1])  # queued: 200 bytes
+        writer.submit(str(tmp_path / "2.kv"), b"z" * 100, hashes[2])  # past 250: dropped
+    assert "dropping writes" in caplog.text
+    assert writer.take_report() == ([], [hashes[2]])
+    with open(f"{stuck}.{os.getpid()}.tmp", "rb") as fifo:  # the disk answers again
+        assert fifo.read() == b"x" * 100
+    assert writer.wait(5.0) and not writer.behind
+    written, failed = writer.take_report()
+    assert written == hashes[:2] and failed == []
+    assert (tmp_path / "1.kv").read_bytes() == b"y" * 100 and not (tmp_path / "2.kv").exists()
+    (tmp_path / "gone").mkdir()
+    (tmp_path / "gone").rmdir()
+    writer.submit(str(tmp_path / "gone" / "3.kv"), b"w" * 10, hashes[3])  # a directory that vanished
+    assert writer.wait(5.0) and writer.take_report() == ([], [hashes[3]])
 
 
 def test_unwritable_directory_disables_the_tier_with_one_warning(tmp_path, caplog) -> None:

@@ -288,6 +288,7 @@ def test_an_8bit_host_tier_round_trips_as_an_8bit_cache_would(pool_dtype, tmp_pa
     from_pool = buffer.tier_block_bytes(1)
     buffer.apply(KVTransfers(2, store=[], load=[(0, 4), (1, 5)], disk_header=fingerprint,
                              spill=[(1, None, str(tmp_path / "slot"), b"h" * 32, b"")]))
+    assert buffer.finish_step() == ([b"h" * 32], [])  # the step's end: its file written (on the writer thread)
     assert decode_block_file((tmp_path / "slot").read_bytes(), fingerprint, b"h" * 32, len(from_pool)) == from_pool
     assert len(from_pool) == host_spec.bytes_per_block
     reference = PagedKVCache(host_spec, 1, torch.device("cpu"))

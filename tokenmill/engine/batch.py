@@ -123,6 +123,10 @@ class RunnerOutput:
     num_draft_tokens: dict[str, int] = field(default_factory=dict)
     # Per pooling request whose last prompt chunk ran: its pooled vector (an embedding).
     pooled: dict[str, list[float]] = field(default_factory=dict)
+    # The disk KV tier's files (block hashes) the runner's writer finished since the last
+    # output, and those it did not write (dropped behind a slow disk, or a failed write).
+    kv_disk_written: list[bytes] = field(default_factory=list)
+    kv_disk_failed: list[bytes] = field(default_factory=list)
 
 
 # ----- the runner's side ------------------------------------------------------------------

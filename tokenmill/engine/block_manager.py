@@ -194,7 +194,7 @@ class KVBlockManager:
             i += 1
         to_read = []
         for block_hash in hashes[i:]:
-            if block_hash not in disk:
+            if block_hash not in disk or disk.is_pending(block_hash):  # (its file not written yet)
                 break
             if not disk.read_ahead(block_hash):
                 to_read.append(block_hash)
@@ -591,25 +591,6 @@ class HybridKVBlockManager:
             if sliding is not None:
                 return (full[:n], sliding), n * self.block_size
         return ([], []), 0
-
-    def disk_blocks_to_read(self, request: Request) -> list[BlockHash]:
-        """The disk-tier blocks `get_computed_blocks` would read for the request now (past
-        its pool and host-tier hits; files only checked for presence, not read), less those
-        already read ahead: what the scheduler has read in the background before admitting it."""
-        disk = self.host_tier.disk if self.host_tier is not None else None
-        if disk is None or not disk.enabled or not self.enable_caching or request.params.prompt_logprobs is not None:
-            return []
-        hashes = self._block_hashes(request)[: (request.num_tokens - 1) // self.block_size]
-        i = 0
-        while i < len(hashes) and (hashes[i] in self.cached_blocks or hashes[i] in self.host_tier):
-            i += 1
-        to_read = []
-        for block_hash in hashes[i:]:
-            if block_hash not in disk:
-                break
-            if not disk.read_ahead(block_hash):
-                to_read.append(block_hash)
-        return to_read
 
     def peek_cached_tokens(self, request: Request) -> int:
         """At most what a hit would cover (the full-attention pool's; the window may cut it)."""

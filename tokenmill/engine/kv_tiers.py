@@ -256,6 +256,7 @@ class DiskStats:
     evicted_blocks: int = 0  # files deleted by the size cap (LRU)
     corrupt_blocks: int = 0  # files found truncated, corrupt or foreign: deleted, recomputed
     read_ahead_blocks: int = 0  # files read in the background before their request was admitted
+    dropped_writes: int = 0  # files not written: dropped behind a slow disk, or a failed write
 
 
 @dataclass
@@ -284,7 +285,7 @@ class DiskTier:
         self.enabled = True
         self.found: dict[BlockHash, BlockMeta] = {}  # files of an earlier run, with a record: to announce
         self._loads: list[tuple[bytes, int]] = []
-        self._pending: set[BlockHash] = set()  # admitted, written by the runner in the coming step
+        self._pending: set[BlockHash] = set()  # admitted, not yet reported written (`writes_done`)
         # Read-ahead (`start_reads`): one background thread reads files a waiting request will
         # hit, so the engine thread never waits on the disk for them; the bytes wait here
         # (checked, and forgotten if bad, when `read` takes them, on the engine thread).
@@ -365,7 +366,7 @@ class DiskTier:
     def read(self, block_hash: BlockHash) -> bytes | None:
         """The block's KV bytes, verified; a missing, truncated, corrupt or foreign file is
         forgotten (and deleted): the caller recomputes."""
-        if block_hash not in self or block_hash in self._pending:
+        if block_hash not in self or self.is_pending(block_hash):
             return None
         path = self.path(block_hash)
         with self._read_lock:
@@ -397,7 +398,7 @@ class DiskTier:
     def start_reads(self, hashes: Iterable[BlockHash]) -> None:
         """Read these files in the background (each once; `read` takes the bytes later)."""
         jobs = [(h, self.path(h), self.entries[h]) for h in hashes
-                if h in self and h not in self._raw and h not in self._reading and h not in self._pending]
+                if h in self and h not in self._raw and h not in self._reading and not self.is_pending(h)]
         if not jobs:
             return
         if self._reader is None:
@@ -447,10 +448,32 @@ class DiskTier:
             self.stats.loaded_blocks += 1
 
     def take_loads(self) -> list[tuple[bytes, int]]:
-        """The step's reads into the pool; the files admitted before now are written in this step."""
-        self._pending.clear()
+        """The step's reads into the pool."""
         loads, self._loads = self._loads, []
         return loads
+
+    def is_pending(self, block_hash: BlockHash) -> bool:
+        """Admitted, its file not yet written by the runner's writer (a file renamed into
+        place is written, whether or not its report came yet)."""
+        if block_hash not in self._pending:
+            return False
+        if os.path.exists(self.path(block_hash)):
+            self._pending.discard(block_hash)
+            return False
+        return True
+
+    def writes_done(self, written: Iterable[BlockHash], failed: Iterable[BlockHash]) -> None:
+        """The runner's writer report (with a step's output): files now on disk, and files
+        not written (dropped behind a slow disk, or a failed write: forgotten, recomputed)."""
+        for block_hash in written:
+            self._pending.discard(block_hash)
+            if block_hash not in self.entries:  # trimmed or cleared while it was being written
+                self._remove(self.path(block_hash))
+        for block_hash in failed:
+            self._pending.discard(block_hash)
+            self.stats.dropped_writes += 1
+            if block_hash in self.entries:
+                self._forget(block_hash)
 
     def clear(self) -> None:
         for block_hash in list(self.entries):

@@ -18,6 +18,9 @@ bytes too. Lossy, as an 8-bit KV cache is; the pool keeps computing in its own d
 from __future__ import annotations
 
 import logging
+import queue
+import threading
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -72,6 +75,88 @@ def copy_in_blocks(pool: list[torch.Tensor], payloads: list[bytes], blocks: list
             offset += n
 
 
+# The disk tier's writes run on a writer thread while the step computes. A disk that keeps
+# up finishes a step's files before the step returns (the runner waits for them, at most
+# DISK_WRITE_WAIT_SECONDS), so the next step's lookups find them. A disk that falls behind
+# (files still queued when a step starts) is not waited for: writes queue in memory up to
+# DISK_WRITE_BUFFER_BYTES and past that are dropped (the block is recomputed if it is ever
+# wanted), so a slow disk never stalls the steps for more than one wait.
+DISK_WRITE_BUFFER_BYTES = 256 * 2**20
+DISK_WRITE_WAIT_SECONDS = 1.0
+
+
+@dataclass
+class DiskWriter:
+    """Writes the disk tier's files on a background thread, in order. Reports each file
+    written or not (dropped past `buffer_bytes`, or a failed write) through `take_report`,
+    which the runner returns to the engine with the step's output."""
+
+    buffer_bytes: int = DISK_WRITE_BUFFER_BYTES
+    queued_bytes: int = 0
+    written: list[bytes] = field(default_factory=list)
+    failed: list[bytes] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self._lock = threading.Lock()
+        self._idle = threading.Condition(self._lock)
+        self._queue: queue.Queue[tuple[str, bytes, bytes]] = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._warned_full = self._warned_error = False
+
+    def submit(self, path: str, data: bytes, block_hash: bytes) -> None:
+        with self._lock:
+            if self.queued_bytes and self.queued_bytes + len(data) > self.buffer_bytes:
+                self.failed.append(block_hash)
+                if not self._warned_full:
+                    logger.warning("disk KV tier: the disk writes slower than blocks arrive (%d MiB waiting); "
+                                   "dropping writes until it catches up (those blocks are recomputed)",
+                                   self.queued_bytes >> 20)
+                    self._warned_full = True
+                return
+            self.queued_bytes += len(data)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="tokenmill-kv-disk-write", daemon=True)
+            self._thread.start()
+        self._queue.put((path, data, block_hash))
+
+    def take_report(self) -> tuple[list[bytes], list[bytes]]:
+        """(hashes written, hashes not written) since the last call."""
+        with self._lock:
+            written, failed, self.written, self.failed = self.written, self.failed, [], []
+        return written, failed
+
+    @property
+    def behind(self) -> bool:
+        """Files of earlier steps still queued: the disk does not keep up."""
+        with self._lock:
+            return self.queued_bytes > 0
+
+    def wait(self, timeout: float) -> bool:
+        """Wait until every queued file is written (or failed), at most `timeout` seconds:
+        True when none is left."""
+        with self._idle:
+            return self._idle.wait_for(lambda: not self.queued_bytes, timeout)
+
+    def _run(self) -> None:
+        while True:
+            path, data, block_hash = self._queue.get()
+            try:
+                write_block_file(path, data)
+                ok = True
+            except OSError as e:  # a full disk or a directory gone read-only: the block is recomputed later
+                ok = False
+                if not self._warned_error:
+                    logger.warning("disk KV tier: cannot write %s (%s); those blocks will be recomputed", path, e)
+                    self._warned_error = True
+            with self._lock:
+                self.queued_bytes -= len(data)
+                (self.written if ok else self.failed).append(block_hash)
+                if not self.queued_bytes:
+                    self._warned_full = False  # caught up: a later backlog warns again
+                    self._idle.notify_all()
+            self._queue.task_done()
+
+
 class HostKVBuffer:
     def __init__(self, kv_cache: PagedKVCache, host_spec: KVCacheSpec | None = None) -> None:
         if kv_cache.num_sliding_blocks:
@@ -81,7 +166,8 @@ class HostKVBuffer:
         self.host_spec = host_spec  # None: the tiers keep the pool's own bytes
         self.host: list[torch.Tensor] = []  # per pool tensor (or, 8-bit, per tensor of the 8-bit format), as bytes
         self.num_blocks = 0
-        self.disk_write_failed = False  # warned once
+        self.disk_writer = DiskWriter()
+        self.wait_for_writes = False  # this step's files: wait for them at its end (the disk keeps up)
 
     @property
     def nbytes(self) -> int:
@@ -91,12 +177,14 @@ class HostKVBuffer:
         if transfers.num_host_blocks != self.num_blocks:
             self._allocate(transfers.num_host_blocks)
         device = self.pool[0].device
+        self.wait_for_writes = bool(transfers.spill) and not self.disk_writer.behind
         for slot, block, path, block_hash, record in transfers.spill:  # before any copy overwrites its source
             if slot is not None:
                 payload = b"".join(host[slot].numpy().tobytes() for host in self.host)
             else:
                 payload = self.tier_block_bytes(block)
-            self._write(path, encode_block_file(transfers.disk_header, block_hash, payload, record))
+            self.disk_writer.submit(path, encode_block_file(transfers.disk_header, block_hash, payload, record),
+                                    block_hash)
         if transfers.store:
             blocks, slots = zip(*transfers.store)
             blocks, slots = _index(blocks, device), _index(slots, "cpu")
@@ -111,6 +199,14 @@ class HostKVBuffer:
         if transfers.remote_load:  # a disaggregated producer's: the pool's layout
             payloads, blocks = zip(*transfers.remote_load)
             copy_in_blocks(self.pool, list(payloads), list(blocks))
+
+    def finish_step(self) -> tuple[list[bytes], list[bytes]]:
+        """At a step's end: wait for its files if the disk keeps up, then the writer's report
+        (hashes written, hashes not written) for the engine."""
+        if self.wait_for_writes:
+            self.wait_for_writes = False
+            self.disk_writer.wait(DISK_WRITE_WAIT_SECONDS)
+        return self.disk_writer.take_report()
 
     @staticmethod
     def _split(payload: bytes, like: list[torch.Tensor], device: torch.device) -> list[torch.Tensor]:
@@ -176,14 +272,6 @@ class HostKVBuffer:
             base = 4 * layer
             order += [base, base + 2, base + 1, base + 3]  # [k codes, k scales, v codes, v scales] -> k, v, ks, vs
         return order
-
-    def _write(self, path: str, data: bytes) -> None:
-        try:
-            write_block_file(path, data)
-        except OSError as e:  # a full disk or a directory gone read-only: the block is recomputed later
-            if not self.disk_write_failed:
-                logger.warning("disk KV tier: cannot write %s (%s); those blocks will be recomputed", path, e)
-            self.disk_write_failed = True
 
     def _allocate(self, num_blocks: int) -> None:
         # Not zeroed: a slot is always written before it is read. Host memory: pinned on a

@@ -78,7 +78,10 @@ class ModelRunner:
             if self.host_kv is None:
                 self.host_kv = HostKVBuffer(self.kv_cache, self.host_kv_spec)
             self.host_kv.apply(batch.kv_transfers)
-        return self.run(self.requests.apply(batch))
+        output = self.run(self.requests.apply(batch))
+        if self.host_kv is not None:  # the disk tier's writes finished (or not) since the last step
+            output.kv_disk_written, output.kv_disk_failed = self.host_kv.finish_step()
+        return output
 
     def kv_block_bytes(self, block_ids: list[int]) -> list[bytes]:
         """These pool blocks' KV as bytes, one entry per block, in the pool's own layout and
