@@ -52,9 +52,9 @@ def copy_in_blocks(pool: list[torch.Tensor], payloads: list[bytes], blocks: list
     """Blocks' bytes (each every cache tensor's, in `block_bytes`' order) into these pool
     blocks: up to COPY_IN_CHUNK payloads at a time are staged in one [blocks, bytes] tensor
     (`staging`, reused by a caller that copies often: a fresh one costs its page faults),
-    then one index_copy_ per cache tensor writes them all. A copy per block and tensor made
-    7,680 small copies for a 2,048-token prompt of the default model: 128 blocks, 47.2 MB in
-    164 ms on the loaded 2-core EPYC (one core, load 8), 79 ms staged."""
+    then one index_copy_ per cache tensor writes them all, where a copy per block and tensor
+    made 7,680 small copies for a 2,048-token prompt of the default model (128 blocks, 47.2 MB;
+    on one core of the loaded 2-core EPYC 77-79 ms staged, 78-164 ms per block)."""
     if not blocks:
         return
     size = len(payloads[0])
