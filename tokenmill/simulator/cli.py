@@ -199,7 +199,8 @@ def add_layout_args(parser: argparse.ArgumentParser) -> None:
                        help="added to every pull (the round trip, the producer reading its blocks); default 0")
     group.add_argument("--kv-copy-in-bandwidth", type=float, default=0.0, metavar="GB/s",
                        help="the decode instance copying pulled KV into its pool on its engine thread, before the "
-                            "step that schedules the request (default 0: not counted)")
+                            "step that schedules the request (default 0: not counted; tokenmill's consumer copies on its puller "
+                            "thread)")
 
 
 def add_run_args(parser: argparse.ArgumentParser) -> None:
