@@ -23,8 +23,11 @@ import httpx
 from tokenmill.workloads.local_server import LocalServer
 
 
+MODEL = ""
+
+
 async def ttft_of(client: httpx.AsyncClient, prompt: list[int], priority: int, max_tokens: int) -> float:
-    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "stream": True, "priority": priority,
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "priority": priority,
             "ignore_eos": True}
     start = time.monotonic()
     first = None
@@ -48,7 +51,9 @@ async def measure(url: str, a: argparse.Namespace, seed: int) -> dict:
     def prompt(n: int) -> list[int]:
         return [rng.randrange(100, 40000) for _ in range(n)]
 
+    global MODEL
     async with httpx.AsyncClient(base_url=url, timeout=600) as client:
+        MODEL = (await client.get("/v1/models")).json()["data"][0]["id"]
         for _ in range(3):  # warm-up: both kinds, so the step cost has been learned
             await ttft_of(client, prompt(a.low_len), 1, 2)
             await ttft_of(client, prompt(a.high_len), 0, 2)

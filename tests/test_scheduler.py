@@ -1171,13 +1171,14 @@ def test_priority_admission_counts_only_better_ranked_streams_against_a_tpot_tar
 def test_priority_step_bound_keeps_a_better_prioritys_wait_within_a_fraction_of_its_ttft(fraction: float) -> None:
     """Step = 0.02 + 0.01 x prefill + 0.02 x decode s, 64 tokens a step. A 20-token
     priority-0 prompt alone takes 0.22 s (its unloaded TTFT). A 200-token priority-1 prompt
-    is chunked; a priority-0 arrival must wait for the step in flight (steps are not
-    interrupted) and then shares its own step with the rest of the budget. Without the
-    bound (fraction 0, vLLM's behaviour) both are full 64-token steps: 0.66 + 0.66 s, 6x
-    its unloaded TTFT. With fraction 0.5, while priority 0 arrived lately the priority-1
-    chunks stay within 0.11 s (9 tokens), the arrival's step takes no priority-1 prefill:
-    0.11 + 0.22 s, 1.5x. Once priority 0 has not arrived for the guard window, full chunks
-    again."""
+    is chunked beside a priority-1 stream D; a priority-0 arrival must wait for the step in
+    flight (steps are not interrupted), then shares its own step with the rest. Without
+    the bound (fraction 0, vLLM's behaviour): a 63-token chunk and D's decode (0.67 s),
+    then its own step with D and a 43-token chunk (0.67 s): 6x its unloaded TTFT. With
+    fraction 0.5, while priority 0 arrived lately the step stays within 0.11 s (a 7-token
+    chunk beside D's decode), and the arrival's step is its prompt alone (D's decode waits
+    one step): 0.11 + 0.22 s, 1.5x. Once priority 0 has not arrived for the guard window,
+    full chunks again."""
     now = [0.0]
     cost = linear_cost(b0=0.02)
     h = Harness(num_blocks=128, max_num_batched_tokens=64, max_model_len=256, scheduling_policy="priority",
@@ -1186,27 +1187,31 @@ def test_priority_step_bound_keeps_a_better_prioritys_wait_within_a_fraction_of_
     assert unloaded == pytest.approx(0.22)
     h.add("H1", tokens(1000, 20), priority=0, arrival_time=0.0, max_tokens=1)
     assert trace(h.step()) == [("H1", 0, 20, True)]
+    h.add("D", tokens(3000, 4), priority=1, arrival_time=0.5, max_tokens=40, ignore_eos=True)
+    h.step()
     h.add("L", tokens(0, 200), priority=1, arrival_time=1.0, max_tokens=1)
     now[0] = 1.0
     in_flight = h.step()  # a priority-1 chunk is running when H2 arrives
-    (rid, start, chunk, _), = trace(in_flight)
-    assert rid == "L" and chunk == (9 if fraction else 64)
+    assert [(r, n) for r, _, n, _ in trace(in_flight)] == [("D", 1), ("L", 7 if fraction else 63)]
     h.add("H2", tokens(2000, 20), priority=0, arrival_time=1.05, max_tokens=1)
     now[0] = 1.1
     out = h.step()
     assert trace(out)[0] == ("H2", 0, 20, True)  # the very next step, first
-    low = sum(n for r, _, n, _ in trace(out) if r == "L")
-    assert low == (0 if fraction else 44)
-    wait = cost.predict(chunk, 0) + cost.predict(20 + low, 0)  # the step in flight, at worst, and its own
+    rest = [(r, n) for r, _, n, _ in trace(out)[1:]]
+    assert rest == ([] if fraction else [("D", 1), ("L", 43)])
+    step = [cost.predict(sum(n for r, n in s if r != "D"), sum(r == "D" for r, n in s))
+            for s in ([(r, n) for r, _, n, _ in trace(in_flight)], [("H2", 20), *rest])]
+    wait = sum(step)  # the step in flight, at worst, and its own
     if fraction:
         assert wait <= 1.5 * unloaded + 1e-9
+        assert [r for r, *_ in trace(h.step())] == ["D", "L"]  # they go on in the next step
     else:
         assert wait > 5 * unloaded
     if fraction:  # no priority 0 for the guard window: the priority-1 chunks take the whole budget again
         now[0] = 1.05 + PRIORITY_GUARD_SECONDS + 1
-        assert [n for r, _, n, _ in trace(h.step())] == [64]
+        assert [(r, n) for r, _, n, _ in trace(h.step())] == [("D", 1), ("L", 63)]
     h.run()
-    assert set(h.finished) == {"H1", "H2", "L"}
+    assert set(h.finished) == {"H1", "H2", "L", "D"}
     h.assert_idle()
 
 

@@ -529,6 +529,10 @@ class Scheduler:
         guards = self._priority_guards()
         prefill = 0  # prefill tokens scheduled so far in this step
         prefill_priority: int | None = None  # the best priority among them
+        # The step bound: the best priority whose first token this step samples (its TTFT
+        # is this step: worse priorities add nothing to it, not even decodes)
+        first_token_priority: int | None = None
+        bound = bool(guards)
         i = 0  # running[:i] were visited; running[i:] rank no better than anything admitted now
         admitting = True
         while budget > 0:
@@ -541,6 +545,9 @@ class Scheduler:
             if request is not None and (head is None or self.rank(request) <= self.rank(head)):
                 num_known = request.num_tokens - request.num_computed_tokens
                 num_new = min(num_known + len(self._proposals(request)), budget)
+                if bound and first_token_priority is not None and first_token_priority < request.priority:
+                    i += 1  # the step bound: a better priority's first token is in this step
+                    continue
                 if num_known > 1:  # a prefill chunk (or a recomputation)
                     cap = _least(self._rank_cap(request, rows, allowances, prefill),
                                  self._guard_cap(request, rows, guards, prefill, prefill_priority))
@@ -552,6 +559,8 @@ class Scheduler:
                     prefill_priority = _least(prefill_priority, request.priority)
                 if self._allocate_or_preempt(request, num_new, preempted):
                     scheduled.append(self._schedule(request, num_new))
+                    if scheduled[-1].sample and request.num_output_tokens == 0:
+                        first_token_priority = _least(first_token_priority, request.priority)
                     budget -= num_new
                     i += 1
                 continue  # (a request that preempted itself was the tail: running[i:] is empty)
@@ -567,6 +576,8 @@ class Scheduler:
             prefill += num_new
             prefill_priority = _least(prefill_priority, head.priority)
             scheduled.append(self._schedule(head, num_new))
+            if scheduled[-1].sample and head.num_output_tokens == 0:
+                first_token_priority = _least(first_token_priority, head.priority)
             budget -= num_new
             i += 1
         return scheduled, preempted
