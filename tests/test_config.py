@@ -81,7 +81,9 @@ def test_scheduling_policy_flags_and_checks() -> None:
     with pytest.raises(ValueError, match="priority_aging applies to --scheduling-policy priority only"):
         EngineConfig.from_kwargs(priority_aging=5)
     bound = config_from_args(parser().parse_args(["--scheduling-policy", "priority", "--priority-step-fraction", "0"]))
-    assert bound.scheduler.priority_step_fraction == 0.0 and EngineConfig().scheduler.priority_step_fraction == 0.25
+    assert bound.scheduler.priority_step_fraction == 0.0 and EngineConfig().scheduler.priority_step_fraction == 0.0
+    assert config_from_args(parser().parse_args(["--priority-step-fraction", "0.25"])).scheduler.priority_step_fraction \
+        == 0.25
     for bad in (-0.1, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="priority_step_fraction must be a number >= 0"):
             EngineConfig.from_kwargs(scheduling_policy="priority", priority_step_fraction=bad)

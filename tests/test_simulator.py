@@ -555,7 +555,7 @@ def test_priority_policy_keeps_high_priority_ttft_low_under_overload():
     ones queue with the rest; under priority without the step bound (vLLM's) they wait for
     the step in flight and their own (fuller than when alone: the rest of the budget goes
     to others), and low-priority requests all complete in the same total time. With the
-    step bound (the default) the steps stay short while priority 0 is about, and the
+    step bound (--priority-step-fraction 0.25) the steps stay short while priority 0 is about, and the
     low-priority work pays: on this cost model (100 ms a step, 10 ms a prefill token) a step
     of one 4-token block is already 0.54x a 16-token prompt's unloaded TTFT."""
     rng = __import__("random").Random(0)
@@ -585,7 +585,7 @@ def test_priority_policy_keeps_high_priority_ttft_low_under_overload():
     assert prio_high < 1.0 < 4 * max(alone)  # the step in flight + its own (a full 64-token step: 0.82 s)
     assert prio_run.duration == pytest.approx(fcfs_run.duration, rel=0.05)
     assert max(prio[i] for i in range(len(arrivals)) if i not in high) >= max(fcfs)  # low ones pay for it
-    bound, bound_run = ttfts(arrivals, "priority", EngineConfig().scheduler.priority_step_fraction)
+    bound, bound_run = ttfts(arrivals, "priority", 0.25)
     bound_high = sorted(bound[i] for i in high)
     print(f"with the step bound: high-priority TTFT max {bound_high[-1]:.2f} s, median "
           f"{bound_high[len(high) // 2]:.2f} s; all done at {bound_run.duration:.1f} s "

@@ -417,7 +417,7 @@ class SchedulingConfig:
                                                 "so no request is overtaken by one that arrived more than "
                                                 "(its priority - the best priority) x SECONDS after it. "
                                                 "Default: strict priority, as vLLM")
-    priority_step_fraction: float = setting(0.25, metavar="F",
+    priority_step_fraction: float = setting(0.0, metavar="F",
                                             help="with --scheduling-policy priority: a running step cannot be "
                                                  "interrupted, so while requests of a better priority wait, prefill "
                                                  "or arrived lately, a worse-priority prompt's prefill chunk is cut so "
@@ -425,7 +425,8 @@ class SchedulingConfig:
                                                  "that priority's unloaded TTFT (its recent prompts' prefill step "
                                                  "alone), at least one KV block a step; a step that prefills a "
                                                  "better-priority prompt takes no worse-priority prefill beside it. "
-                                                 "0: off (vLLM's behaviour)")
+                                                 "Costs the worse priorities throughput (docs/scheduling.md); "
+                                                 "e.g. 0.25. Default 0: off (vLLM's behaviour)")
     slo_ttft_ms: float | None = setting(None, metavar="MS",
                                         help="SLO mode: a time-to-first-token target for every request (a request's "
                                              "own slo_ttft_ms field wins). Under fcfs, requests that can still "
