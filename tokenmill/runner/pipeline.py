@@ -39,7 +39,11 @@ def split_microbatches(items: list[StepRequest], count: int) -> list[list[StepRe
 
 def merge_outputs(into: RunnerOutput, part: RunnerOutput) -> None:
     for f in dataclasses.fields(RunnerOutput):
-        getattr(into, f.name).update(getattr(part, f.name))
+        merged, more = getattr(into, f.name), getattr(part, f.name)
+        if isinstance(merged, dict):  # per request
+            merged.update(more)
+        else:  # per step (the disk tier's write report)
+            merged.extend(more)
 
 
 class PipelineRunner(ModelRunner):
