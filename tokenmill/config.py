@@ -211,6 +211,11 @@ class DeviceConfig:
     pack_weights: bool = setting(True, env="TOKENMILL_PACK_WEIGHTS",
                                  help="on CPU, also keep linear weights in oneDNN's packed layout for inputs of many "
                                       "rows (faster prefill, more memory; env TOKENMILL_PACK_WEIGHTS=0 turns it off)")
+    huge_pages: bool = setting(True, env="TOKENMILL_HUGE_PAGES",
+                               help="on CPU, keep the weights decode steps stream and the KV cache on 2 MiB pages "
+                                    "(transparent huge pages, asked for with madvise): fewer TLB misses, 1.4x faster "
+                                    "batch-1 weight reads measured on a Zen 4 (env TOKENMILL_HUGE_PAGES=0 turns it "
+                                    "off)")
     enable_deterministic_inference: bool = setting(
         False, help="SGLang's deterministic inference: batch-invariant kernels, so a request's output (greedy, or "
                     "sampled with a seed) does not depend on what it is batched with, how its prompt is chunked, "

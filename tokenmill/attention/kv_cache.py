@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.attention import kv_quant
+from tokenmill.kernels.huge_pages import empty as huge_pages_empty
 from tokenmill.dtypes import dtype_name
 
 
@@ -79,11 +80,14 @@ class LayerKVCache:
 
     @classmethod
     def allocate(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", rotation: int = 0) -> LayerKVCache:
+                 device: torch.device | str = "cpu", rotation: int = 0, huge_pages: bool = False) -> LayerKVCache:
         # Zeroed, not empty: padded decode reads touch unwritten slots (masked out, but
-        # garbage NaNs would still poison the weighted sum).
+        # garbage NaNs would still poison the weighted sum). On huge pages (CPU): advised
+        # before the zeros first touch them (kernels/huge_pages.py; paged attention reads
+        # blocks scattered over the pool, 1.1-1.3x faster on 2 MiB pages on a Zen 4).
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        k, v = (torch.zeros(shape, dtype=dtype, device=device) for _ in range(2))
+        empty = huge_pages_empty if huge_pages else torch.empty
+        k, v = (empty(shape, dtype=dtype, device=device).zero_() for _ in range(2))
         if not kv_quant.is_quantized(dtype):
             return cls(k, v)
         scale_shape = (num_blocks, num_kv_heads, block_size)
@@ -150,7 +154,8 @@ class PagedKVCache:
     their own block tables index (the engine's HybridKVBlockManager)."""
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device,
-                 sliding_layers: frozenset[int] = frozenset(), num_sliding_blocks: int = 0) -> None:
+                 sliding_layers: frozenset[int] = frozenset(), num_sliding_blocks: int = 0,
+                 huge_pages: bool = False) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.spec = spec
@@ -160,7 +165,8 @@ class PagedKVCache:
         self.device = device
         self.layers = [
             LayerKVCache.allocate(self.num_sliding_blocks if i in self.sliding_layers else num_blocks,
-                                  spec.block_size, spec.num_kv_heads, spec.head_dim, spec.dtype, device, spec.rotation)
+                                  spec.block_size, spec.num_kv_heads, spec.head_dim, spec.dtype, device, spec.rotation,
+                                  huge_pages)
             for i in range(spec.num_layers)
         ]
 

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tokenmill import kernels
+from tokenmill.kernels import huge_pages
 from tokenmill.kernels.ops import REFERENCE_OPS, TorchOps, apply_rotary
 from tokenmill.quantization import LinearWeights, WeightFormat
 from tokenmill.quantization.dense import CPUDenseWeights
@@ -91,6 +92,39 @@ def set_weight_format(model: nn.Module, fmt: WeightFormat, embedding_dtype: torc
             if isinstance(module, nn.Embedding) and module.weight is not None and module.weight.dtype != embedding_dtype:
                 module.weight = nn.Parameter(module.weight.detach().to(embedding_dtype), requires_grad=False)
     return len(linears)
+
+
+def linear_weights(model: nn.Module) -> list[LinearWeights]:
+    """Every formatted linear weight of a model: its `Linear`s' and its experts'."""
+    found = [m.weights for m in model.modules() if isinstance(m, Linear) and m.weights is not None]
+    for experts in model.modules():
+        if isinstance(experts, Experts) and experts.expert_weights is not None:
+            found += [w for pair in experts.expert_weights if pair is not None for w in pair]
+    return found
+
+
+def place_weights_on_huge_pages(model: nn.Module) -> int:
+    """Copy what decode steps stream of every linear weight into one huge-page arena
+    (kernels/huge_pages.py: the default model's layers read 1.4x faster at one row on a Zen 4),
+    after `set_weight_format` and before the fused layer gathers its operands. Returns the
+    bytes placed (0 where the machine gives no huge pages)."""
+    if not huge_pages.available():
+        return 0
+    weights = linear_weights(model)
+    sizes: list[torch.Tensor] = []
+
+    def measure(t: torch.Tensor) -> torch.Tensor:
+        sizes.append(t)
+        return t
+
+    for w in weights:
+        w.move_streamed(measure)
+    if not sizes or any(t.device.type != "cpu" for t in sizes):
+        return 0
+    arena = huge_pages.HugePageArena(huge_pages.HugePageArena.measure(sizes))
+    for w in weights:
+        w.move_streamed(arena.place)
+    return arena.used
 
 
 class RMSNorm(nn.Module):

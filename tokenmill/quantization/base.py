@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -47,6 +48,11 @@ class LinearWeights(ABC):
         """Rows `ids` of W as float32 [len(ids), in_features]: a tied LM head serves the
         embedding lookup from its own storage, so the table is not kept twice."""
         return self.dequantize()[ids]
+
+    def move_streamed(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        """Hand each tensor a decode step streams from this weight to `place` and keep what it
+        returns: the same values elsewhere (on huge pages: kernels/huge_pages.py). Before the
+        fused layer gathers its operands. None by default."""
 
     def fused_decode_operand(self) -> DecodeOperand | None:
         """What the native fused decode layer reads for this weight, or None when the

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -128,6 +129,9 @@ class CPUDenseWeights(LinearWeights):
     @property
     def decode_nbytes(self) -> int:
         return self.tiled.numel() * self.tiled.element_size()
+
+    def move_streamed(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.tiled = place(self.tiled)
 
     def fused_decode_operand(self) -> DecodeOperand:
         return DecodeOperand(self.tiled, self.out_features)

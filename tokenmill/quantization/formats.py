@@ -12,6 +12,9 @@ checkpoint left in float) go to its dense format.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import replace
+
 import torch
 
 from tokenmill.quantization.base import DecodeOperand, LinearWeights, WeightFormat
@@ -53,6 +56,9 @@ class QuantizedWeights(LinearWeights):
     @property
     def nbytes(self) -> int:
         return self.qt.nbytes
+
+    def move_streamed(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        self.qt = replace(self.qt, packed=place(self.qt.packed))
 
     def fused_decode_operand(self) -> DecodeOperand:
         return DecodeOperand(self.qt.packed, self.out_features, tuple(self.qt.format), self.qt.col_perm)

@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.attention.backend import StepKind
-from tokenmill.kernels import fused_layer
+from tokenmill.kernels import fused_layer, huge_pages
 from tokenmill.kernels.ops import NATIVE_OPS, REFERENCE_OPS, TorchOps
-from tokenmill.model.layers import set_weight_format
+from tokenmill.model.layers import place_weights_on_huge_pages, set_weight_format
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.quantization import DenseFormat, WeightFormat
 from tokenmill.quantization.dense import CPUMatmulChoice
@@ -97,6 +97,9 @@ class ExecutionPlan:
     # The bf16 activation path (module doc): per-op steps of more tokens than this run their
     # activations in bf16, the residual stream in float32. None: never.
     bf16_activation_rows: int | None = None
+    # What decode steps stream of the weights, copied into one arena on 2 MiB pages at load
+    # (kernels/huge_pages.py); the KV cache likewise (worker.py).
+    huge_pages: bool = False
 
     @property
     def tier(self) -> str:
@@ -118,6 +121,8 @@ class ExecutionPlan:
             parts.append(f"prefill attention in {str(self.prefill_attention_dtype).removeprefix('torch.')}")
         if self.bf16_activation_rows is not None:
             parts.append(f"bf16 activations (float32 residual) for steps of > {self.bf16_activation_rows} tokens")
+        if self.huge_pages:
+            parts.append("weights and KV cache on 2 MiB pages where the kernel gives them")
         if self.batch_invariant:
             parts.append("batch-invariant (deterministic inference): one kernel per op at every row count, every "
                          "prompt token attends as a row of the paged kernel")
@@ -153,6 +158,10 @@ def apply_plan(model: LlamaForCausalLM, plan: ExecutionPlan, kv_cache_dtype: str
     fused tier is refused, with a log line naming why, when the layers (or the KV cache, given
     its dtype name) have a feature the native fused layer does not cover."""
     set_weight_format(model, plan.weight_format, plan.embedding_dtype)
+    if plan.huge_pages:
+        placed = place_weights_on_huge_pages(model)
+        logger.info("weights on huge pages: %.0f MiB%s", placed / 2**20, "" if placed else
+                    f" (transparent huge pages are {huge_pages.thp_mode() or 'unknown'} on this machine)")
     model.use_ops(plan.ops)
     if plan.bf16_activation_rows is not None:
         missing = bf16_activations_uncovered(model.layer_features(), kv_cache_dtype)

@@ -119,7 +119,8 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltRank
         num_blocks = memory // bytes_per_block
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory {memory} bytes is less than one KV block ({bytes_per_block} bytes)")
-    kv_cache = PagedKVCache(spec, num_blocks, device, sliding_layers, num_sliding_blocks)
+    kv_cache = PagedKVCache(spec, num_blocks, device, sliding_layers, num_sliding_blocks,
+                            huge_pages=config.device.huge_pages)
     runner_class = rank.runner_class if rank is not None else ModelRunner
     runner = runner_class(loaded.model, kv_cache, backend, plan, device, seed=config.model.seed, threads=governor)
     host_spec = offload_cache_spec(config, spec, device)
@@ -436,6 +437,7 @@ def choose_plan(config: EngineConfig, device: torch.device, dtype: DtypePlan, ke
     choice = CPUMatmulChoice(EVERY_ROW) if deterministic else cpu_matmul_choice(config, weights, arch)
     plan = cpu_native_plan(weights, onednn=config.device.pack_weights, choice=choice,
                            fused_decode=backend.name == "cpu_native")
+    plan = dataclasses.replace(plan, huge_pages=config.device.huge_pages)
     if keep_quantized or method in ("int8", "int4"):
         plan = quantized_plan(plan, "stored" if keep_quantized else method, config.quantization.quantization_group_size,
                               native_bf16=cpu_has_native_bf16())
