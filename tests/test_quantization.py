@@ -541,3 +541,77 @@ def test_skinny_rows_are_batch_and_thread_invariant(native, tile_dtype) -> None:
         torch.set_num_threads(threads)
     for m in (1, 3, 16, 33):
         assert torch.equal(kernels.skinny_linear(x[-m:].contiguous(), tiled, 200), together[-m:]), f"last {m} rows"
+
+
+# ----- the whole-block integer GEMM (many rows, where the plan measured it faster) ----------------
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_integer_gemm_matches_its_reference_for_every_format(native, fmt) -> None:
+    """Past the integer rows with `integer_gemm`, every format with groups of 32 or more runs
+    the whole-block integer GEMM: the same int8 activations as the reference, float32 sums in
+    another order (within 2e-6); ragged N (37: a partial panel) and K (96: padded spans); 9-130
+    rows (partial row blocks). Groups of 16 (and builds without AVX512-VNNI) take the bf16
+    GEMM: within 1% of the float product."""
+    qt = FORMATS[fmt]()
+    covered = kernels.quant_integer_gemm_built() and qt.group_size % 32 == 0
+    gen = torch.Generator().manual_seed(5)
+    for m in (9, 17, 40, 130):
+        x = torch.randn(m, qt.shape[1], generator=gen)
+        y = kernels.quant_linear(x, qt.packed, qt.format, qt.col_perm, 8, integer_gemm=True)
+        if covered:
+            ref = quant_linear_reference(x, qt)
+            assert float((y - ref).norm() / ref.norm()) < 2e-6, f"M = {m}"
+        else:
+            exact = quant_linear_reference(x, qt, integer_path=False)
+            assert float((y - exact).norm() / exact.norm()) < 0.01, f"M = {m}"
+
+
+@pytest.mark.parametrize("bits,symmetric", [(4, False), (4, True), (8, True), (8, False)])
+def test_integer_gemm_is_exact_on_exact_inputs(native, bits, symmetric) -> None:
+    """On inputs whose products and sums are exact in float32, the block GEMM equals the
+    PyTorch reference bit for bit: every code, scale, min and activation lands where it must."""
+    if not kernels.quant_integer_gemm_built():  # nothing else to check: the bf16 GEMM rounds
+        return
+    for m in (9, 16, 23, 40):
+        qt, x = _exact_case(bits, symmetric, m, k=320, n=37, seed=200 + m)
+        y = kernels.quant_linear(x, qt.packed, qt.format, None, 8, integer_gemm=True)
+        assert torch.equal(y, quant_linear_reference(x, qt)), f"M = {m}"
+
+
+def test_integer_gemm_rows_do_not_depend_on_the_batch_or_threads(native) -> None:
+    """Each output of the block GEMM is one row's int32 block sums added in block order:
+    the same bits for that row among 130 rows, among 20, on one thread or two; act-order
+    columns gathered; bf16 rows give a bf16 result through float32."""
+    qt = from_gguf_blocks(_gguf_blocks("Q4_1", 70, 576), GGUF_TYPES["Q4_1"])
+    x = torch.randn(130, 576)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.quant_linear(x, qt.packed, qt.format, None, 8, integer_gemm=True)
+        torch.set_num_threads(2)
+        two = kernels.quant_linear(x, qt.packed, qt.format, None, 8, integer_gemm=True)
+    finally:
+        torch.set_num_threads(threads)
+    part = kernels.quant_linear(x[-20:].contiguous(), qt.packed, qt.format, None, 8, integer_gemm=True)
+    assert torch.equal(one, two) and torch.equal(part, one[-20:])
+    xb = x.bfloat16()
+    yb = kernels.quant_linear(xb, qt.packed, qt.format, None, 8, integer_gemm=True)
+    exact = quant_linear_reference(xb.float(), qt, integer_path=False)
+    assert yb.dtype == torch.bfloat16 and float((yb.float() - exact).norm() / exact.norm()) < 0.01
+    # act order (GPTQ desc_act): the kernel gathers the activations' columns first
+    rng = np.random.default_rng(4)
+    k, n, group = 128, 40, 32
+    q, scales = rng.integers(0, 16, (k, n)), rng.uniform(0.01, 0.02, (k // group, n)).astype(np.float16)
+    g_idx = np.empty(k, dtype=np.int32)
+    g_idx[rng.permutation(k)] = np.arange(k) // group
+    qweight, qzeros = _pack_gptq(q, np.full((k // group, n), 7), 4)
+    gq = from_gptq(torch.from_numpy(qweight), torch.from_numpy(qzeros), torch.from_numpy(scales),
+                   torch.from_numpy(g_idx), group_size=group, desc_act=True)
+    xa = torch.randn(33, k)
+    ya = kernels.quant_linear(xa, gq.packed, gq.format, gq.col_perm, 8, integer_gemm=True)
+    dense = F.linear(xa, gq.dequantize())
+    assert float((ya - dense).norm() / dense.norm()) < 0.02
+    if kernels.quant_integer_gemm_built():
+        ref = quant_linear_reference(xa, gq)
+        assert float((ya - ref).norm() / ref.norm()) < 2e-6

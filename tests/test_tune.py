@@ -154,3 +154,62 @@ def test_an_untrusted_measurement_falls_back_to_the_gemm_the_cpu_features_name(m
     assert tune.fallback_gemm(("onednn_f32", "onednn_bf16")) == ("onednn_bf16" if native_bf16 else "onednn_f32")
     assert tune.fallback_gemm(("onednn_f32",)) == "onednn_f32"  # float32 weights: never bf16 inputs
     assert tune.fallback_gemm(("onednn_bf16",)) == "onednn_bf16"  # fixed by --cpu-gemm
+
+
+# ----- quantized weights: integer GEMM or bf16 GEMM past the integer rows ---------------------
+
+
+def test_the_integer_gemm_is_chosen_only_where_it_was_faster_at_every_row_count() -> None:
+    fast = {"integer": {32: 1.0, 128: 3.0}, "bf16 gemm": {32: 2.0, 128: 4.0}}
+    assert tune.decide_quant_gemm(fast)
+    assert not tune.decide_quant_gemm({"integer": {32: 1.0, 128: 5.0}, "bf16 gemm": {32: 2.0, 128: 4.0}})
+    assert not tune.decide_quant_gemm({"integer": {32: 2.0, 128: 3.0}, "bf16 gemm": {32: 2.0, 128: 4.0}})
+
+
+def test_the_quantized_gemm_choice_is_measured_once_then_cached(tmp_path, monkeypatch) -> None:
+    calls = []
+
+    def fake_measure(shapes):
+        calls.append(tuple(shapes))
+        return {"integer": {32: 1e-6, 128: 1.5e-6}, "bf16 gemm": {32: 2e-6, 128: 3e-6}}
+
+    monkeypatch.setattr(tune, "measure_quant_gemm", fake_measure)
+    monkeypatch.setattr(tune.kernels, "quant_integer_gemm_built", lambda: True)
+    shapes = [(96, 64), (64, 64)]
+    integer, measured, source = tune.choose_quant_gemm(shapes, cache_dir=tmp_path)
+    assert integer and measured is not None and "measured" in source and len(calls) == 1, source
+    again, measured, source = tune.choose_quant_gemm(shapes, cache_dir=tmp_path)
+    assert again and measured is None and "cached" in source and len(calls) == 1
+    assert len(list(tmp_path.glob("quant-*.json"))) == 1 and not list(tmp_path.glob("dense-*.json"))
+    # A build without the kernel never measures and keeps the bf16 GEMM.
+    monkeypatch.setattr(tune.kernels, "quant_integer_gemm_built", lambda: False)
+    integer, measured, source = tune.choose_quant_gemm(shapes, cache_dir=tmp_path, refresh=True)
+    assert not integer and measured is None and "AVX512-VNNI" in source and len(calls) == 1
+
+
+def test_a_disturbed_quantized_gemm_measurement_keeps_the_bf16_gemm_uncached(tmp_path, monkeypatch) -> None:
+    # 32 rows 3x slower than 128: another job stole the thread, not the kernel.
+    monkeypatch.setattr(tune, "measure_quant_gemm",
+                        lambda shapes: {"integer": {32: 3e-3, 128: 1e-3}, "bf16 gemm": {32: 2e-3, 128: 4e-3}})
+    monkeypatch.setattr(tune.kernels, "quant_integer_gemm_built", lambda: True)
+    integer, measured, source = tune.choose_quant_gemm([(64, 64)], cache_dir=tmp_path)
+    assert not integer and "disturbed" in source and not list(tmp_path.glob("quant-*.json"))
+
+
+def test_measuring_the_quantized_gemms_times_both_at_every_row_count() -> None:
+    timings = tune.measure_quant_gemm([(64, 64), (32, 64)], reps=1)
+    assert set(timings) == set(tune.QUANT_CANDIDATES)
+    assert all(set(t) == set(tune.QUANT_ROWS) and min(t.values()) > 0 for t in timings.values())
+
+
+def test_the_plan_carries_the_integer_gemm_and_deterministic_inference_drops_it() -> None:
+    from tokenmill.runner.plan import batch_invariant_plan, cpu_native_plan, quantized_plan
+
+    dense = cpu_native_plan(torch.float32, onednn=True, choice=CPUMatmulChoice(16, "onednn_f32"), fused_decode=True)
+    plan = quantized_plan(dense, "int4", native_bf16=True, integer_gemm=True)
+    assert plan.weight_format.integer_gemm and "integer GEMM" in plan.describe()
+    # float32 activations into the integer GEMM; bf16 prefill attention still
+    assert plan.bf16_activation_rows is None and plan.prefill_attention_dtype == torch.bfloat16
+    assert not quantized_plan(dense, "int4", native_bf16=True).weight_format.integer_gemm
+    assert quantized_plan(dense, "int4", native_bf16=True).bf16_activation_rows is not None
+    assert not batch_invariant_plan(plan).weight_format.integer_gemm

@@ -195,6 +195,7 @@ def quant_linear(
     col_perm: torch.Tensor | None = None,
     max_integer_rows: int = -1,
     many_rows: int = -1,
+    integer_gemm: bool = False,
 ) -> torch.Tensor:
     """x [M, K] float32 or bfloat16 (contiguous) @ W^T for a quantized W given as a
     QuantizedTensor's `packed`, `format` and `col_perm` (tokenmill/quantization/qtensor.py):
@@ -205,8 +206,12 @@ def quant_linear(
     op's built-in default, equal to the plan's (the fused decode layer uses that one).
     From `many_rows` rows on (-1: the op's default, 16) the integer path runs its many-row
     kernel, whose every output is bit for bit the row kernel's (AVX512-VNNI builds; others
-    keep the row kernel); a large `many_rows` keeps the row kernel at any row count."""
-    return torch.ops.tokenmill.quant_linear(x, packed, format, col_perm, max_integer_rows, many_rows)
+    keep the row kernel); a large `many_rows` keeps the row kernel at any row count.
+    `integer_gemm`: past `max_integer_rows` rows, the whole-block integer GEMM (int32 sums over
+    each 32-column block, then one scale product; AVX512-VNNI builds, weight groups of 32 or
+    more, else the bf16 GEMM) instead of the bf16 GEMM: the plan turns it on where measured
+    faster. Its bits differ from the row kernel's (deterministic inference never uses it)."""
+    return torch.ops.tokenmill.quant_linear(x, packed, format, col_perm, max_integer_rows, many_rows, integer_gemm)
 
 
 def quant_dequantize(
@@ -221,6 +226,12 @@ def quantize_activations_q8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
     """x [M, K] float32, K % 32 == 0 -> (int8 q [M, K], float32 d [M, K / 32]) as quant_linear
     quantizes its input: d = max|x| / 127 per 32 values, q = round-half-even(x * 127 / max|x|)."""
     return torch.ops.tokenmill.quantize_activations_q8(x)
+
+
+def quant_integer_gemm_built() -> bool:
+    """Whether quant_linear's whole-block integer GEMM (`integer_gemm`) is in this build:
+    AVX512-VNNI CPUs; elsewhere `integer_gemm` runs the bf16 GEMM."""
+    return cpu_kernels_available() and quant_isa() == "avx512_vnni"
 
 
 def quant_isa() -> str:

@@ -27,13 +27,15 @@ GROUP_SIZES = (32, 64, 128)
 
 class QuantizedWeights(LinearWeights):
     """A linear weight as a QuantizedTensor, multiplied by the native quantized kernels
-    (int8 activations and integer dot products up to `integer_rows` rows, the plan's; a bf16
-    GEMM on dequantized tiles for more; kernels.quant_linear)."""
+    (int8 activations and integer dot products up to `integer_rows` rows, the plan's; for more
+    the whole-block integer GEMM where the plan measured it faster (`integer_gemm`), else a
+    bf16 GEMM on dequantized tiles; kernels.quant_linear)."""
 
-    def __init__(self, qt: QuantizedTensor, name: str, integer_rows: int) -> None:
+    def __init__(self, qt: QuantizedTensor, name: str, integer_rows: int, integer_gemm: bool = False) -> None:
         self.qt = qt
         self.name = name
         self.integer_rows = integer_rows
+        self.integer_gemm = integer_gemm
         self.out_features, self.in_features = qt.shape
 
     @property
@@ -44,8 +46,8 @@ class QuantizedWeights(LinearWeights):
         # bf16 rows (the bf16 activation path) go in as they are: the GEMM path multiplies
         # bf16 anyway and then returns bf16 without casts.
         if x.dtype not in (torch.float32, torch.bfloat16):
-            return self.qt.native_linear(x.float(), self.integer_rows).to(x.dtype)
-        return self.qt.native_linear(x, self.integer_rows)
+            return self.qt.native_linear(x.float(), self.integer_rows, self.integer_gemm).to(x.dtype)
+        return self.qt.native_linear(x, self.integer_rows, self.integer_gemm)
 
     def dequantize(self) -> torch.Tensor:
         return self.qt.dequantize()
@@ -67,9 +69,11 @@ class QuantizedWeights(LinearWeights):
 class QuantizedFormat(WeightFormat):
     """Quantized linear weights; `method`: "stored" (the checkpoint's own quantized tensors,
     GGUF blocks or GPTQ/AWQ, float tensors go dense), "int8" or "int4" (from float weights).
-    `integer_rows`: code width -> rows up to which the integer kernel runs (the plan's)."""
+    `integer_rows`: code width -> rows up to which the integer kernel runs (the plan's);
+    `integer_gemm`: more rows run the whole-block integer GEMM, not the bf16 GEMM (measured)."""
 
-    def __init__(self, method: str, dense: DenseFormat, group_size: int, integer_rows: dict[int, int]) -> None:
+    def __init__(self, method: str, dense: DenseFormat, group_size: int, integer_rows: dict[int, int],
+                 integer_gemm: bool = False) -> None:
         if method not in ("stored", *QUANTIZATION_METHODS):
             raise ValueError(f"quantization must be one of {QUANTIZATION_METHODS} (or the checkpoint's own), "
                              f"got {method!r}")
@@ -79,6 +83,7 @@ class QuantizedFormat(WeightFormat):
         self.dense = dense
         self.group_size = group_size
         self.integer_rows = integer_rows
+        self.integer_gemm = integer_gemm
         # Tensor-parallel cuts along K fall on whole scale groups (GGUF blocks: 32 columns,
         # K-quant super-blocks 256, which the loader's column unit adds).
         self.shard_alignment = {"stored": 32, "int8": 1, "int4": group_size}[method]
@@ -102,12 +107,13 @@ class QuantizedFormat(WeightFormat):
         return self._weights(rtn.quantize_int4(weight.float(), self.group_size), self.name)
 
     def _weights(self, qt: QuantizedTensor, name: str) -> QuantizedWeights:
-        return QuantizedWeights(qt, name, self.integer_rows[qt.bits])
+        return QuantizedWeights(qt, name, self.integer_rows[qt.bits], self.integer_gemm)
 
     def describe(self) -> str:
+        many = "integer GEMM" if self.integer_gemm else "bf16 GEMM"
         if self.method == "stored":
-            return f"quantized as stored (float tensors: {self.dense.describe()})"
-        return f"{self.name} quantized at load (LM head int8; native quantized kernels)"
+            return f"quantized as stored, {many} past the integer rows (float tensors: {self.dense.describe()})"
+        return f"{self.name} quantized at load (LM head int8; native quantized kernels, {many} past the integer rows)"
 
 
 def describe_quantized(qt: QuantizedTensor) -> str:

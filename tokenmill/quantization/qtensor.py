@@ -157,13 +157,15 @@ class QuantizedTensor:
             return self.native_linear(x, -1)
         return torch.nn.functional.linear(x, self.dequantize().to(x.dtype))
 
-    def native_linear(self, x: torch.Tensor, max_integer_rows: int) -> torch.Tensor:
+    def native_linear(self, x: torch.Tensor, max_integer_rows: int, integer_gemm: bool = False) -> torch.Tensor:
         """y = x W^T by the native kernel (x [M, K] float32 or bfloat16 on the CPU): up to
-        `max_integer_rows` rows x is quantized to int8 per 32 and multiplied on integers, a
-        bf16 GEMM on the dequantized weight beyond (see kernels.quant_linear)."""
+        `max_integer_rows` rows x is quantized to int8 per 32 and multiplied on integers; beyond,
+        the whole-block integer GEMM if `integer_gemm`, else a bf16 GEMM on the dequantized
+        weight (see kernels.quant_linear)."""
         from tokenmill.kernels import quant_linear
 
-        return quant_linear(x.contiguous(), self.packed, self.format, self.col_perm, max_integer_rows)
+        return quant_linear(x.contiguous(), self.packed, self.format, self.col_perm, max_integer_rows,
+                            integer_gemm=integer_gemm)
 
     def lookup_rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` of the weight as float32 [len(index), K] (an embedding lookup in a

@@ -207,18 +207,22 @@ def reference_plan(weight_dtype: torch.dtype, rows: RowThresholds = ROWS) -> Exe
 
 
 def quantized_plan(dense: ExecutionPlan, method: str, group_size: int = 32,
-                   rows: RowThresholds = ROWS, native_bf16: bool = False) -> ExecutionPlan:
+                   rows: RowThresholds = ROWS, native_bf16: bool = False, integer_gemm: bool = False) -> ExecutionPlan:
     """`dense` with weight-only quantized linears (`method`: "stored", "int8" or "int4"): the
-    quantized kernels (integer dot products up to `rows.quant_integer_rows[bits]` rows, a
-    bf16 GEMM on dequantized tiles beyond), the dense format for any float weight left, and
-    the fused decode layer up to the rows the integer path takes. On a CPU with native bf16
-    arithmetic (`native_bf16`), steps past the integer rows run the bf16 activation path
-    and prefill attention is bf16: the quantized GEMMs multiply bf16 there anyway. Without
-    it (AVX2 only) activations stay float32."""
+    quantized kernels (integer dot products up to `rows.quant_integer_rows[bits]` rows;
+    beyond, the whole-block integer GEMM where `integer_gemm` (measured faster on this
+    machine: runner/tune.py), else a bf16 GEMM on dequantized tiles), the dense format for
+    any float weight left, and the fused decode layer up to the rows the integer path takes.
+    Prefill attention is bf16 on a CPU with native bf16 arithmetic (`native_bf16`); there,
+    when the many-row GEMM is the bf16 one, steps past the integer rows also run the bf16
+    activation path (the GEMMs multiply bf16 anyway). The integer GEMM takes float32 rows, and
+    AVX2-only CPUs emulate bf16: activations stay float32 then."""
     from tokenmill.quantization.formats import QuantizedFormat
 
-    fmt = QuantizedFormat(method, dense.weight_format, group_size, dict(rows.quant_integer_rows))
+    fmt = QuantizedFormat(method, dense.weight_format, group_size, dict(rows.quant_integer_rows), integer_gemm)
     plan = dataclasses.replace(dense, weight_format=fmt, fused_decode_max_rows=min(rows.quant_integer_rows.values()))
+    if integer_gemm:
+        return dataclasses.replace(plan, prefill_attention_dtype=torch.bfloat16) if native_bf16 else plan
     if native_bf16 or dense.bf16_activation_rows is not None:  # past the integer kernel's rows
         plan = dataclasses.replace(plan, prefill_attention_dtype=torch.bfloat16, bf16_activation_rows=max(
             dense.bf16_activation_rows or 0, *rows.quant_integer_rows.values()))

@@ -171,6 +171,78 @@ def measure(shapes: Sequence[Shape], tile_dtype: torch.dtype, gemms: Sequence[st
     return Timings(skinny, gemm, sum(w.numel() for w in weights))
 
 
+# ----- quantized weights: the many-row GEMM ------------------------------------------------
+
+# Many-row step sizes where the whole-block integer GEMM competes with the bf16 GEMM on
+# dequantized tiles (a batch of decodes / a chunk of prompt).
+QUANT_ROWS = (32, PREFILL_ROWS)
+QUANT_CANDIDATES = ("integer", "bf16 gemm")
+QUANT_SCHEMA = 1
+
+
+def decide_quant_gemm(timings: dict[str, dict[int, float]]) -> bool:
+    """The integer GEMM where it was faster at every measured row count (the bf16 GEMM
+    otherwise: with AMX oneDNN's bf16 tiles may beat VNNI integers)."""
+    return all(timings["integer"][m] < timings["bf16 gemm"][m] for m in timings["integer"])
+
+
+def choose_quant_gemm(shapes: Sequence[Shape], *, cache_dir: Path | None = None,
+                      refresh: bool = False) -> tuple[bool, dict[str, dict[int, float]] | None, str]:
+    """Whether quantized weights' many-row steps run the whole-block integer GEMM
+    (kernels.quant_linear's `integer_gemm`) or the bf16 GEMM on dequantized tiles: measured on
+    this machine on the model's layer shapes (4-bit, group 32, as Q4_1), cached as the dense
+    choice is. Returns (integer, timings if measured now, where it came from)."""
+    if not kernels.quant_integer_gemm_built():
+        return False, None, f"no integer GEMM in this build ({kernels.quant_isa()}; it needs AVX512-VNNI)"
+    key = cache_key(shapes, torch.uint8, QUANT_CANDIDATES)
+    path = (cache_dir or default_cache_dir()) / f"quant-{key}.json"
+    if not refresh and path.is_file():
+        try:
+            data = json.loads(path.read_text())
+            if data.get("schema") == QUANT_SCHEMA:
+                return bool(data["integer_gemm"]), None, f"cached in {path}"
+        except (OSError, ValueError, TypeError, KeyError):
+            pass  # a damaged cache file is measured over
+    start = time.perf_counter()
+    for _ in range(MEASURE_ATTEMPTS):
+        timings = measure_quant_gemm(shapes)
+        # No bytes-per-second floor: both candidates are compute-bound at these rows.
+        problem = disturbed(Timings({}, timings))
+        if problem is None:
+            break
+    if problem is not None:
+        logger.warning("the quantized GEMM measurement was disturbed by other work on this machine (%s): using the "
+                       "bf16 GEMM, not cached; it is measured again at the next start", problem)
+        return False, timings, "measurement disturbed, bf16 GEMM, not cached"
+    integer = decide_quant_gemm(timings)
+    _write(path, {"schema": QUANT_SCHEMA, "integer_gemm": integer,
+                  "timings": {kind: {str(m): t for m, t in g.items()} for kind, g in timings.items()},
+                  "cpu": cpu_info().describe(), "torch": torch.__version__, "threads": torch.get_num_threads()})
+    return integer, timings, f"measured in {time.perf_counter() - start:.1f} s, cached in {path}"
+
+
+QUANT_LAYERS = 4  # distinct layers' weights per measured pass (4-bit: a few MB, streamed)
+
+
+def measure_quant_gemm(shapes: Sequence[Shape], reps: int = 5) -> dict[str, dict[int, float]]:
+    """Seconds per pass of each candidate over QUANT_LAYERS copies of the layer shapes: the
+    integer GEMM on float32 rows, the bf16 GEMM on bf16 rows (the bf16 activation path's)."""
+    from tokenmill.quantization.rtn import quantize_int4
+
+    gen = torch.Generator().manual_seed(0)
+    floats = [torch.randn(n, k, generator=gen) * 0.02 for _ in range(QUANT_LAYERS) for n, k in shapes]
+    qts = [quantize_int4(w, 32) for w in floats]
+
+    def integer(x: torch.Tensor, i: int) -> torch.Tensor:
+        return kernels.quant_linear(x, qts[i].packed, qts[i].format, None, 0, -1, True)
+
+    def gemm(x: torch.Tensor, i: int) -> torch.Tensor:
+        return kernels.quant_linear(x.bfloat16(), qts[i].packed, qts[i].format, None, 0)
+
+    return {"integer": {m: _pass_time(integer, floats, m, reps) for m in QUANT_ROWS},
+            "bf16 gemm": {m: _pass_time(gemm, floats, m, reps) for m in QUANT_ROWS}}
+
+
 def describe(timings: Timings, choice: CPUMatmulChoice) -> str:
     """A table of the measured times (ms per pass) and the choice, for `tokenmill bench kernels`."""
     rows = sorted({*timings.skinny, *(m for g in timings.gemm.values() for m in g)})
@@ -239,4 +311,5 @@ def _write(path: Path, data: dict) -> None:
         logger.warning("could not cache the kernel choice in %s: %s", path, exc)
 
 
-__all__ = ["Timings", "choose", "decide", "describe", "fallback_gemm", "measure"]
+__all__ = ["Timings", "choose", "choose_quant_gemm", "decide", "decide_quant_gemm", "describe", "fallback_gemm", "measure",
+           "measure_quant_gemm"]

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from tokenmill import kernels
 from tokenmill.attention import kv_quant
 from tokenmill.attention.backend import AttentionBackend
 from tokenmill.attention.kv_cache import KVCacheSpec, PagedKVCache
@@ -439,8 +440,9 @@ def choose_plan(config: EngineConfig, device: torch.device, dtype: DtypePlan, ke
                            fused_decode=backend.name == "cpu_native")
     plan = dataclasses.replace(plan, huge_pages=config.device.huge_pages)
     if keep_quantized or method in ("int8", "int4"):
+        integer_gemm = not deterministic and quant_integer_gemm_choice(config, arch)
         plan = quantized_plan(plan, "stored" if keep_quantized else method, config.quantization.quantization_group_size,
-                              native_bf16=cpu_has_native_bf16())
+                              native_bf16=cpu_has_native_bf16(), integer_gemm=integer_gemm)
     return batch_invariant_plan(plan) if deterministic else plan
 
 
@@ -501,6 +503,21 @@ def cpu_matmul_choice(config: EngineConfig, weights: torch.dtype, arch: ModelArc
         choice = CPUMatmulChoice(config.device.skinny_max_rows, choice.gemm)
     logger.info("CPU matmul kernels (%s): %s", source, choice.describe())
     return choice
+
+
+def quant_integer_gemm_choice(config: EngineConfig, arch: ModelArchConfig | None) -> bool:
+    """Whether quantized weights' many-row steps run the whole-block integer GEMM: as
+    `--quant-gemm` says, or measured (or cached) against the bf16 GEMM on the model's layer
+    shapes (`runner/tune.py`)."""
+    if config.device.quant_gemm != "auto":
+        if config.device.quant_gemm == "integer" and not kernels.quant_integer_gemm_built():
+            raise ValueError(f"quant_gemm integer needs a CPU with AVX512-VNNI (this build: {kernels.quant_isa()}); "
+                             "use auto or bf16")
+        return config.device.quant_gemm == "integer"
+    shapes = layer_shapes(arch) if arch is not None else [(576, 576)]
+    integer, _, source = tune.choose_quant_gemm(shapes)
+    logger.info("quantized GEMM past the integer rows (%s): %s", source, "integer" if integer else "bf16")
+    return integer
 
 
 def layer_shapes(arch: ModelArchConfig) -> list[tuple[int, int]]:

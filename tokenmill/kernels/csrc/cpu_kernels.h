@@ -37,8 +37,10 @@ struct QuantWeight {
 // From many_rows rows on (-1: the built-in 16) the integer path runs its many-row kernel
 // (activation rows in the vector lanes, AVX512-VNNI builds), which gives every output the
 // row kernel's bits; a large many_rows keeps the row kernel (tests compare the two).
+// integer_gemm: past max_integer_rows, the whole-block integer GEMM instead of the bf16 GEMM
+// (AVX512-VNNI builds, weight groups of 32 or more; other bits than the row kernel's).
 at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w, int64_t max_integer_rows = -1,
-                        int64_t many_rows = -1);
+                        int64_t many_rows = -1, bool integer_gemm = false);
 // W (or its rows `rows`, e.g. embedding lookups) as float32 or bfloat16 [rows, K], in the
 // stored column order (col_perm not undone).
 at::Tensor quant_dequantize(const QuantWeight& w, at::ScalarType dtype, const std::optional<at::Tensor>& rows = std::nullopt);

@@ -200,40 +200,48 @@ inline float block_scales(float amax, float* inv) {
   return static_cast<float>(static_cast<double>(amax) / 127.0);
 }
 
-void quantize_block(const float* x, int8_t* q, float* d_out) {
+// Returns the block's sum of q.
+int32_t quantize_block(const float* x, int8_t* q, float* d_out) {
   float inv;
 #if defined(TM_QUANT_AVX512)
   const __m512 a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);
   const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(b)));
   *d_out = block_scales(amax, &inv);
   const __m512 vi = _mm512_set1_ps(inv);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(a, vi))));
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(_mm512_cvtps_epi32(_mm512_mul_ps(b, vi))));
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(a, vi)), qb = _mm512_cvtps_epi32(_mm512_mul_ps(b, vi));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qb));
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));  // |x * inv| <= 127: no saturation
 #else
   float amax = 0.f;
   for (int i = 0; i < kBlock; ++i) amax = std::max(amax, std::fabs(x[i]));
   *d_out = block_scales(amax, &inv);
+  int32_t sum = 0;
   for (int i = 0; i < kBlock; ++i) {
     const float v = std::nearbyint(x[i] * inv);
     q[i] = static_cast<int8_t>(std::max(-128.f, std::min(127.f, v)));
+    sum += q[i];
   }
+  return sum;
 #endif
 }
 
 // x [M, K] float32 (columns gathered through perm when given) -> ActRows in `scratch`.
-// group: the weight's kernel group; init_mult: see ActRows; want_gsum: the weight has mins.
+// init_mult: see ActRows; group_sums: fill gsum (the weight has mins, or the block kernel).
+// by_block (the block kernel): gsum as d * (the block's sum of q), added block by block, and
+// no init lanes; otherwise lane by lane, in the order the row kernel's bits depend on.
 ActRows quantize_activations(const float* x, int64_t M, int64_t K, const int64_t* perm, const Layout& L,
-                             int32_t init_mult, Scratch& scratch) {
+                             int32_t init_mult, Scratch& scratch, bool group_sums, bool by_block = false) {
   ActRows a;
   a.M = M, a.Kp = L.Kp, a.lanes = L.Kp / 4, a.spans = L.spans;
   const size_t q_bytes = round64(M * a.Kp), d_bytes = round64(M * a.lanes * 4);
-  const size_t init_bytes = init_mult ? d_bytes : 0, gsum_bytes = L.has_mins ? round64(M * a.spans * kLanes * 4) : 0;
+  const size_t init_bytes = init_mult ? d_bytes : 0, gsum_bytes = group_sums ? round64(M * a.spans * kLanes * 4) : 0;
   const size_t row_bytes = round64(a.Kp * 4);  // a gathered / padded row, one per thread
   uint8_t* base = scratch.take(q_bytes + d_bytes + init_bytes + gsum_bytes + row_bytes * at::get_num_threads());
   a.q = reinterpret_cast<int8_t*>(base);
   a.d = reinterpret_cast<float*>(base + q_bytes);
   a.init = init_mult ? reinterpret_cast<int32_t*>(base + q_bytes + d_bytes) : nullptr;
-  a.gsum = L.has_mins ? reinterpret_cast<float*>(base + q_bytes + d_bytes + init_bytes) : nullptr;
+  a.gsum = group_sums ? reinterpret_cast<float*>(base + q_bytes + d_bytes + init_bytes) : nullptr;
   uint8_t* rows_base = base + q_bytes + d_bytes + init_bytes + gsum_bytes;
   const bool copy = perm != nullptr || a.Kp != K;
   // Each row alone (the same bits on any thread); rows spread over the threads when many.
@@ -251,6 +259,21 @@ ActRows quantize_activations(const float* x, int64_t M, int64_t K, const int64_t
     }
     int8_t* q = a.q + m * a.Kp;
     float* d = a.d + m * a.lanes;
+    if (by_block) {
+      float* gsum = a.gsum + m * a.spans * kLanes;
+      const int64_t blocks_per_group = L.group / kBlock;
+      for (int64_t b = 0, g = 0; b < a.Kp / kBlock; ++g) {
+        float sum = 0.f;
+        for (int64_t e = b + blocks_per_group; b < e; ++b) {
+          float db;
+          const int32_t qs = quantize_block(xr + b * kBlock, q + b * kBlock, &db);
+          d[b * (kBlock / 4)] = db;  // the block kernel reads a block's first lane only
+          sum += db * static_cast<float>(qs);
+        }
+        gsum[(g / L.gps) * kLanes + g % L.gps] = sum;
+      }
+      continue;
+    }
     for (int64_t b = 0; b < a.Kp / kBlock; ++b) {
       float db;
       quantize_block(xr + b * kBlock, q + b * kBlock, &db);
@@ -844,7 +867,7 @@ LaneRunFn pick_lane_run_fn(const Layout& L, bool init) {
 void integer_linear(const float* x, int64_t M, const int64_t* perm, const Layout& L, const uint8_t* packed, float* y,
                     int64_t many_rows) {
   thread_local Scratch scratch;
-  const ActRows a = quantize_activations(x, M, L.K, perm, L, init_multiplier(L), scratch);
+  const ActRows a = quantize_activations(x, M, L.K, perm, L, init_multiplier(L), scratch, L.has_mins);
 #if defined(TM_QUANT_LANE_ROWS)
   if (M >= (many_rows < 0 ? kManyRows : many_rows)) {
     thread_local Scratch lane_scratch;
@@ -860,6 +883,218 @@ void integer_linear(const float* x, int64_t M, const int64_t* perm, const Layout
   // Several chunks per thread (uneven thread speed), each worth a hand-off.
   const int64_t grain = std::max<int64_t>(4, L.tiles / (4 * at::get_num_threads()));
   at::parallel_for(0, L.tiles, grain, [&](int64_t begin, int64_t end) { run(begin, end, packed, L, a, blocks, y); });
+}
+
+// ----- many rows on integers, whole 32-column blocks -----------------------------------------
+//
+// The integer GEMM for many rows (prefill, large batches) where the execution plan measured
+// it faster than the bf16 GEMM on dequantized tiles: activations quantized to int8 per 32 as
+// above, and each 32-column block's dot product of codes and activations accumulated in int32
+// across the whole block (vpdpbusd, exact) before one conversion and one fused multiply-add
+// by scale * d; the mins term (or a symmetric format's -offset * scale) once per group from
+// the activations' group sums. Per 64 vpdpbusd that is 8 conversions and 16 float operations,
+// where the row kernel converts every 4 columns (its rounding order is what deterministic
+// inference keeps, so this kernel computes other bits and runs only where the plan allows).
+// Layout (the ik_llama.cpp / llama.cpp "interleaved rows" idea): the weight is unpacked per
+// call, a chunk that stays in L2 at a time, into panels of 16 rows whose 4-column groups are
+// interleaved, [K/4][16 rows][4 bytes], so one 64-byte load holds a 4-column group of 16
+// rows; 4 bytes of an activation row are broadcast against it; a panel's outputs for one
+// activation row are 16 contiguous floats. AVX512-VNNI builds, weight groups of 32 or more.
+#if defined(TM_QUANT_AVX512)
+#define TM_QUANT_BLOCK_GEMM 1
+
+constexpr int64_t kPanelRows = 16;
+constexpr int64_t kPanelTiles = kPanelRows / kRows;
+
+struct Panels {
+  int64_t Kp = 0, groups = 0;
+  uint8_t* codes = nullptr;  // [panel][Kp / 4][16][4]
+  float* scale = nullptr;    // [panel][groups][16]
+  float* mins = nullptr;     // [panel][groups][16]
+  const uint8_t* panel_codes(int64_t p) const { return codes + p * Kp * kPanelRows; }
+  const float* panel_scale(int64_t p) const { return scale + p * groups * kPanelRows; }
+  const float* panel_mins(int64_t p) const { return mins + p * groups * kPanelRows; }
+};
+
+// Panels [p0, p1) of W into u: codes one byte each, 4-column groups interleaved by row; rows
+// past N (the last tile's padding, missing tiles) get zero codes, scales and mins.
+void unpack_panels(const uint8_t* packed, const Layout& L, int64_t p0, int64_t p1, Panels& u) {
+  float scale[kRows * 4 + 8], minv[kRows * 4 + 8];
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  for (int64_t pnl = p0; pnl < p1; ++pnl) {
+    uint8_t* codes = u.codes + (pnl - p0) * L.Kp * kPanelRows;
+    float* sc = u.scale + (pnl - p0) * u.groups * kPanelRows;
+    float* mn = u.mins + (pnl - p0) * u.groups * kPanelRows;
+    for (int64_t tp = 0; tp < kPanelTiles; ++tp) {
+      const int64_t t = pnl * kPanelTiles + tp;
+      if (t >= L.tiles) {  // zeros: codes 0, scale 0, min 0 (their outputs are dropped)
+        for (int64_t lane = 0; lane < L.Kp / 4; ++lane) std::memset(codes + (lane * kPanelRows + tp * kRows) * 4, 0, 16);
+        for (int64_t g = 0; g < u.groups; ++g)
+          for (int64_t r = 0; r < kRows; ++r) sc[g * kPanelRows + tp * kRows + r] = mn[g * kPanelRows + tp * kRows + r] = 0.f;
+        continue;
+      }
+      const uint8_t* p = L.tile(packed, t);
+      for (int64_t s = 0; s < L.spans; ++s, p += L.span_bytes) {
+        load_span_scales(p, L, scale, minv);
+        for (int64_t j = 0; j < L.gps; ++j)
+          for (int64_t r = 0; r < kRows; ++r) {
+            sc[(s * L.gps + j) * kPanelRows + tp * kRows + r] = scale[r * L.gps + j];
+            mn[(s * L.gps + j) * kPanelRows + tp * kRows + r] = minv[r * L.gps + j];
+          }
+        const uint8_t* c = p + L.scale_block * (L.has_mins ? 2 : 1);
+        for (int64_t st = 0; st < L.span / kStep; ++st, c += L.step_bytes) {
+          __m512i row[kRows];  // 64 codes of each tile row, column order
+          for (int r = 0; r < kRows; ++r) {
+            const uint8_t* cr = c + r * L.row_step_bytes;
+            if (L.bits == 8) {
+              row[r] = _mm512_loadu_si512(cr);
+            } else {  // byte i: column i in its low nibble, column 32 + i in its high one
+              const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(cr));
+              row[r] = _mm512_inserti64x4(_mm512_castsi256_si512(_mm256_and_si256(v, nibble)),
+                                          _mm256_and_si256(_mm256_srli_epi16(v, 4), nibble), 1);
+            }
+          }
+          // 4 x 16 int32 transpose: 128-bit chunk c of u[k] = column group 4c + k of rows 0-3.
+          const __m512i t0 = _mm512_unpacklo_epi32(row[0], row[1]), t1 = _mm512_unpackhi_epi32(row[0], row[1]);
+          const __m512i t2 = _mm512_unpacklo_epi32(row[2], row[3]), t3 = _mm512_unpackhi_epi32(row[2], row[3]);
+          const __m512i q[4] = {_mm512_unpacklo_epi64(t0, t2), _mm512_unpackhi_epi64(t0, t2),
+                                _mm512_unpacklo_epi64(t1, t3), _mm512_unpackhi_epi64(t1, t3)};
+          uint8_t* o = codes + ((s * L.span + st * kStep) / 4 * kPanelRows + tp * kRows) * 4;
+          for (int k = 0; k < 4; ++k) {
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(o + (k)*kPanelRows * 4), _mm512_extracti32x4_epi32(q[k], 0));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(o + (4 + k) * kPanelRows * 4), _mm512_extracti32x4_epi32(q[k], 1));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(o + (8 + k) * kPanelRows * 4), _mm512_extracti32x4_epi32(q[k], 2));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(o + (12 + k) * kPanelRows * 4), _mm512_extracti32x4_epi32(q[k], 3));
+          }
+        }
+      }
+    }
+  }
+}
+
+// RW panels (16 weight rows each) against RA activation rows m0..: y[m, n0 + 16 v + i].
+template <int RA, int RW>
+__attribute__((always_inline)) inline void panel_rows(const Panels& P, int64_t pnl, const ActRows& a, int64_t m0,
+                                                      const Layout& L, float* y, int64_t n0) {
+  __m512 acc[RA][RW];
+  for (int i = 0; i < RA; ++i)
+    for (int v = 0; v < RW; ++v) acc[i][v] = _mm512_setzero_ps();
+  const int64_t blocks_per_group = L.group / kBlock;
+  const int32_t* xq[RA];
+  const float* dx[RA];
+  for (int i = 0; i < RA; ++i) {
+    xq[i] = reinterpret_cast<const int32_t*>(a.q_row(m0 + i));
+    dx[i] = a.d_row(m0 + i);
+  }
+  const uint8_t* w = P.panel_codes(pnl);
+  for (int64_t g = 0, b = 0; g < P.groups; ++g) {
+    __m512 sv[RW];
+    for (int v = 0; v < RW; ++v) sv[v] = _mm512_loadu_ps(P.panel_scale(pnl + v) + g * kPanelRows);
+    for (int64_t bb = 0; bb < blocks_per_group; ++bb, ++b) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + b * kBlock * kPanelRows + 4096), _MM_HINT_T0);
+      __m512i dot[RA][RW];
+      for (int i = 0; i < RA; ++i)
+        for (int v = 0; v < RW; ++v) dot[i][v] = _mm512_setzero_si512();
+      for (int l = 0; l < kBlock / 4; ++l) {
+        const int64_t lane = b * (kBlock / 4) + l;
+        __m512i wv[RW];
+        for (int v = 0; v < RW; ++v) wv[v] = _mm512_loadu_si512(w + v * P.Kp * kPanelRows + lane * 64);
+        for (int i = 0; i < RA; ++i) {
+          const __m512i xb = _mm512_set1_epi32(xq[i][lane]);
+          for (int v = 0; v < RW; ++v) dot[i][v] = _mm512_dpbusd_epi32(dot[i][v], wv[v], xb);
+        }
+      }
+      for (int i = 0; i < RA; ++i) {
+        const __m512 d = _mm512_set1_ps(dx[i][b * (kBlock / 4)]);
+        for (int v = 0; v < RW; ++v)
+          acc[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][v]), _mm512_mul_ps(sv[v], d), acc[i][v]);
+      }
+    }
+    // The group's mins (or -offset * scale) times the activations' d * sum(q) over the group.
+    const int64_t s = g / L.gps, j = g % L.gps;
+    for (int v = 0; v < RW; ++v) {
+      const __m512 mv = _mm512_loadu_ps(P.panel_mins(pnl + v) + g * kPanelRows);
+      for (int i = 0; i < RA; ++i) acc[i][v] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.gsum_span(m0 + i, s)[j]), acc[i][v]);
+    }
+  }
+  for (int i = 0; i < RA; ++i)
+    for (int v = 0; v < RW; ++v) {
+      const int64_t n = n0 + v * kPanelRows;
+      const int64_t valid = std::max<int64_t>(0, std::min(kPanelRows, L.N - n));
+      _mm512_mask_storeu_ps(y + (m0 + i) * L.N + n, static_cast<__mmask16>((1u << valid) - 1), acc[i][v]);
+    }
+}
+
+#ifndef TM_BLOCK_RA
+#define TM_BLOCK_RA 6
+#endif
+#ifndef TM_BLOCK_RW
+#define TM_BLOCK_RW 2
+#endif
+constexpr int kBlockRowsA = TM_BLOCK_RA;  // activation rows per kernel call
+constexpr int kBlockPanels = TM_BLOCK_RW;  // panels per kernel call
+// Activation rows per pass over an unpacked chunk: their int8 rows stay in L2 with it.
+constexpr int64_t kBlockChunkRows = 128;
+
+template <int RW>
+void panel_row_blocks(const Panels& P, int64_t pnl, const ActRows& a, int64_t m0, int64_t m1, const Layout& L,
+                      float* y, int64_t n0) {
+  int64_t m = m0;
+  for (; m + kBlockRowsA <= m1; m += kBlockRowsA) panel_rows<kBlockRowsA, RW>(P, pnl, a, m, L, y, n0);
+  if (m1 - m >= 4) {
+    panel_rows<4, RW>(P, pnl, a, m, L, y, n0);
+    m += 4;
+  }
+  switch (m1 - m) {
+    case 1: panel_rows<1, RW>(P, pnl, a, m, L, y, n0); break;
+    case 2: panel_rows<2, RW>(P, pnl, a, m, L, y, n0); break;
+    case 3: panel_rows<3, RW>(P, pnl, a, m, L, y, n0); break;
+  }
+}
+
+// Panels [begin, end) of W against every activation row.
+void run_panels(int64_t begin, int64_t end, const uint8_t* packed, const Layout& L, const ActRows& a, float* y) {
+  thread_local Scratch scratch;
+  Panels u;
+  u.Kp = L.Kp, u.groups = L.Kp / L.group;
+  const int64_t panel_bytes = L.Kp * kPanelRows;
+  const int64_t chunk = std::max<int64_t>(kBlockPanels, (kLaneChunkBytes / panel_bytes) / kBlockPanels * kBlockPanels);
+  const int64_t n_panels = std::min(chunk, end - begin);
+  const size_t code_bytes = round64(n_panels * panel_bytes), scale_bytes = round64(n_panels * u.groups * kPanelRows * 4);
+  uint8_t* base = scratch.take(code_bytes + 2 * scale_bytes);
+  u.codes = base, u.scale = reinterpret_cast<float*>(base + code_bytes),
+  u.mins = reinterpret_cast<float*>(base + code_bytes + scale_bytes);
+  for (int64_t p0 = begin; p0 < end; p0 += chunk) {
+    const int64_t p1 = std::min(end, p0 + chunk);
+    unpack_panels(packed, L, p0, p1, u);
+    for (int64_t m0 = 0; m0 < a.M; m0 += kBlockChunkRows) {
+      const int64_t m1 = std::min(a.M, m0 + kBlockChunkRows);
+      int64_t p = p0;
+      for (; p + kBlockPanels <= p1; p += kBlockPanels)
+        panel_row_blocks<kBlockPanels>(u, p - p0, a, m0, m1, L, y, p * kPanelRows);
+      for (; p < p1; ++p) panel_row_blocks<1>(u, p - p0, a, m0, m1, L, y, p * kPanelRows);
+    }
+  }
+}
+
+void block_integer_linear(const float* x, int64_t M, const int64_t* perm, const Layout& L, const uint8_t* packed,
+                          float* y) {
+  thread_local Scratch scratch;
+  const ActRows a = quantize_activations(x, M, L.K, perm, L, 0, scratch, true, true);
+  const int64_t panels = (L.tiles + kPanelTiles - 1) / kPanelTiles;
+  const int64_t grain = std::max<int64_t>(1, panels / (2 * at::get_num_threads()));
+  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) { run_panels(begin, end, packed, L, a, y); });
+}
+#endif
+
+// Whether the block kernel covers this weight (and this build has it).
+bool block_gemm_covers(const Layout& L) {
+#if defined(TM_QUANT_BLOCK_GEMM)
+  return L.group % kBlock == 0;
+#else
+  (void)L;
+  return false;
+#endif
 }
 
 // ----- dequantization (prefill's GEMM input, embedding rows, tests) ---------------------------
@@ -1101,7 +1336,8 @@ QuantWeight QuantWeight::from_format(at::Tensor packed, at::IntArrayRef format, 
                      std::move(col_perm)};
 }
 
-at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w, int64_t max_integer_rows, int64_t many_rows) {
+at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w, int64_t max_integer_rows, int64_t many_rows,
+                        bool integer_gemm) {
   const Layout L(w);
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16) && x.is_contiguous(),
               "x: contiguous float32 or bfloat16 [M, K]");
@@ -1114,12 +1350,21 @@ at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w, int64_t max_i
     perm = p.data_ptr<int64_t>();
   }
   const int64_t M = x.size(0);
-  if (M > (max_integer_rows < 0 ? default_integer_rows(L.bits) : max_integer_rows)) return gemm_linear(x, w, L);
-  if (x.scalar_type() == at::kBFloat16) return quant_linear(x.to(at::kFloat), w, max_integer_rows, many_rows).to(at::kBFloat16);
+  const bool many = M > (max_integer_rows < 0 ? default_integer_rows(L.bits) : max_integer_rows);
+  const bool block = many && integer_gemm && block_gemm_covers(L);
+  if (many && !block) return gemm_linear(x, w, L);
+  if (x.scalar_type() == at::kBFloat16)
+    return quant_linear(x.to(at::kFloat), w, max_integer_rows, many_rows, integer_gemm).to(at::kBFloat16);
   at::Tensor y = at::empty({M, L.N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const uint8_t* packed = w.packed.data_ptr<uint8_t>();
+#if defined(TM_QUANT_BLOCK_GEMM)
+  if (block) {
+    block_integer_linear(xp, M, perm, L, packed, yp);
+    return y;
+  }
+#endif
   integer_linear(xp, M, perm, L, packed, yp, many_rows);
   return y;
 }
@@ -1168,9 +1413,10 @@ const char* quant_isa() {
 
 namespace {
 at::Tensor quant_linear_op(const at::Tensor& x, const at::Tensor& packed, at::IntArrayRef format,
-                           const std::optional<at::Tensor>& col_perm, int64_t max_integer_rows, int64_t many_rows) {
+                           const std::optional<at::Tensor>& col_perm, int64_t max_integer_rows, int64_t many_rows,
+                           bool integer_gemm) {
   return tokenmill::quant_linear(x, tokenmill::QuantWeight::from_format(packed, format, col_perm), max_integer_rows,
-                                 many_rows);
+                                 many_rows, integer_gemm);
 }
 at::Tensor quant_dequantize_op(const at::Tensor& packed, at::IntArrayRef format, at::ScalarType dtype,
                                const std::optional<at::Tensor>& rows) {
@@ -1181,7 +1427,7 @@ std::string quant_isa_op() { return tokenmill::quant_isa(); }
 
 TORCH_LIBRARY_FRAGMENT(TOKENMILL_OPS_NS, m) {
   m.def("quant_linear(Tensor x, Tensor packed, int[] format, Tensor? col_perm, int max_integer_rows=-1, "
-        "int many_rows=-1) -> Tensor");
+        "int many_rows=-1, bool integer_gemm=False) -> Tensor");
   m.def("quant_dequantize(Tensor packed, int[] format, ScalarType dtype, Tensor? rows=None) -> Tensor");
   m.def("quantize_activations_q8(Tensor x) -> (Tensor, Tensor)");
   m.def("quant_isa() -> str", &quant_isa_op);
