@@ -144,9 +144,11 @@ def test_a_bf16_activation_step_computes_the_float32_activation_bits(tiny, fmt: 
 
 @pytest.fixture(scope="module")
 def default_llm():
+    """The default model with the bf16 GEMM past the integer rows (where the plan may pick the
+    integer GEMM instead, activations stay float32: test_the_default_model_as_served_...)."""
     from tokenmill.llm import LLM
 
-    return LLM(max_model_len=1024, kv_cache_memory="64MiB", seed=0, enable_prefix_caching=False)
+    return LLM(max_model_len=1024, kv_cache_memory="64MiB", seed=0, enable_prefix_caching=False, quant_gemm="bf16")
 
 
 def test_the_default_model_gives_the_float32_activation_path_tokens(default_llm) -> None:
@@ -181,16 +183,19 @@ def test_bf16_prefill_attention_runs_natively_where_the_cpu_has_avx512_bf16_and_
 
 
 def test_the_default_model_as_served_agrees_with_transformers(default_llm) -> None:
-    """The default model as served (Q4_1 as stored: bf16 GEMMs, and on a native-bf16 CPU bf16
-    activations and bf16 prefill attention) against transformers in float32 on the same
-    dequantized weights, teacher-forced: the argmax at >= 99% of positions, the bar of the
-    float32 test (tests/test_default_model.py). Measured on an AVX-512 BF16 EPYC: 448 of 449
-    (float32 activations and attention on the same plan: 449)."""
+    """The default model as served (Q4_1 as stored) against transformers in float32 on the
+    same dequantized weights, teacher-forced: the argmax at >= 99% of positions, the bar of the
+    float32 test (tests/test_default_model.py), with either many-row GEMM: the bf16 one (on a
+    native-bf16 CPU with bf16 activations and bf16 prefill attention; measured on an AVX-512
+    BF16 EPYC: 448 of 449, float32 activations and attention on the same plan: 449) and the
+    integer one (int8 activations per 32, float32 between the layers; where it is built)."""
     import os
 
     from transformers import AutoModelForCausalLM
 
     from tests.test_default_model import TEXT
+    from tokenmill import kernels
+    from tokenmill.llm import LLM
     from tokenmill.model.loader import default_model_path
 
     path = default_model_path()
@@ -199,7 +204,14 @@ def test_the_default_model_as_served_agrees_with_transformers(default_llm) -> No
     ids = default_llm.tokenizer.encode(TEXT * 3)[:700]
     with torch.inference_mode():
         expected = hf(torch.tensor([ids])).logits[0].argmax(-1)
-    out = default_llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
-    ours = [max(d, key=lambda t: d[t].logprob) for d in out.prompt_logprobs[1:]]
-    agree = sum(int(a == b) for a, b in zip(ours, expected[:-1].tolist()))
-    assert agree / len(ours) >= 0.99, f"{agree}/{len(ours)} positions agree"
+    llms = {"bf16": default_llm}
+    if kernels.quant_integer_gemm_built():
+        llms["integer"] = LLM(max_model_len=1024, kv_cache_memory="64MiB", seed=0, enable_prefix_caching=False,
+                              quant_gemm="integer")
+        plan = llms["integer"].engine.executor.plan
+        assert plan.weight_format.integer_gemm and plan.bf16_activation_rows is None, plan.describe()
+    for name, llm in llms.items():
+        out = llm.generate([ids], SamplingParams(max_tokens=1, prompt_logprobs=1))[0]
+        ours = [max(d, key=lambda t: d[t].logprob) for d in out.prompt_logprobs[1:]]
+        agree = sum(int(a == b) for a, b in zip(ours, expected[:-1].tolist()))
+        assert agree / len(ours) >= 0.99, f"{name} GEMM: {agree}/{len(ours)} positions agree"

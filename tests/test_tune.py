@@ -205,7 +205,8 @@ def test_measuring_the_quantized_gemms_times_both_at_every_row_count() -> None:
 def test_the_plan_carries_the_integer_gemm_and_deterministic_inference_drops_it() -> None:
     from tokenmill.runner.plan import batch_invariant_plan, cpu_native_plan, quantized_plan
 
-    dense = cpu_native_plan(torch.float32, onednn=True, choice=CPUMatmulChoice(16, "onednn_f32"), fused_decode=True)
+    dense = cpu_native_plan(torch.bfloat16, onednn=True, choice=CPUMatmulChoice(2, "onednn_bf16"), fused_decode=True)
+    assert dense.bf16_activation_rows == 2  # bf16 float tensors: their GEMM takes bf16 rows
     plan = quantized_plan(dense, "int4", native_bf16=True, integer_gemm=True)
     assert plan.weight_format.integer_gemm and "integer GEMM" in plan.describe()
     # float32 activations into the integer GEMM; bf16 prefill attention still

@@ -221,8 +221,9 @@ def quantized_plan(dense: ExecutionPlan, method: str, group_size: int = 32,
 
     fmt = QuantizedFormat(method, dense.weight_format, group_size, dict(rows.quant_integer_rows), integer_gemm)
     plan = dataclasses.replace(dense, weight_format=fmt, fused_decode_max_rows=min(rows.quant_integer_rows.values()))
-    if integer_gemm:
-        return dataclasses.replace(plan, prefill_attention_dtype=torch.bfloat16) if native_bf16 else plan
+    if integer_gemm:  # float32 rows into the integer kernels (bf16 ones would be rounded twice)
+        return dataclasses.replace(plan, bf16_activation_rows=None,
+                                   prefill_attention_dtype=torch.bfloat16 if native_bf16 else plan.prefill_attention_dtype)
     if native_bf16 or dense.bf16_activation_rows is not None:  # past the integer kernel's rows
         plan = dataclasses.replace(plan, prefill_attention_dtype=torch.bfloat16, bf16_activation_rows=max(
             dense.bf16_activation_rows or 0, *rows.quant_integer_rows.values()))
