@@ -148,9 +148,11 @@ def test_served_as_stored_matches_the_dequantized_float_model(case, float_model,
     ids = torch.randint(3, 512, (13,), generator=torch.Generator().manual_seed(1)).tolist()
     got, want = logits(stored, ids), logits(reference, ids)
     # int8 activations on integer dot products, a bf16 embedding/head (dtype auto): close, not equal
-    # (~1.2% here; the float model in bf16 is 0.8% from float32).
+    # (~1.2% here with the bf16 GEMM past 8 rows, 2.1-2.6% where the plan picks the integer GEMM
+    # and every row's activations are int8 per 32, as llama.cpp computes; the float model in
+    # bf16 is 0.8% from float32).
     rel = float((got - want).norm() / want.norm())
-    assert rel < 0.02, f"relative logit error {rel:.4f}"
+    assert rel < 0.03, f"relative logit error {rel:.4f}"
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
     prompts = [ids[:5], ids[5:]]
     assert greedy(stored, prompts) == greedy(reference, prompts)
@@ -182,7 +184,7 @@ def test_fused_parts_with_different_act_orders_are_served_dense(float_model, tmp
     reference = LLM(str(float_dir), dtype="float32", **SETTINGS)
     ids = list(range(5, 60, 5))
     got, want = logits(stored, ids), logits(reference, ids)
-    assert float((got - want).norm() / want.norm()) < 0.02
+    assert float((got - want).norm() / want.norm()) < 0.03  # int8 activations: see the test above
 
 
 def _with_config(directory: Path, **changes) -> Path:
