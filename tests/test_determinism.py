@@ -164,6 +164,37 @@ def test_default_model_batch_prefix_and_chunking() -> None:
     _assert_same(reference, _results(cached, prompts, params), "prefix-cache hits")
 
 
+def test_the_default_plan_is_batch_invariant_where_its_integer_kernels_sum_in_block_order() -> None:
+    """Without the flag: on an AVX512-VNNI CPU whose plan picks the integer GEMM past the
+    integer rows, every quantized linear of the default model (Q4_1, a Q8_0 head) sums in the
+    block order at any row count, the native attention reads keys in position order, and the
+    default model's 12 chat requests keep their tokens and logprobs bit for bit in a batch. Not
+    yet a prefix-cache hit or a chunked prompt: a cold prompt's attention (the prefill kernel)
+    and that over cached context (the paged kernel) round differently (a hit moved a first
+    logprob from -0.2498 to -0.2335, same token; chunks of 64 changed 1 of these 12 requests);
+    deterministic inference covers those.
+    Elsewhere (the bf16 GEMM, or no AVX512-VNNI) the default plan is not claimed invariant,
+    and the plan must say it uses no integer GEMM."""
+    from tokenmill import kernels
+
+    llm = LLM(max_model_len=1024, kv_cache_memory="128MiB", seed=0, max_num_seqs=16, enable_prefix_caching=False,
+              quant_gemm="integer" if kernels.quant_integer_gemm_built() else "bf16")
+    plan = llm.engine.executor.plan
+    if not kernels.quant_integer_gemm_built():
+        assert not plan.weight_format.integer_gemm, plan.describe()
+        return
+    assert plan.weight_format.integer_gemm and not plan.batch_invariant, plan.describe()
+    system = "You are a careful assistant. Answer in one short paragraph and never use lists. " * 3
+    questions = ["Why is the sky blue?", "What is a prime number?", "How do bees make honey?", "What causes tides?",
+                 "Why do cats purr?", "What is inflation?", "How does a compass work?", "What is a black hole?",
+                 "How do vaccines work?", "Why is the sea salty?", "What is gravity?", "How do airplanes fly?"]
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}])
+               for q in questions]
+    params = [SamplingParams(max_tokens=24, temperature=0, logprobs=1)] * len(prompts)
+    reference = _one_at_a_time(llm, prompts, params)
+    _assert_same(reference, _results(llm, prompts, params), "default plan, a batch of 12")
+
+
 def test_server_gives_one_answer_alone_and_under_load() -> None:
     """The issue's report, against a real server with the flag: the same chat request at
     temperature 0 sent 20 times, 4 alone and 16 among other requests (streamed and not,

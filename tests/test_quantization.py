@@ -615,3 +615,21 @@ def test_integer_gemm_rows_do_not_depend_on_the_batch_or_threads(native) -> None
     if kernels.quant_integer_gemm_built():
         ref = quant_linear_reference(xa, gq)
         assert float((ya - ref).norm() / ref.norm()) < 2e-6
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_the_integer_gemm_gives_the_row_kernels_bits(native, fmt) -> None:
+    """Where the block GEMM runs (AVX512-VNNI, groups of 32 or more), the row kernel sums
+    in its order: a row's output is the same bits through the row kernel (decode, 1-16 rows),
+    the many-row kernel and the integer GEMM past the integer rows, so the default plan's
+    linears do not depend on the batch, the chunking or a prefix-cache hit."""
+    qt = FORMATS[fmt]()
+    if not (kernels.quant_integer_gemm_built() and qt.group_size % 32 == 0):
+        return  # the row kernel keeps its own order there (the bf16 GEMM rounds anyway)
+    gen = torch.Generator().manual_seed(12)
+    x = torch.randn(70, qt.shape[1], generator=gen) * torch.logspace(-2, 1, qt.shape[1])
+    gemm = kernels.quant_linear(x, qt.packed, qt.format, qt.col_perm, 8, integer_gemm=True)
+    for m in (1, 3, 8, 16, 70):
+        row = kernels.quant_linear(x[-m:].contiguous(), qt.packed, qt.format, qt.col_perm, ALL_ROWS,
+                                   many_rows=ALL_ROWS)
+        assert torch.equal(row, gemm[-m:]), f"{m} rows: {int((row != gemm[-m:]).sum())} outputs differ"

@@ -22,6 +22,14 @@
 // every row count) the same products run with 16 activation rows in the vector lanes
 // (lane_rows below): every output bit for bit the row kernel's, 1.3-3x faster at 16-512 rows.
 //
+// AVX512-VNNI builds, weight groups of 32 or more (every GGUF type but Q6_K's 16): the block
+// order instead. Each 32-column block's dot product is summed in int32 first (exact), then
+// converted once: acc += fma(dot, scale * d, t), t the group's mins term on its last block
+// (else 0); the row kernel (tile_rows_blocked, 1-16 rows) and the whole-block integer GEMM
+// (panels, 16 rows on, and past the integer rows where the plan measured it faster than the
+// bf16 GEMM) perform exactly that sequence per output, so a row's bits depend on neither the
+// row count nor the kernel it picks.
+//
 // Many rows (prefill, large batches): W is dequantized to bf16 in chunks of up to 4 MiB
 // (4-bit codes through a 16-entry table per group) and multiplied by oneDNN's bf16 GEMM,
 // AMX where the CPU has it. Past 8-12 rows that beats the integer kernel, whose cost grows
@@ -174,6 +182,9 @@ struct ActRows {
   const float* d_row(int64_t m) const { return d + m * lanes; }
   const int32_t* init_row(int64_t m) const { return init + m * lanes; }
   const float* gsum_span(int64_t m, int64_t s) const { return gsum + (m * spans + s) * kLanes; }
+  // by_block layout: group j of a span's gps groups, one of 4 equal lanes (the last group's in
+  // lanes 4-7, so a 64-column step's two blocks read [first 4 | last 4]).
+  float by_block_gsum(int64_t m, int64_t s, int64_t j, int64_t gps) const { return gsum_span(m, s)[4 * (j + 2 - gps)]; }
 };
 
 // Scratch reused across calls on the calling thread (the workers only read it).
@@ -228,8 +239,9 @@ int32_t quantize_block(const float* x, int8_t* q, float* d_out) {
 
 // x [M, K] float32 (columns gathered through perm when given) -> ActRows in `scratch`.
 // init_mult: see ActRows; group_sums: fill gsum (the weight has mins, or the block kernel).
-// by_block (the block kernel): gsum as d * (the block's sum of q), added block by block, and
-// no init lanes; otherwise lane by lane, in the order the row kernel's bits depend on.
+// by_block (the block-order kernels): gsum as d * (the block's sum of q), added block by
+// block, laid out per span as by_block_gsum() says, and no init lanes; otherwise lane by lane,
+// in the order the lane-order row kernel's bits depend on.
 ActRows quantize_activations(const float* x, int64_t M, int64_t K, const int64_t* perm, const Layout& L,
                              int32_t init_mult, Scratch& scratch, bool group_sums, bool by_block = false) {
   ActRows a;
@@ -267,10 +279,14 @@ ActRows quantize_activations(const float* x, int64_t M, int64_t K, const int64_t
         for (int64_t e = b + blocks_per_group; b < e; ++b) {
           float db;
           const int32_t qs = quantize_block(xr + b * kBlock, q + b * kBlock, &db);
-          d[b * (kBlock / 4)] = db;  // the block kernel reads a block's first lane only
+          for (int l = 0; l < kBlock / 4; ++l) d[b * (kBlock / 4) + l] = db;
           sum += db * static_cast<float>(qs);
         }
-        gsum[(g / L.gps) * kLanes + g % L.gps] = sum;
+        // a span's lanes 0-7: its groups' sums, each 4 times, the last group in lanes 4-7
+        float* gs = gsum + (g / L.gps) * kLanes;
+        const int64_t first = 4 * (g % L.gps + 2 - L.gps);
+        if (L.gps == 1) std::fill(gs, gs + 4, 0.f);
+        std::fill(gs + first, gs + first + 4, sum);
       }
       continue;
     }
@@ -861,30 +877,6 @@ LaneRunFn pick_lane_run_fn(const Layout& L, bool init) {
 }
 #endif
 
-// Integer dot products over every tile, tiles spread over the threads (few rows: decode;
-// any number under deterministic inference). From `many_rows` rows on (-1: kManyRows) the
-// lane-rows kernel computes the same bits faster, where the build has it.
-void integer_linear(const float* x, int64_t M, const int64_t* perm, const Layout& L, const uint8_t* packed, float* y,
-                    int64_t many_rows) {
-  thread_local Scratch scratch;
-  const ActRows a = quantize_activations(x, M, L.K, perm, L, init_multiplier(L), scratch, L.has_mins);
-#if defined(TM_QUANT_LANE_ROWS)
-  if (M >= (many_rows < 0 ? kManyRows : many_rows)) {
-    thread_local Scratch lane_scratch;
-    const LaneRows t = transpose_rows(a, L, lane_scratch);
-    const LaneRunFn run = pick_lane_run_fn(L, a.init != nullptr);
-    const int64_t grain = std::max<int64_t>(1, L.tiles / (2 * at::get_num_threads()));
-    at::parallel_for(0, L.tiles, grain, [&](int64_t begin, int64_t end) { run(begin, end, packed, L, t, M, y); });
-    return;
-  }
-#endif
-  const RowBlocks blocks(M);
-  const RunFn run = pick_run_fn(L);
-  // Several chunks per thread (uneven thread speed), each worth a hand-off.
-  const int64_t grain = std::max<int64_t>(4, L.tiles / (4 * at::get_num_threads()));
-  at::parallel_for(0, L.tiles, grain, [&](int64_t begin, int64_t end) { run(begin, end, packed, L, a, blocks, y); });
-}
-
 // ----- many rows on integers, whole 32-column blocks -----------------------------------------
 //
 // The integer GEMM for many rows (prefill, large batches) where the execution plan measured
@@ -892,9 +884,9 @@ void integer_linear(const float* x, int64_t M, const int64_t* perm, const Layout
 // above, and each 32-column block's dot product of codes and activations accumulated in int32
 // across the whole block (vpdpbusd, exact) before one conversion and one fused multiply-add
 // by scale * d; the mins term (or a symmetric format's -offset * scale) once per group from
-// the activations' group sums. Per 64 vpdpbusd that is 8 conversions and 16 float operations,
-// where the row kernel converts every 4 columns (its rounding order is what deterministic
-// inference keeps, so this kernel computes other bits and runs only where the plan allows).
+// the activations' group sums. Per 64 vpdpbusd that is 8 conversions and 16 float operations
+// (the lane-order kernels convert every 4 columns). The row kernel sums in the same order
+// (tile_rows_blocked below), so both give the same bits and deterministic inference uses it.
 // Layout (the ik_llama.cpp / llama.cpp "interleaved rows" idea): the weight is unpacked per
 // call, a chunk that stays in L2 at a time, into panels of 16 rows whose 4-column groups are
 // interleaved, [K/4][16 rows][4 bytes], so one 64-byte load holds a 4-column group of 16
@@ -902,6 +894,19 @@ void integer_linear(const float* x, int64_t M, const int64_t* perm, const Layout
 // activation row are 16 contiguous floats. AVX512-VNNI builds, weight groups of 32 or more.
 #if defined(TM_QUANT_AVX512)
 #define TM_QUANT_BLOCK_GEMM 1
+
+// acc + t, kept as written: -ffast-math may not reassociate the chain of block terms nor fuse
+// anything into it (the row kernel and the block GEMM must perform the same operations).
+inline __m512 add_ordered(__m512 acc, __m512 t) {
+  __m512 r = _mm512_add_ps(acc, t);
+  asm("" : "+v"(r));
+  return r;
+}
+inline __m128 add_ordered(__m128 acc, __m128 t) {
+  __m128 r = _mm_add_ps(acc, t);
+  asm("" : "+v"(r));
+  return r;
+}
 
 constexpr int64_t kPanelRows = 16;
 constexpr int64_t kPanelTiles = kPanelRows / kRows;
@@ -988,8 +993,11 @@ __attribute__((always_inline)) inline void panel_rows(const Panels& P, int64_t p
   }
   const uint8_t* w = P.panel_codes(pnl);
   for (int64_t g = 0, b = 0; g < P.groups; ++g) {
-    __m512 sv[RW];
-    for (int v = 0; v < RW; ++v) sv[v] = _mm512_loadu_ps(P.panel_scale(pnl + v) + g * kPanelRows);
+    __m512 sv[RW], mv[RW];
+    for (int v = 0; v < RW; ++v) {
+      sv[v] = _mm512_loadu_ps(P.panel_scale(pnl + v) + g * kPanelRows);
+      mv[v] = _mm512_loadu_ps(P.panel_mins(pnl + v) + g * kPanelRows);
+    }
     for (int64_t bb = 0; bb < blocks_per_group; ++bb, ++b) {
       _mm_prefetch(reinterpret_cast<const char*>(w + b * kBlock * kPanelRows + 4096), _MM_HINT_T0);
       __m512i dot[RA][RW];
@@ -1004,17 +1012,17 @@ __attribute__((always_inline)) inline void panel_rows(const Panels& P, int64_t p
           for (int v = 0; v < RW; ++v) dot[i][v] = _mm512_dpbusd_epi32(dot[i][v], wv[v], xb);
         }
       }
+      // The group's last block also carries its mins (or -offset * scale) times the
+      // activations' d * sum(q) over the group (other blocks: times 0).
+      const bool last = bb == blocks_per_group - 1;
+      const int64_t s = g / L.gps, j = g % L.gps;
       for (int i = 0; i < RA; ++i) {
         const __m512 d = _mm512_set1_ps(dx[i][b * (kBlock / 4)]);
+        const __m512 gs = _mm512_set1_ps(last ? a.by_block_gsum(m0 + i, s, j, L.gps) : 0.f);
         for (int v = 0; v < RW; ++v)
-          acc[i][v] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][v]), _mm512_mul_ps(sv[v], d), acc[i][v]);
+          acc[i][v] = add_ordered(acc[i][v], _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][v]), _mm512_mul_ps(sv[v], d),
+                                                              _mm512_mul_ps(mv[v], gs)));
       }
-    }
-    // The group's mins (or -offset * scale) times the activations' d * sum(q) over the group.
-    const int64_t s = g / L.gps, j = g % L.gps;
-    for (int v = 0; v < RW; ++v) {
-      const __m512 mv = _mm512_loadu_ps(P.panel_mins(pnl + v) + g * kPanelRows);
-      for (int i = 0; i < RA; ++i) acc[i][v] = _mm512_fmadd_ps(mv, _mm512_set1_ps(a.gsum_span(m0 + i, s)[j]), acc[i][v]);
     }
   }
   for (int i = 0; i < RA; ++i)
@@ -1077,13 +1085,127 @@ void run_panels(int64_t begin, int64_t end, const uint8_t* packed, const Layout&
   }
 }
 
-void block_integer_linear(const float* x, int64_t M, const int64_t* perm, const Layout& L, const uint8_t* packed,
-                          float* y) {
-  thread_local Scratch scratch;
-  const ActRows a = quantize_activations(x, M, L.K, perm, L, 0, scratch, true, true);
+// Every panel against every row of `a` (quantized by_block), panels spread over the threads.
+void run_all_panels(const ActRows& a, const Layout& L, const uint8_t* packed, float* y) {
   const int64_t panels = (L.tiles + kPanelTiles - 1) / kPanelTiles;
   const int64_t grain = std::max<int64_t>(1, panels / (2 * at::get_num_threads()));
   at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) { run_panels(begin, end, packed, L, a, y); });
+}
+
+void block_integer_linear(const float* x, int64_t M, const int64_t* perm, const Layout& L, const uint8_t* packed,
+                          float* y) {
+  thread_local Scratch scratch;
+  run_all_panels(quantize_activations(x, M, L.K, perm, L, 0, scratch, true, true), L, packed, y);
+}
+
+// ----- few rows in the block GEMM's order ------------------------------------------------------
+//
+// The row kernel (tile_rows: 4 weight rows against 1-4 activation rows, read in the stored
+// tile order) with the block GEMM's arithmetic: each 32-column block's vpdpbusd lanes summed
+// in int32 (exact) before one conversion and one fused multiply-add by scale * d, and a
+// group's mins term after its last block. Every output is the float operation sequence the
+// block GEMM performs for it, so the two give the same bits at any row count: a row's result
+// depends neither on how many rows share the call nor on which kernel the row count picks
+// (chunked or cached prompts, batches, deterministic inference). Weight groups of 32 or more.
+
+// Sums of the two 8-lane halves of v0..v3: lanes 0-3 half 0 of (v0, v1, v2, v3), lanes 4-7 half 1.
+inline __m256i half_sums(__m512i v0, __m512i v1, __m512i v2, __m512i v3) {
+  const __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(v0, v1), _mm512_unpackhi_epi32(v0, v1));
+  const __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(v2, v3), _mm512_unpackhi_epi32(v2, v3));
+  const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+  // chunk 0 + chunk 1 and chunk 2 + chunk 3, side by side
+  return _mm512_castsi512_si256(_mm512_add_epi32(_mm512_shuffle_i32x4(u, u, 0x08), _mm512_shuffle_i32x4(u, u, 0x0D)));
+}
+
+template <int MB, int BITS, bool MINS, bool HALF>
+__attribute__((always_inline)) inline void tile_rows_blocked(const uint8_t* tile, const Layout& L, const ActRows& a,
+                                                             int64_t m0, float* y, int64_t N, int64_t valid) {
+  __m128 acc[MB];
+  for (int m = 0; m < MB; ++m) acc[m] = _mm_setzero_ps();
+  const __mmask16 smask = static_cast<__mmask16>((1u << (kRows * L.gps)) - 1);
+  const int64_t steps = L.span / kStep, gps = L.gps;
+  const uint8_t* p = tile;
+  // Lanes 0-3: group j0's scale lanes (r * gps + j0) of rows 0-3, lanes 4-7 group j1's, j0 and
+  // j1 the groups of a 64-column step's two blocks (0 and 1, or 0 and 0 for groups of 64+).
+  const int j1 = gps > 1 ? 1 : 0;
+  const __m512i pick = _mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, static_cast<int>(3 * gps + j1),
+                                        static_cast<int>(2 * gps + j1), static_cast<int>(gps + j1), j1,
+                                        static_cast<int>(3 * gps), static_cast<int>(2 * gps), static_cast<int>(gps), 0);
+  // 4-bit half sums come as (r0b0, r2b0, r0b1, r2b1 | r1b0, r3b0, r1b1, r3b1)
+  const __m256i rows4 = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+  for (int64_t s = 0; s < L.spans; ++s, p += L.span_bytes) {
+    for (int64_t o = 0; o < L.span_bytes; o += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + o), TM_PREFETCH_HINT);
+    const __m512 sv = load_scale_lanes<HALF>(p, smask);
+    const __m512 mv = MINS ? load_scale_lanes<HALF>(p + L.scale_block, smask)
+                           : _mm512_mul_ps(sv, _mm512_set1_ps(-static_cast<float>(L.offset)));
+    const __m256 sw = _mm512_castps512_ps256(_mm512_permutexvar_ps(pick, sv));  // [block 0 | block 1] x rows 0-3
+    const __m256 mw = _mm512_castps512_ps256(_mm512_permutexvar_ps(pick, mv));
+    const uint8_t* c = p + L.scale_block * (MINS ? 2 : 1);
+    for (int64_t st = 0; st < steps; ++st, c += L.step_bytes) {
+      const int64_t col = s * L.span + st * kStep;
+      // the group sums times the mins where a block ends a group (groups of 32: both blocks;
+      // of 64+: block 1 of the span's last step, by_block_gsum's lanes 4-7), else times 0
+      const bool mins_here = gps > 1 || st == steps - 1;
+      __m512i w[kRows];
+      load_step_codes<BITS>(c, w);
+      for (int m = 0; m < MB; ++m) {
+        const int8_t* xq = a.q_row(m0 + m) + col;
+        const float* dx = a.d_row(m0 + m) + col / 4;
+        __m512i dot[kRows];
+        if (BITS == 8) {
+          const __m512i xv = _mm512_loadu_si512(xq);
+          for (int v = 0; v < kRows; ++v) dot[v] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[v], xv);
+        } else {  // vector 2p + h: rows 2p, 2p + 1, block h
+          for (int h = 0; h < 2; ++h) {
+            const __m512i xv = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * h)));
+            dot[h] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[h], xv);
+            dot[2 + h] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[2 + h], xv);
+          }
+        }
+        __m256i blocks;  // [block 0 | block 1] integer dots of rows 0-3
+        if (BITS == 8) {
+          blocks = half_sums(dot[0], dot[1], dot[2], dot[3]);
+        } else {
+          blocks = _mm256_permutevar8x32_epi32(half_sums(dot[0], dot[2], dot[1], dot[3]), rows4);
+        }
+        const __m256 d = _mm256_loadu_ps(dx + 4);  // lanes 4-11 of the step: d of block 0 x4, block 1 x4
+        const __m256 g = mins_here ? _mm256_loadu_ps(a.gsum_span(m0 + m, s)) : _mm256_setzero_ps();
+        const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(blocks), _mm256_mul_ps(sw, d), _mm256_mul_ps(mw, g));
+        acc[m] = add_ordered(add_ordered(acc[m], _mm256_castps256_ps128(t)), _mm256_extractf128_ps(t, 1));
+      }
+    }
+  }
+  for (int m = 0; m < MB; ++m) _mm_mask_storeu_ps(y + (m0 + m) * N, static_cast<__mmask8>((1u << valid) - 1), acc[m]);
+}
+
+template <int BITS, bool MINS, bool HALF>
+void run_tiles_blocked(int64_t begin, int64_t end, const uint8_t* packed, const Layout& L, const ActRows& a,
+                       const RowBlocks& blocks, float* y) {
+  for (int64_t t = begin; t < end; ++t) {
+    const uint8_t* tile = L.tile(packed, t);
+    const int64_t valid = std::min(kRows, L.N - t * kRows);
+    float* yt = y + t * kRows;
+    for (int64_t b = 0; b < blocks.count; ++b) {
+      const int64_t m0 = blocks.start[b];
+      switch (blocks.rows[b]) {
+        case 1: tile_rows_blocked<1, BITS, MINS, HALF>(tile, L, a, m0, yt, L.N, valid); break;
+        case 2: tile_rows_blocked<2, BITS, MINS, HALF>(tile, L, a, m0, yt, L.N, valid); break;
+        case 3: tile_rows_blocked<3, BITS, MINS, HALF>(tile, L, a, m0, yt, L.N, valid); break;
+        case 4: tile_rows_blocked<4, BITS, MINS, HALF>(tile, L, a, m0, yt, L.N, valid); break;
+      }
+    }
+  }
+}
+
+RunFn pick_blocked_run_fn(const Layout& L) {
+  const bool half = L.scale_bytes == 2;
+  if (L.bits == 4) {
+    if (L.has_mins) return half ? &run_tiles_blocked<4, true, true> : &run_tiles_blocked<4, true, false>;
+    return half ? &run_tiles_blocked<4, false, true> : &run_tiles_blocked<4, false, false>;
+  }
+  if (L.has_mins) return half ? &run_tiles_blocked<8, true, true> : &run_tiles_blocked<8, true, false>;
+  return half ? &run_tiles_blocked<8, false, true> : &run_tiles_blocked<8, false, false>;
 }
 #endif
 
@@ -1095,6 +1217,41 @@ bool block_gemm_covers(const Layout& L) {
   (void)L;
   return false;
 #endif
+}
+
+// Integer dot products over every tile, tiles spread over the threads (few rows: decode;
+// any number under deterministic inference). From `many_rows` rows on (-1: kManyRows) the
+// lane-rows kernel computes the same bits faster, where the build has it.
+void integer_linear(const float* x, int64_t M, const int64_t* perm, const Layout& L, const uint8_t* packed, float* y,
+                    int64_t many_rows) {
+  thread_local Scratch scratch;
+#if defined(TM_QUANT_BLOCK_GEMM)
+  if (block_gemm_covers(L)) {  // the block order: the row kernel and the block GEMM give the same bits
+    const ActRows a = quantize_activations(x, M, L.K, perm, L, 0, scratch, true, true);
+    if (M >= (many_rows < 0 ? kManyRows : many_rows)) return run_all_panels(a, L, packed, y);
+    const RowBlocks blocks(M);
+    const RunFn run = pick_blocked_run_fn(L);
+    const int64_t grain = std::max<int64_t>(4, L.tiles / (4 * at::get_num_threads()));
+    at::parallel_for(0, L.tiles, grain, [&](int64_t begin, int64_t end) { run(begin, end, packed, L, a, blocks, y); });
+    return;
+  }
+#endif
+  const ActRows a = quantize_activations(x, M, L.K, perm, L, init_multiplier(L), scratch, L.has_mins);
+#if defined(TM_QUANT_LANE_ROWS)
+  if (M >= (many_rows < 0 ? kManyRows : many_rows)) {
+    thread_local Scratch lane_scratch;
+    const LaneRows t = transpose_rows(a, L, lane_scratch);
+    const LaneRunFn run = pick_lane_run_fn(L, a.init != nullptr);
+    const int64_t grain = std::max<int64_t>(1, L.tiles / (2 * at::get_num_threads()));
+    at::parallel_for(0, L.tiles, grain, [&](int64_t begin, int64_t end) { run(begin, end, packed, L, t, M, y); });
+    return;
+  }
+#endif
+  const RowBlocks blocks(M);
+  const RunFn run = pick_run_fn(L);
+  // Several chunks per thread (uneven thread speed), each worth a hand-off.
+  const int64_t grain = std::max<int64_t>(4, L.tiles / (4 * at::get_num_threads()));
+  at::parallel_for(0, L.tiles, grain, [&](int64_t begin, int64_t end) { run(begin, end, packed, L, a, blocks, y); });
 }
 
 // ----- dequantization (prefill's GEMM input, embedding rows, tests) ---------------------------
