@@ -110,10 +110,13 @@ class QuantizedFormat(WeightFormat):
         return QuantizedWeights(qt, name, self.integer_rows[qt.bits], self.integer_gemm)
 
     def describe(self) -> str:
-        many = "integer GEMM" if self.integer_gemm else "bf16 GEMM"
+        if min(self.integer_rows.values()) >= 2**31 - 1:  # deterministic inference's plan
+            many = "integer kernels at every row count"
+        else:
+            many = ("integer GEMM" if self.integer_gemm else "bf16 GEMM") + " past the integer rows"
         if self.method == "stored":
-            return f"quantized as stored, {many} past the integer rows (float tensors: {self.dense.describe()})"
-        return f"{self.name} quantized at load (LM head int8; native quantized kernels, {many} past the integer rows)"
+            return f"quantized as stored, {many} (float tensors: {self.dense.describe()})"
+        return f"{self.name} quantized at load (LM head int8; native quantized kernels, {many})"
 
 
 def describe_quantized(qt: QuantizedTensor) -> str:
