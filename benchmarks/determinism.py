@@ -1,17 +1,21 @@
 """Deterministic inference: how often a request's greedy tokens change with what is around
 it (`matrix`), and what `--enable-deterministic-inference` costs (`cost`). Not part of CI.
 
-    # 16 W3 prompts: one at a time vs a batch of all, chunks of 64, prefix hits, one thread
+    # 16 W3 prompts: one at a time vs batches, chunks of 64 and 512, prefix hits, the same
+    # request again, preemption, one thread (default-rows: short prompt chunks as rows, as before)
     PYTHONPATH=. .venv/bin/python benchmarks/determinism.py matrix --prompts 16 --mode default
     PYTHONPATH=. .venv/bin/python benchmarks/determinism.py matrix --prompts 16 --mode deterministic
     # W1-W4 (benchmarks/compare.py's shapes), default vs deterministic, alternated, medians
     PYTHONPATH=. .venv/bin/python benchmarks/determinism.py cost --runs 3
+    # the default plan vs itself with short prompt chunks after cached context as rows (before)
+    PYTHONPATH=. .venv/bin/python benchmarks/determinism.py cost --runs 3 --modes default-rows,default
 
 Prints the CPU (model and flags) and the load average with every table."""
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import time
@@ -30,10 +34,15 @@ def machine() -> str:
 def make_llm(mode: str, dtype: str, skinny_max_rows: int | None = None, **settings) -> LLM:
     """`skinny_max_rows`: fixes the default plan's measured row split (runner/tune.py), whose
     measurement a busy machine can spoil; deterministic inference has none."""
-    if mode == "default" and skinny_max_rows is not None:
+    if mode != "deterministic" and skinny_max_rows is not None:
         settings["skinny_max_rows"] = skinny_max_rows
-    return LLM(dtype=dtype, max_model_len=2048, kv_cache_memory="512MiB", seed=0,
-               enable_deterministic_inference=mode == "deterministic", **settings)
+    settings.setdefault("kv_cache_memory", "512MiB")
+    llm = LLM(dtype=dtype, max_model_len=2048, seed=0, enable_deterministic_inference=mode == "deterministic",
+              **settings)
+    if mode == "default-rows":  # the default plan as it was: short prompt chunks after context as rows
+        runner = llm.engine.executor
+        runner.plan = dataclasses.replace(runner.plan, prompts_as_chunks=False)
+    return llm
 
 
 def prompts_of(llm: LLM, workload: str, count: int | None = None) -> list[tuple[list[int], int]]:
@@ -70,10 +79,26 @@ def run_matrix(mode: str, dtype: str, num_prompts: int, max_tokens: int,
         outputs(cached, [p[: len(p) // 2] for p in prompts], 1)  # the first halves cached
         return outputs(cached, prompts, max_tokens)
 
+    def again() -> list:  # each prompt alone, all of it cached but the tokens past its last full block
+        cached = sibling(enable_prefix_caching=True)
+        outputs(cached, prompts, 1)
+        return [outputs(cached, [p], max_tokens)[0] for p in prompts]
+
+    def preempted() -> list:  # KV for about two of the longest requests at a time
+        facts = llm.engine.facts
+        blocks = 2 * -(-(max(map(len, prompts)) + max_tokens) // facts.block_size)
+        small = make_llm(mode, dtype, enable_prefix_caching=False,
+                         kv_cache_memory=blocks * facts.kv_bytes_per_token * facts.block_size)
+        got = outputs(small, prompts, max_tokens)
+        print(f"(preemptions: {small.engine.scheduler.num_preemptions})", flush=True)
+        return got
+
     conditions = {f"batches of {b}": (lambda b=b: batched(b)) for b in batch_sizes}
     conditions.update({f"prompts chunked by {c}": (lambda c=c: outputs(sibling(max_num_batched_tokens=c), prompts,
                                                                         max_tokens)) for c in chunks})
     conditions["prefix-cache hit (half the prompt)"] = prefix_hits
+    conditions["the same request again (prefix-cache hit but the last block)"] = again
+    conditions["preempted and recomputed"] = preempted
     conditions["one thread"] = lambda: outputs(make_llm(mode, dtype, num_threads=1), prompts, max_tokens)
     results = {}
     for name, run in conditions.items():
@@ -123,7 +148,8 @@ def measure(llm: LLM, cached: LLM) -> Figures:
 
 def cost(args: argparse.Namespace) -> None:
     systems = {mode: make_llm(mode, args.dtype, args.skinny_max_rows, enable_prefix_caching=False)
-               for mode in ("default", "deterministic")}
+               for mode in args.modes.split(",")}
+    first, second = systems
     runs: dict[str, list[Figures]] = {mode: [] for mode in systems}
     for r in range(args.runs + 1):  # run 0 warms up
         for mode, llm in (systems.items() if r % 2 == 0 else reversed(systems.items())):
@@ -134,8 +160,8 @@ def cost(args: argparse.Namespace) -> None:
             print(f"run {r} {mode}: {figures}", flush=True)
     print(f"\nCPU: {machine()}; dtype {args.dtype}; medians of {args.runs} runs (min-max)")
     for mode, llm in systems.items():
-        print(f"{mode} plan: {llm.engine.facts.execution_plan}")
-    print("| | default | deterministic | deterministic / default |\n|---|---:|---:|---:|")
+        print(f"{mode} plan: {llm.engine.executor.plan.describe()}")
+    print(f"| | {first} | {second} | {second} / {first} |\n|---|---:|---:|---:|")
     for key, label in (("w1_decode", "W1 decode tok/s"), ("w1_ttft_ms", "W1 TTFT ms"),
                        ("w2_prefill", "W2 prefill tok/s (1024 tokens)"), ("w3_total", "W3 (16 requests) tok/s"),
                        ("w4_wall", "W4 wall s (prefix caching on)")):
@@ -153,11 +179,13 @@ def main() -> None:
     m = sub.add_parser("matrix")
     m.add_argument("--prompts", type=int, default=16)
     m.add_argument("--max-tokens", type=int, default=32)
-    m.add_argument("--mode", choices=("default", "deterministic"), default="default")
+    m.add_argument("--mode", choices=("default", "deterministic", "default-rows"), default="default")
     m.add_argument("--dtype", default="auto")
     c = sub.add_parser("cost")
     c.add_argument("--runs", type=int, default=3)
     c.add_argument("--dtype", default="auto")
+    c.add_argument("--modes", default="default,deterministic",
+                   help="the two plans compared: default, deterministic, default-rows (short prompt chunks as rows)")
     c.add_argument("--skinny-max-rows", type=int, default=None,
                    help="fix the default plan's skinny-kernel row limit instead of the measured one")
     args = parser.parse_args()

@@ -18,6 +18,8 @@ from openai import OpenAI
 
 from tests.server_utils import ServerProcess
 from tests.tiny_checkpoint import write_tiny_gemma3, write_tiny_llama
+from tokenmill import kernels
+from tokenmill.attention.cpu_native import native_prefill_attention
 from tokenmill.llm import LLM
 from tokenmill.sampling.params import SamplingParams
 
@@ -164,57 +166,103 @@ def test_default_model_batch_prefix_and_chunking() -> None:
     _assert_same(reference, _results(cached, prompts, params), "prefix-cache hits")
 
 
-def test_the_default_plan_is_batch_invariant_where_its_integer_kernels_sum_in_block_order() -> None:
-    """Without the flag: on an AVX512-VNNI CPU whose plan picks the integer GEMM past the
-    integer rows, every quantized linear of the default model (Q4_1, a Q8_0 head) sums in the
-    block order at any row count, the native attention reads keys in position order, and the
-    default model's 12 chat requests keep their tokens and logprobs bit for bit in a batch. Not
-    yet a prefix-cache hit or a chunked prompt: a cold prompt's attention (the prefill kernel)
-    and that over cached context (the paged kernel) round differently (a hit moved a first
-    logprob from -0.2498 to -0.2335, same token; chunks of 64 changed 1 of these 12 requests);
-    deterministic inference covers those.
-    Elsewhere (the bf16 GEMM, or no AVX512-VNNI) the default plan is not claimed invariant,
-    and the plan must say it uses no integer GEMM."""
-    from tokenmill import kernels
+def _default_plan_llm(**settings) -> LLM:
+    """The default model (Q4_1 as stored, a Q8_0 head) with the default plan, the integer GEMM
+    past the integer rows where the build has it."""
+    return LLM(max_model_len=1024, seed=0, max_num_seqs=16,
+               quant_gemm="integer" if kernels.quant_integer_gemm_built() else "bf16", **settings)
 
-    llm = LLM(max_model_len=1024, kv_cache_memory="128MiB", seed=0, max_num_seqs=16, enable_prefix_caching=False,
-              quant_gemm="integer" if kernels.quant_integer_gemm_built() else "bf16")
-    plan = llm.engine.executor.plan
-    if not kernels.quant_integer_gemm_built():
-        assert not plan.weight_format.integer_gemm, plan.describe()
-        return
-    assert plan.weight_format.integer_gemm and not plan.batch_invariant, plan.describe()
+
+def _default_invariance_expected() -> bool:
+    """Whether this build and CPU give the default model's default plan both halves below."""
+    return kernels.quant_integer_gemm_built() and native_prefill_attention(64)
+
+
+def _default_invariance_claimed(plan) -> bool:
+    """Whether the default plan computes a request alike whatever is around it: its quantized
+    linears sum in one order at any row count (the integer GEMM on an AVX512-VNNI build) and
+    every prompt chunk attends through the native prefill kernel (AVX-512 BF16, no AMX)."""
+    return plan.weight_format.integer_gemm and plan.prompts_as_chunks and not plan.batch_invariant
+
+
+def _chat_prompts(llm: LLM, count: int) -> list[list[int]]:
     system = "You are a careful assistant. Answer in one short paragraph and never use lists. " * 3
     questions = ["Why is the sky blue?", "What is a prime number?", "How do bees make honey?", "What causes tides?",
                  "Why do cats purr?", "What is inflation?", "How does a compass work?", "What is a black hole?",
                  "How do vaccines work?", "Why is the sea salty?", "What is gravity?", "How do airplanes fly?"]
-    prompts = [llm.tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}])
-               for q in questions]
-    params = [SamplingParams(max_tokens=24, temperature=0, logprobs=1)] * len(prompts)
+    return [llm.tokenizer.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}])
+            for q in questions[:count]]
+
+
+def test_the_default_plan_gives_a_request_the_same_bits_where_its_kernels_allow() -> None:
+    """Without the flag, on a CPU whose plan picks the integer GEMM past the integer rows
+    (AVX512-VNNI: every quantized linear sums in the block order at any row count) and runs
+    the native bf16 prefill kernel (AVX-512 BF16, no AMX; every prompt chunk, even one token,
+    attends through it, generated tokens through the paged kernel): the default model's chat
+    requests keep their tokens and logprobs bit for bit in a batch, chunked by 16 and by 64,
+    sent again (a prefix-cache hit on all but the last block), on one thread, and preempted
+    and recomputed. Before prompt chunks went through one kernel, the same request sent again
+    kept 7 of 12 requests' tokens and 0 of 12 logprobs, chunks of 16 4 of 12.
+    Elsewhere (no integer GEMM, no native bf16 prefill kernel) the plan must not claim it."""
+    llm = _default_plan_llm(kv_cache_memory="128MiB", enable_prefix_caching=False)
+    plan = llm.engine.executor.plan
+    if not _default_invariance_claimed(plan):  # what the plan says matches what the CPU has
+        assert plan.prompts_as_chunks == native_prefill_attention(64), plan.describe()
+        assert plan.weight_format.integer_gemm == kernels.quant_integer_gemm_built(), plan.describe()
+        return
+    prompts = _chat_prompts(llm, 8)
+    params = [SamplingParams(max_tokens=16, temperature=0, logprobs=1)] * len(prompts)
     reference = _one_at_a_time(llm, prompts, params)
-    _assert_same(reference, _results(llm, prompts, params), "default plan, a batch of 12")
+    _assert_same(reference, _results(llm, prompts, params), "default plan, a batch of 8")
+    for chunk in (16, 64):
+        chunked = LLM.from_engine(llm.engine.sibling(max_num_batched_tokens=chunk))
+        _assert_same(reference, _results(chunked, prompts, params), f"default plan, chunks of {chunk}")
+    cached = LLM.from_engine(llm.engine.sibling(enable_prefix_caching=True))
+    _results(cached, prompts, params)
+    again = [cached.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+    assert all(o.num_cached_tokens >= len(o.prompt_token_ids) - 16 for o in again)
+    _assert_same(reference, [_results(cached, [p], [sp])[0] for p, sp in zip(prompts, params)],
+                 "default plan, the same requests again (prefix-cache hits)")
+    one_thread = LLM.from_engine(llm.engine.sibling(num_threads=1))
+    _assert_same(reference, _results(one_thread, prompts, params), "default plan, one thread")
+    small = _default_plan_llm(kv_cache_memory=20 * llm.engine.facts.kv_bytes_per_token * llm.engine.facts.block_size,
+                              enable_prefix_caching=False)
+    got = _results(small, prompts, params)
+    assert small.engine.scheduler.num_preemptions > 0
+    _assert_same(reference, got, "default plan, preempted and recomputed")
 
 
-def test_server_gives_one_answer_alone_and_under_load() -> None:
-    """The issue's report, against a real server with the flag: the same chat request at
-    temperature 0 sent 20 times, 4 alone and 16 among other requests (streamed and not,
-    concurrently), comes back as one text."""
+@pytest.mark.parametrize("mode", ["deterministic", "default"])
+def test_server_gives_one_answer_alone_and_under_load(mode: str) -> None:
+    """The issue's report, against a real server with the flag, and without it where the
+    default plan claims as much (_default_invariance_expected; prefix caching on, as served):
+    the same chat request at temperature 0 sent 20 times, 4 alone and 16 among other requests
+    (streamed and not, concurrently), comes back as one text."""
     from concurrent.futures import ThreadPoolExecutor
 
+    if mode == "default" and not _default_invariance_expected():
+        pytest.skip("the default plan is not invariant on this CPU and build (no integer GEMM or no native bf16 "
+                    "prefill kernel): test_the_default_plan_gives_a_request_the_same_bits_where_its_kernels_allow "
+                    "checks that its plan does not claim it")
+    flags = ["--enable-deterministic-inference"] if mode == "deterministic" else ["--quant-gemm", "integer"]
     # The default model as the issue's user served it (Q4_1 as stored, threads as free).
-    server = ServerProcess("--enable-deterministic-inference", "--max-num-seqs", "16",
+    server = ServerProcess(*flags, "--max-num-seqs", "16",
                            base_args=["--max-model-len", "1024", "--kv-cache-memory", "256MiB",
                                       "--disable-access-log"]).start()
     try:
         client = OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300)
-        messages = [{"role": "user", "content": "Say hello and introduce yourself."}]
+        # 182 tokens templated: a prefix-cache hit leaves 6 to compute (once short-chunk rows)
+        messages = [{"role": "user", "content": "Say hello and tell me who you are."}]
 
-        def ask(stream: bool) -> str:
-            kwargs = dict(model=server.model, messages=messages, temperature=0, max_tokens=16)
+        def ask(stream: bool) -> tuple[str, tuple[float, ...]]:
+            """The text and its tokens' logprobs (as the client parsed them: bit for bit)."""
+            kwargs = dict(model=server.model, messages=messages, temperature=0, max_tokens=16, logprobs=True)
             if not stream:
-                return client.chat.completions.create(**kwargs).choices[0].message.content
-            chunks = client.chat.completions.create(**kwargs, stream=True)
-            return "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+                choice = client.chat.completions.create(**kwargs).choices[0]
+                return choice.message.content, tuple(t.logprob for t in choice.logprobs.content)
+            chunks = [c.choices[0] for c in client.chat.completions.create(**kwargs, stream=True) if c.choices]
+            return ("".join(c.delta.content or "" for c in chunks),
+                    tuple(t.logprob for c in chunks if c.logprobs for t in c.logprobs.content))
 
         def other(i: int) -> str:
             return client.completions.create(model=server.model, prompt=f"Story {i}: once upon a time",

@@ -274,3 +274,31 @@ def test_qwen3_and_gemma3_layers_are_refused_the_fused_layer_by_name(family, fea
     assert not plan.fused_decode and model.fused_layers is None
     for name in features:
         assert name in caplog.text
+
+
+def test_a_tokens_attention_follows_what_the_token_is_under_prompts_as_chunks() -> None:
+    """`attention_spans`: with `prompts_as_chunks`, prompt tokens attend as a chunk however
+    few (a prompt's 3-token or 1-token tail after a cached prefix), generated tokens as rows
+    (a decode, a verification, a recomputation after a preemption split at the prompt's
+    end); without it, by the chunk's length as before. The layout sends a one-token prompt
+    chunk to the prefill path, not the decode path, and the step is then no pure decode."""
+    from tokenmill.runner.plan import AttentionSpan
+
+    before = cpu_native_plan(torch.float32)
+    plan = dataclasses.replace(before, prompts_as_chunks=True)
+    assert plan.attention_spans(16, 3, prompt_len=19) == [AttentionSpan(16, 3, as_rows=False)]
+    assert before.attention_spans(16, 3, prompt_len=19) == [AttentionSpan(16, 3, as_rows=True)]
+    assert plan.attention_spans(18, 1, prompt_len=19) == [AttentionSpan(18, 1, as_rows=False)]
+    assert before.attention_spans(18, 1, prompt_len=19) == [AttentionSpan(18, 1, as_rows=True)]
+    assert plan.attention_spans(19, 1, prompt_len=19) == [AttentionSpan(19, 1, as_rows=True)]  # a decode
+    assert plan.attention_spans(25, 4, prompt_len=19) == [AttentionSpan(25, 4, as_rows=True)]  # a verification
+    assert plan.attention_spans(0, 30, prompt_len=19) == [AttentionSpan(0, 19, as_rows=False),  # recomputed
+                                                          AttentionSpan(19, 11, as_rows=True)]
+    assert before.attention_spans(0, 30, prompt_len=19) == [AttentionSpan(0, 30, as_rows=False)]
+    invariant = dataclasses.replace(plan, batch_invariant=True)  # deterministic inference: every token a row
+    assert invariant.attention_spans(0, 30, prompt_len=19) == [AttentionSpan(0, 30, as_rows=True)]
+
+    tables = [list(range(5)), list(range(5, 15))]  # 19 and 40 tokens in blocks of 4
+    layout = BatchLayout([1, 1], [19, 40], tables, [4 * 4 + 2, 14 * 4 + 3], BLOCK_SIZE, frozenset({0}))
+    assert layout.decodes == [1] and not layout.all_decode
+    assert [(s.start, s.end) for s in TorchSDPABackend().build_metadata(layout, torch.device("cpu")).prefills] == [(0, 1)]

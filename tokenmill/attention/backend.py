@@ -32,6 +32,10 @@ class BatchLayout:
     block_tables: list[list[int]]
     slot_mapping: list[int]  # per token: block_id * block_size + offset
     block_size: int
+    # Requests that compute one token of their prompt and attend as a chunk, not as a decode
+    # (ExecutionPlan.prompts_as_chunks): a prompt's token then attends through one kernel
+    # whether the tokens before it came in its chunk or from the cache.
+    one_token_chunks: frozenset[int] = frozenset()
 
     @property
     def query_starts(self) -> list[int]:
@@ -40,10 +44,18 @@ class BatchLayout:
             starts.append(starts[-1] + n)
         return starts
 
+    def is_decode(self, i: int) -> bool:
+        """Request i attends as a decode: one query row over its cached context."""
+        return self.query_lens[i] == 1 and i not in self.one_token_chunks
+
+    @property
+    def decodes(self) -> list[int]:
+        return [i for i in range(len(self.query_lens)) if self.is_decode(i)]
+
     @property
     def all_decode(self) -> bool:
-        """Every request computes one token (a pure decode step)."""
-        return all(n == 1 for n in self.query_lens)
+        """Every request computes one token as a decode (a pure decode step)."""
+        return not self.one_token_chunks and all(n == 1 for n in self.query_lens)
 
 
 def padded_block_tables(tables: list[list[int]], width: int) -> list[list[int]]:
@@ -66,6 +78,12 @@ class AttentionBackend(ABC):
         backend = copy.copy(self)
         backend.prefill_dtype = prefill_dtype
         return backend
+
+    def chunk_invariant(self, head_dim: int, kv_quantized: bool) -> bool:
+        """Whether a chunk's query row gets the same bits from this backend whatever the chunk
+        (its other rows, where it starts, whether the keys before it come from the cache):
+        then every prompt chunk attends as a chunk (ExecutionPlan.prompts_as_chunks)."""
+        return False
 
     @abstractmethod
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> object: ...

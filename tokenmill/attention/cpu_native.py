@@ -58,8 +58,15 @@ class NativeMetadata:
 class CPUNativeBackend(AttentionBackend):
     name = "cpu_native"
 
+    def chunk_invariant(self, head_dim: int, kv_quantized: bool) -> bool:
+        """The native bf16 prefill kernel computes each query row alone, over keys in blocks
+        of 32 from position 0 whoever else is in the chunk, and the K/V it reads are the same
+        bf16 values from the step's projections or from the cache (a bf16 or float32 cache;
+        an 8-bit one goes through SDPA)."""
+        return self.prefill_dtype == torch.bfloat16 and native_prefill_attention(head_dim) and not kv_quantized
+
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> NativeMetadata:
-        decodes = [i for i, n in enumerate(layout.query_lens) if n == 1]
+        decodes = layout.decodes
         return NativeMetadata(
             slot_mapping=torch.tensor(layout.slot_mapping, dtype=torch.long, device=device),
             decode=_native_decode(layout, decodes, device) if decodes else None,

@@ -95,9 +95,10 @@ def write_kv(k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKVCache, slot_mapp
 
 
 def prefill_spans(layout: BatchLayout, device: torch.device) -> list[PrefillSpan]:
-    """The step's multi-token chunks."""
+    """The step's chunks (every request that does not attend as a decode)."""
     starts = layout.query_starts
-    return [_prefill_span(layout, i, starts[i], device) for i, n in enumerate(layout.query_lens) if n > 1]
+    return [_prefill_span(layout, i, starts[i], device)
+            for i in range(len(layout.query_lens)) if not layout.is_decode(i)]
 
 
 def attend_prefills(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: LayerKVCache,

@@ -29,7 +29,7 @@ class SDPAMetadata:
         if window is None or self.layout is None:
             return self
         if window not in self.windowed:
-            decodes = [i for i, n in enumerate(self.layout.query_lens) if n == 1]
+            decodes = self.layout.decodes
             self.windowed[window] = SDPAMetadata(
                 self.slot_mapping, padded_decode(self.layout, decodes, device, window) if decodes else None,
                 windowed_spans(self.prefills, window, device))
@@ -40,7 +40,7 @@ class TorchSDPABackend(AttentionBackend):
     name = "torch_sdpa"
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> SDPAMetadata:
-        decodes = [i for i, n in enumerate(layout.query_lens) if n == 1]
+        decodes = layout.decodes
         return SDPAMetadata(
             slot_mapping=torch.tensor(layout.slot_mapping, dtype=torch.long, device=device),
             decode=padded_decode(layout, decodes, device) if decodes else None,

@@ -19,7 +19,7 @@ from tokenmill.engine.batch import PromptLogprobsChunk, RequestTable, RunnerOutp
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.pooling import Pooler
 from tokenmill.runner.kv_offload import COPY_IN_CHUNK, HostKVBuffer, block_tensors, copy_in_blocks
-from tokenmill.runner.plan import ExecutionPlan
+from tokenmill.runner.plan import AttentionSpan, ExecutionPlan
 from tokenmill.runner.threads import ThreadGovernor
 from tokenmill.sampling.rejection import RejectionSampler, Verification
 from tokenmill.sampling.sampler import Sampler, SamplingRow, compute_token_logprobs
@@ -153,17 +153,26 @@ class ModelRunner:
         slots = [
             table[p // size] * size + p % size for r, table in zip(items, tables) for p in range(r.start_pos, r.context_len)
         ]
-        query_lens, context_lens, block_tables = [], [], []
+        query_lens, context_lens, block_tables, one_token_chunks = [], [], [], set()
         for r, table in zip(items, tables):
-            if self.short_chunks_as_decodes and self.plan.chunk_as_rows(r.start_pos, r.num_tokens):
-                query_lens += [1] * r.num_tokens
-                context_lens += range(r.start_pos + 1, r.context_len + 1)
-                block_tables += [table] * r.num_tokens
-            else:
-                query_lens.append(r.num_tokens)
-                context_lens.append(r.context_len)
+            for span in self._attention_spans(r):
+                end = span.start + span.count
+                if span.as_rows:
+                    query_lens += [1] * span.count
+                    context_lens += range(span.start + 1, end + 1)
+                    block_tables += [table] * span.count
+                    continue
+                if span.count == 1:
+                    one_token_chunks.add(len(query_lens))
+                query_lens.append(span.count)
+                context_lens.append(end)
                 block_tables.append(table)
-        return BatchLayout(query_lens, context_lens, block_tables, slots, size)
+        return BatchLayout(query_lens, context_lens, block_tables, slots, size, frozenset(one_token_chunks))
+
+    def _attention_spans(self, r: StepRequest) -> list[AttentionSpan]:
+        if not self.short_chunks_as_decodes:  # benchmarks: every multi-token chunk as one
+            return [AttentionSpan(r.start_pos, r.num_tokens, as_rows=r.num_tokens == 1)]
+        return self.plan.attention_spans(r.start_pos, r.num_tokens, len(r.prompt_token_ids))
 
     def _sample(self, items: list[StepRequest], hidden: torch.Tensor, starts: list[int], output: RunnerOutput,
                 masks: PendingMasks | None = None) -> None:

@@ -80,6 +80,17 @@ ROWS = RowThresholds()
 
 
 @dataclass(frozen=True)
+class AttentionSpan:
+    """Consecutive tokens of one request that attend alike: as one chunk (a query of
+    `count` rows over the context up to the last), or as rows (each token a one-token
+    query over its own context, as a decode)."""
+
+    start: int  # position of the first token
+    count: int
+    as_rows: bool
+
+
+@dataclass(frozen=True)
 class ExecutionPlan:
     weight_format: WeightFormat
     embedding_dtype: torch.dtype | None  # None: as loaded
@@ -91,6 +102,11 @@ class ExecutionPlan:
     # AMX, and the K/V it reads are bf16 in the cache anyway.
     prefill_attention_dtype: torch.dtype | None = None
     short_chunk_tokens: int = ROWS.short_chunk_tokens
+    # Every chunk of a prompt, one token or many, attends as a chunk (never as rows), where
+    # the backend's prefill kernel gives a prompt row the same bits in any chunk
+    # (AttentionBackend.chunk_invariant): a prompt then computes alike cold, chunked or after
+    # a prefix-cache hit. Set by the worker once the backend is known.
+    prompts_as_chunks: bool = False
     # Deterministic inference (batch_invariant_plan): every token of every chunk attends as a
     # one-token row and every linear runs one row-invariant kernel at any row count.
     batch_invariant: bool = False
@@ -123,6 +139,9 @@ class ExecutionPlan:
             parts.append(f"bf16 activations (float32 residual) for steps of > {self.bf16_activation_rows} tokens")
         if self.huge_pages:
             parts.append("weights and KV cache on 2 MiB pages where the kernel gives them")
+        if self.prompts_as_chunks:
+            parts.append("every prompt chunk through the prefill attention kernel (the same bits cold, chunked or "
+                         "after a prefix-cache hit)")
         if self.batch_invariant:
             parts.append("batch-invariant (deterministic inference): one kernel per op at every row count, every "
                          "prompt token attends as a row of the paged kernel")
@@ -150,6 +169,21 @@ class ExecutionPlan:
         if self.batch_invariant:
             return num_tokens > 1
         return start_pos > 0 and 1 < num_tokens <= self.short_chunk_tokens
+
+    def attention_spans(self, start_pos: int, num_tokens: int, prompt_len: int) -> list[AttentionSpan]:
+        """How a request's tokens at positions start_pos .. start_pos + num_tokens - 1 attend,
+        in order. Under `prompts_as_chunks` a token's kernel follows what the token is, not the
+        step that computes it: prompt tokens as a chunk (the prefill kernel, even one token),
+        generated ones (decodes, verifications, their recomputation after a preemption) as
+        rows (the paged kernel), so a request computes alike cold, chunked, after a prefix-cache
+        hit or after a preemption. Otherwise by the chunk's length (`chunk_as_rows`)."""
+        if self.prompts_as_chunks and not self.batch_invariant:
+            in_prompt = min(max(prompt_len - start_pos, 0), num_tokens)
+            spans = [AttentionSpan(start_pos, in_prompt, as_rows=False)] if in_prompt else []
+            if num_tokens > in_prompt:
+                spans.append(AttentionSpan(start_pos + in_prompt, num_tokens - in_prompt, as_rows=True))
+            return spans
+        return [AttentionSpan(start_pos, num_tokens, num_tokens == 1 or self.chunk_as_rows(start_pos, num_tokens))]
 
 
 def apply_plan(model: LlamaForCausalLM, plan: ExecutionPlan, kv_cache_dtype: str | None = None) -> ExecutionPlan:

@@ -41,9 +41,10 @@ class StepMeter:
     """Features of each step, from the step messages alone (as the runner side sees them):
     a chunk of several tokens that starts inside its prompt is prefill (a recomputation after
     a preemption included, as `LLMEngine` counts it), the rest are decode rows. A one-token
-    chunk is a decode row even inside its prompt (a disaggregated decode instance computing
-    the last prompt token of a pulled prompt): the runner lays it out as one (its attention
-    layout's `all_decode`), and a step of such rows runs the fused decode layer."""
+    chunk counts as a decode row even inside its prompt (a disaggregated decode instance
+    computing the last prompt token of a pulled prompt): a plan without `prompts_as_chunks`
+    lays it out as one and a step of such rows runs the fused decode layer; with it the token
+    attends through the prefill kernel op by op, at about a decode row's cost."""
 
     def __init__(self) -> None:
         self.prompt_lens: dict[str, int] = {}
