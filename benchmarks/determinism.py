@@ -46,8 +46,11 @@ def make_llm(mode: str, dtype: str, skinny_max_rows: int | None = None, **settin
 
 
 def prompts_of(llm: LLM, workload: str, count: int | None = None) -> list[tuple[list[int], int]]:
+    """The workload's requests, its first `count` (W3 draws `count` when that is more than its
+    64: other prompts then, from the same seed)."""
     pool = ordinary_token_ids(llm.tokenizer, llm.engine.facts.vocab_size)
-    requests = build_requests(workload, Sizes(), repetition_rng(0, workload, 0), pool)
+    sizes = Sizes(w3_requests=max(Sizes().w3_requests, count or 0))
+    requests = build_requests(workload, sizes, repetition_rng(0, workload, 0), pool)
     return requests[:count] if count else requests
 
 

@@ -199,7 +199,8 @@ def test_the_default_plan_gives_a_request_the_same_bits_where_its_kernels_allow(
     (AVX512-VNNI: every quantized linear sums in the block order at any row count) and runs
     the native bf16 prefill kernel (AVX-512 BF16, no AMX; every prompt chunk, even one token,
     attends through it, generated tokens through the paged kernel): the default model's chat
-    requests keep their tokens and logprobs bit for bit in a batch, chunked by 16 and by 64,
+    requests (greedy, and sampled with a seed) keep their tokens and logprobs bit for bit in a
+    batch, chunked by 16 and by 64,
     sent again (a prefix-cache hit on all but the last block), on one thread, and preempted
     and recomputed. Before prompt chunks went through one kernel, the same request sent again
     kept 7 of 12 requests' tokens and 0 of 12 logprobs, chunks of 16 4 of 12.
@@ -211,7 +212,7 @@ def test_the_default_plan_gives_a_request_the_same_bits_where_its_kernels_allow(
         assert plan.weight_format.integer_gemm == kernels.quant_integer_gemm_built(), plan.describe()
         return
     prompts = _chat_prompts(llm, 8)
-    params = [SamplingParams(max_tokens=16, temperature=0, logprobs=1)] * len(prompts)
+    params = _params(len(prompts))  # greedy and seeded sampling in turn
     reference = _one_at_a_time(llm, prompts, params)
     _assert_same(reference, _results(llm, prompts, params), "default plan, a batch of 8")
     for chunk in (16, 64):
@@ -291,3 +292,14 @@ def test_default_model_matrix_over_64_prompts() -> None:
 
     results = run_matrix("deterministic", "auto", num_prompts=64, max_tokens=24)
     assert all(same_all == 64 for _, same_all in results.values()), results
+
+
+def test_a_seeded_request_starts_its_stream_afresh_on_an_engine_sharing_the_runner(tiny_llama) -> None:
+    """A run's last request finishes with no step after it to drop its generator, and a
+    sibling engine numbers its requests from 0 again: its first seeded request must still
+    draw its seed's stream from the start (it once continued the stale one)."""
+    llm = LLM(model=str(tiny_llama), dtype="float32", seed=0, max_model_len=256, kv_cache_memory=4 * 2**20)
+    prompt, params = [5, 17, 42, 99, 7], SamplingParams(max_tokens=12, temperature=1.0, seed=7, ignore_eos=True)
+    first = llm.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids
+    sibling = LLM.from_engine(llm.engine.sibling(max_num_batched_tokens=64))
+    assert sibling.generate([prompt], params, use_tqdm=False)[0].outputs[0].token_ids == first

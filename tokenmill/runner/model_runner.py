@@ -70,6 +70,13 @@ class ModelRunner:
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
         for request_id in batch.finished_ids:
             self.generators.pop(request_id, None)
+        for item in batch.scheduled:
+            # A request that starts afresh starts its seed's stream afresh: the last request of
+            # a run finishes with no step after it to say so, and an engine sharing this
+            # runner (LLMEngine.sibling) numbers its requests from 0 again. A preempted one
+            # comes back as new with its generated tokens and keeps its stream.
+            if item.new is not None and not item.appended_token_ids:
+                self.generators.pop(item.request_id, None)
         if self.structured_output is not None:
             self.structured_output.release([*batch.finished_ids, *batch.preempted_ids])
         if self.pooler is not None:
