@@ -25,11 +25,16 @@ PROMPTS = [[1, *range(5, 5 + n)] for n in (3, 17, 40, 9, 64)]
 
 def hf_hidden(path: str, ids: list[int], gguf_file: str | None = None) -> torch.Tensor:
     """transformers' last hidden states (after the final norm) of one sequence."""
+    return hf_hiddens(path, [ids], gguf_file)[0]
+
+
+def hf_hiddens(path: str, sequences: list[list[int]], gguf_file: str | None = None) -> list[torch.Tensor]:
+    """The same for several sequences, one model load (a GGUF's takes seconds to dequantize)."""
     from transformers import AutoModel
 
     model = AutoModel.from_pretrained(path, gguf_file=gguf_file, dtype=torch.float32).eval()
     with torch.inference_mode():
-        return model(torch.tensor([ids])).last_hidden_state[0]
+        return [model(torch.tensor([ids])).last_hidden_state[0] for ids in sequences]
 
 
 def pool(hidden: torch.Tensor, pooling_type: str, normalize: bool = True) -> torch.Tensor:
@@ -60,7 +65,7 @@ def tiny(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(tiny):
-    return [hf_hidden(str(tiny), ids) for ids in PROMPTS]
+    return hf_hiddens(str(tiny), PROMPTS)
 
 
 def tiny_llm(path, **settings) -> LLM:
@@ -196,10 +201,10 @@ def test_default_model_as_embedder_equals_transformers() -> None:
               max_num_batched_tokens=64)
     texts = ["The capital of France is Paris.", "Embeddings map text to vectors " * 12, "hi"]
     outputs = llm.embed(texts)
-    for text, output in zip(texts, outputs):
-        ids = llm.tokenizer.encode(text)
+    sequences = [llm.tokenizer.encode(text) for text in texts]
+    hiddens = hf_hiddens(os.path.dirname(path), sequences, gguf_file=os.path.basename(path))
+    for ids, hidden, output in zip(sequences, hiddens, outputs):
         assert output.prompt_token_ids == ids
-        hidden = hf_hidden(os.path.dirname(path), ids, gguf_file=os.path.basename(path))
         ours, expected = torch.tensor(output.outputs.embedding), pool(hidden, "LAST")
         assert F.cosine_similarity(ours, expected, dim=0) >= 0.999
         torch.testing.assert_close(ours, expected, atol=2e-3, rtol=0)

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from openai import OpenAI
 
 from tests.server_utils import ServerProcess
-from tests.test_embeddings import hf_hidden, pool
+from tests.test_embeddings import hf_hidden, hf_hiddens, pool
 from tests.tiny_checkpoint import write_tiny_llama
 
 ARGS = ["--dtype", "float32", "--max-model-len", "128", "--kv-cache-memory", "8MiB", "--num-threads", "1",
@@ -50,7 +50,7 @@ def expected(checkpoint):
 
     tokenizer = Tokenizer.from_hf_dir(str(checkpoint))
     ids = [tokenizer.encode(text) for text in TEXTS]
-    return ids, [pool(hf_hidden(str(checkpoint), i), "LAST") for i in ids]
+    return ids, [pool(hidden, "LAST") for hidden in hf_hiddens(str(checkpoint), ids)]
 
 
 def assert_matches(vector, reference: torch.Tensor) -> None:
