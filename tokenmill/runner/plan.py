@@ -140,8 +140,8 @@ class ExecutionPlan:
         if self.huge_pages:
             parts.append("weights and KV cache on 2 MiB pages where the kernel gives them")
         if self.prompts_as_chunks:
-            parts.append("every prompt chunk through the prefill attention kernel (the same bits cold, chunked or "
-                         "after a prefix-cache hit)")
+            parts.append("every prompt chunk through the prefill attention kernel (a prompt's attention the same "
+                         "bits cold, chunked or after a prefix-cache hit)")
         if self.batch_invariant:
             parts.append("batch-invariant (deterministic inference): one kernel per op at every row count, every "
                          "prompt token attends as a row of the paged kernel")
