@@ -194,18 +194,19 @@ def _chat_prompts(llm: LLM, count: int) -> list[list[int]]:
             for q in questions[:count]]
 
 
-def test_the_default_plan_gives_a_request_the_same_bits_where_its_kernels_allow() -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_the_default_plan_gives_a_request_the_same_bits_where_its_kernels_allow(kv_cache_dtype: str) -> None:
     """Without the flag, on a CPU whose plan picks the integer GEMM past the integer rows
     (AVX512-VNNI: every quantized linear sums in the block order at any row count) and runs
     the native bf16 prefill kernel (AVX-512 BF16, no AMX; every prompt chunk, even one token,
     attends through it, generated tokens through the paged kernel): the default model's chat
-    requests (greedy, and sampled with a seed) keep their tokens and logprobs bit for bit in a
-    batch, chunked by 16 and by 64,
+    requests (greedy, and sampled with a seed; a 16-bit and an int8 KV cache) keep their tokens
+    and logprobs bit for bit in a batch, chunked by 16 and by 64,
     sent again (a prefix-cache hit on all but the last block), on one thread, and preempted
     and recomputed. Before prompt chunks went through one kernel, the same request sent again
     kept 7 of 12 requests' tokens and 0 of 12 logprobs, chunks of 16 4 of 12.
     Elsewhere (no integer GEMM, no native bf16 prefill kernel) the plan must not claim it."""
-    llm = _default_plan_llm(kv_cache_memory="128MiB", enable_prefix_caching=False)
+    llm = _default_plan_llm(kv_cache_memory="128MiB", enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     plan = llm.engine.executor.plan
     if not _default_invariance_claimed(plan):  # what the plan says matches what the CPU has
         assert plan.prompts_as_chunks == native_prefill_attention(64), plan.describe()
@@ -227,7 +228,7 @@ def test_the_default_plan_gives_a_request_the_same_bits_where_its_kernels_allow(
     one_thread = LLM.from_engine(llm.engine.sibling(num_threads=1))
     _assert_same(reference, _results(one_thread, prompts, params), "default plan, one thread")
     small = _default_plan_llm(kv_cache_memory=20 * llm.engine.facts.kv_bytes_per_token * llm.engine.facts.block_size,
-                              enable_prefix_caching=False)
+                              enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     got = _results(small, prompts, params)
     assert small.engine.scheduler.num_preemptions > 0
     _assert_same(reference, got, "default plan, preempted and recomputed")

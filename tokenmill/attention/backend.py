@@ -79,7 +79,7 @@ class AttentionBackend(ABC):
         backend.prefill_dtype = prefill_dtype
         return backend
 
-    def chunk_invariant(self, head_dim: int, kv_quantized: bool) -> bool:
+    def chunk_invariant(self, head_dim: int) -> bool:
         """Whether a chunk's query row gets the same bits from this backend whatever the chunk
         (its other rows, where it starts, whether the keys before it come from the cache):
         then every prompt chunk attends as a chunk (ExecutionPlan.prompts_as_chunks)."""

@@ -5,8 +5,8 @@ Decode queries (one token each) attend over their histories read in place from t
 paged cache (`tokenmill/kernels/csrc/cpu_attention.cpp`), instead of the padded gather
 plus masked SDPA of the pure-PyTorch backend; it reads int8/fp8 caches with their scales
 as they are. Prefill chunks go through the shared SDPA path (`paged_sdpa`), except bf16
-ones (the plan's prefill attention dtype) over a bf16 cache where the build has AVX-512 BF16
-and the CPU no AMX: those run the native kernel (`cpu_prefill_attention.cpp`: 2x torch's flash kernel at a
+ones (the plan's prefill attention dtype) where the build has AVX-512 BF16 and the CPU no
+AMX: those run the native kernel (an 8-bit cache's K/V dequantized to bf16 first) (`cpu_prefill_attention.cpp`: 2x torch's flash kernel at a
 1024-token layer of 9 heads of 64 on a Zen 4 core). An 8-bit cache is written by the native write (one op
 instead of a dozen per layer), to the same bytes as the PyTorch write.
 
@@ -58,12 +58,12 @@ class NativeMetadata:
 class CPUNativeBackend(AttentionBackend):
     name = "cpu_native"
 
-    def chunk_invariant(self, head_dim: int, kv_quantized: bool) -> bool:
+    def chunk_invariant(self, head_dim: int) -> bool:
         """The native bf16 prefill kernel computes each query row alone, over keys in blocks
         of 32 from position 0 whoever else is in the chunk, and the K/V it reads are the same
-        bf16 values from the step's projections or from the cache (a bf16 or float32 cache;
-        an 8-bit one goes through SDPA)."""
-        return self.prefill_dtype == torch.bfloat16 and native_prefill_attention(head_dim) and not kv_quantized
+        bf16 values from the step's projections or from the cache (an 8-bit cache's always
+        from the cache, dequantized)."""
+        return self.prefill_dtype == torch.bfloat16 and native_prefill_attention(head_dim)
 
     def build_metadata(self, layout: BatchLayout, device: torch.device) -> NativeMetadata:
         decodes = layout.decodes
@@ -97,11 +97,11 @@ class CPUNativeBackend(AttentionBackend):
     def _prefills(self, q, k, v, kv_cache, metadata: NativeMetadata, scale: float, out: torch.Tensor,
                   window: int | None) -> None:
         """Prefill chunks in bf16 (the plan's prefill dtype, or bf16 activations) by the native
-        kernel where the build has it (AVX-512 BF16; head_dim 32-128; bf16 cache; no window);
-        otherwise, and for float32 attention, by SDPA."""
+        kernel where the build has it (AVX-512 BF16; head_dim 32-128; no window); otherwise, and
+        for float32 attention, by SDPA. An 8-bit cache's K/V are read back dequantized to bf16,
+        the chunk's own included (it attends to them as stored, as later tokens will)."""
         bf16 = torch.bfloat16
-        if (self.prefill_dtype or q.dtype) != bf16 or window is not None or kv_cache.quantized \
-                or not native_prefill_attention(q.shape[-1]):
+        if (self.prefill_dtype or q.dtype) != bf16 or window is not None or not native_prefill_attention(q.shape[-1]):
             attend_prefills(q, k, v, kv_cache, metadata.prefills, scale, out, metadata.slot_mapping,
                             self.prefill_dtype)
             return
@@ -109,6 +109,8 @@ class CPUNativeBackend(AttentionBackend):
             rows = slice(span.start, span.end)
             if span.context_gather is not None:  # earlier context: read from the cache, the chunk's rows last
                 ks, vs = kv_cache.read(span.context_gather, bf16)
+            elif kv_cache.quantized:
+                ks, vs = kv_cache.read(metadata.slot_mapping[rows], bf16)
             else:
                 ks, vs = k[rows].to(bf16), v[rows].to(bf16)
             if out.dtype == bf16:

@@ -106,7 +106,7 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltRank
     draft = load_draft(config, device, loaded, max_model_len, kernels_ok, backend) if _has_draft(speculative) else None
     layout = loaded.model.parallel.layout
     spec = kv_cache_spec(config, layout.layers.size, layout.kv_heads.size, loaded.arch.head_dim, dtype)
-    if not loaded.arch.sliding_window and backend.chunk_invariant(loaded.arch.head_dim, spec.quantized):
+    if not loaded.arch.sliding_window and backend.chunk_invariant(loaded.arch.head_dim):
         plan = dataclasses.replace(plan, prompts_as_chunks=True)
     memory = config.cache.kv_cache_memory or default_kv_cache_memory(device)
     # A draft keeps the KV of the same tokens: the memory is split so both hold as many.
