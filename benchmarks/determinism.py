@@ -82,6 +82,11 @@ def run_matrix(mode: str, dtype: str, num_prompts: int, max_tokens: int,
         outputs(cached, [p[: len(p) // 2] for p in prompts], 1)  # the first halves cached
         return outputs(cached, prompts, max_tokens)
 
+    def everything_at_once() -> list:  # batches of 64, chunks of 64 and the first halves cached
+        wide = sibling(max_num_seqs=64, max_num_batched_tokens=64, enable_prefix_caching=True)
+        outputs(wide, [p[: len(p) // 2] for p in prompts], 1)
+        return [r for i in range(0, len(prompts), 64) for r in outputs(wide, prompts[i:i + 64], max_tokens)]
+
     def again() -> list:  # each prompt alone, all of it cached but the tokens past its last full block
         cached = sibling(enable_prefix_caching=True)
         outputs(cached, prompts, 1)
@@ -100,6 +105,7 @@ def run_matrix(mode: str, dtype: str, num_prompts: int, max_tokens: int,
     conditions.update({f"prompts chunked by {c}": (lambda c=c: outputs(sibling(max_num_batched_tokens=c), prompts,
                                                                         max_tokens)) for c in chunks})
     conditions["prefix-cache hit (half the prompt)"] = prefix_hits
+    conditions["batches of 64 + chunks of 64 + half the prompt cached"] = everything_at_once
     conditions["the same request again (prefix-cache hit but the last block)"] = again
     conditions["preempted and recomputed"] = preempted
     conditions["one thread"] = lambda: outputs(make_llm(mode, dtype, num_threads=1), prompts, max_tokens)
