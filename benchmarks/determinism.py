@@ -65,7 +65,7 @@ def outputs(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tuple[l
 
 
 def run_matrix(mode: str, dtype: str, num_prompts: int, max_tokens: int,
-               batch_sizes: tuple[int, ...] = (8, 64), chunks: tuple[int, ...] = (64, 512)) -> dict[str, tuple[int, int]]:
+               batch_sizes: tuple[int, ...] = (8, 64), chunks: tuple[int, ...] = (64, 512), only: str | None = None) -> dict[str, tuple[int, int]]:
     """Condition -> (requests with the reference's tokens, with its tokens and logprobs), the
     reference being each prompt alone, unchunked (2048-token steps), cold, on two threads."""
     llm = make_llm(mode, dtype, enable_prefix_caching=False)
@@ -111,6 +111,8 @@ def run_matrix(mode: str, dtype: str, num_prompts: int, max_tokens: int,
     conditions["one thread"] = lambda: outputs(make_llm(mode, dtype, num_threads=1), prompts, max_tokens)
     results = {}
     for name, run in conditions.items():
+        if only and only not in name:
+            continue
         got = run()
         results[name] = (sum(a[0] == b[0] for a, b in zip(reference, got)), sum(a == b for a, b in zip(reference, got)))
         print(f"| {name} | {results[name][0]}/{len(prompts)} | {results[name][1]}/{len(prompts)} |", flush=True)
@@ -121,7 +123,7 @@ def matrix(args: argparse.Namespace) -> None:
     print(f"CPU: {machine()}")
     print(f"mode {args.mode}, dtype {args.dtype}, {args.prompts} W3 prompts, {args.max_tokens} greedy tokens")
     print("| condition | same tokens | same tokens and logprobs |\n|---|---:|---:|")
-    run_matrix(args.mode, args.dtype, args.prompts, args.max_tokens)
+    run_matrix(args.mode, args.dtype, args.prompts, args.max_tokens, only=args.only)
 
 
 # ----- cost --------------------------------------------------------------------------------------
@@ -190,6 +192,7 @@ def main() -> None:
     m.add_argument("--max-tokens", type=int, default=32)
     m.add_argument("--mode", choices=("default", "deterministic", "default-rows"), default="default")
     m.add_argument("--dtype", default="auto")
+    m.add_argument("--only", default=None, help="run only the conditions whose name contains this")
     c = sub.add_parser("cost")
     c.add_argument("--runs", type=int, default=3)
     c.add_argument("--dtype", default="auto")
