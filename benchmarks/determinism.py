@@ -65,7 +65,8 @@ def outputs(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tuple[l
 
 
 def run_matrix(mode: str, dtype: str, num_prompts: int, max_tokens: int,
-               batch_sizes: tuple[int, ...] = (8, 64), chunks: tuple[int, ...] = (64, 512), only: str | None = None) -> dict[str, tuple[int, int]]:
+               batch_sizes: tuple[int, ...] = (8, 64), chunks: tuple[int, ...] = (64, 512),
+               only: str | None = None) -> dict[str, tuple[int, int]]:
     """Condition -> (requests with the reference's tokens, with its tokens and logprobs), the
     reference being each prompt alone, unchunked (2048-token steps), cold, on two threads."""
     llm = make_llm(mode, dtype, enable_prefix_caching=False)
