@@ -6,8 +6,9 @@ paged cache (`tokenmill/kernels/csrc/cpu_attention.cpp`), instead of the padded 
 plus masked SDPA of the pure-PyTorch backend; it reads int8/fp8 caches with their scales
 as they are. Prefill chunks go through the shared SDPA path (`paged_sdpa`), except bf16
 ones (the plan's prefill attention dtype) where the build has AVX-512 BF16 and the CPU no
-AMX: those run the native kernel (an 8-bit cache's K/V dequantized to bf16 first) (`cpu_prefill_attention.cpp`: 2x torch's flash kernel at a
-1024-token layer of 9 heads of 64 on a Zen 4 core). An 8-bit cache is written by the native write (one op
+AMX: those run the native kernel (`cpu_prefill_attention.cpp`: 2x torch's flash kernel at a
+1024-token layer of 9 heads of 64 on a Zen 4 core), an 8-bit cache's K/V dequantized to bf16
+first. An 8-bit cache is written by the native write (one op
 instead of a dozen per layer), to the same bytes as the PyTorch write.
 
 A sliding-window layer's decodes attend natively over their last `window` keys (the
@@ -101,7 +102,8 @@ class CPUNativeBackend(AttentionBackend):
         for float32 attention, by SDPA. An 8-bit cache's K/V are read back dequantized to bf16,
         the chunk's own included (it attends to them as stored, as later tokens will)."""
         bf16 = torch.bfloat16
-        if (self.prefill_dtype or q.dtype) != bf16 or window is not None or not native_prefill_attention(q.shape[-1]):
+        native = native_prefill_attention(q.shape[-1])
+        if (self.prefill_dtype or q.dtype) != bf16 or window is not None or not native:
             attend_prefills(q, k, v, kv_cache, metadata.prefills, scale, out, metadata.slot_mapping,
                             self.prefill_dtype)
             return
