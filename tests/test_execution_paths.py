@@ -301,4 +301,5 @@ def test_a_tokens_attention_follows_what_the_token_is_under_prompts_as_chunks() 
     tables = [list(range(5)), list(range(5, 15))]  # 19 and 40 tokens in blocks of 4
     layout = BatchLayout([1, 1], [19, 40], tables, [4 * 4 + 2, 14 * 4 + 3], BLOCK_SIZE, frozenset({0}))
     assert layout.decodes == [1] and not layout.all_decode
-    assert [(s.start, s.end) for s in TorchSDPABackend().build_metadata(layout, torch.device("cpu")).prefills] == [(0, 1)]
+    metadata = TorchSDPABackend().build_metadata(layout, torch.device("cpu"))
+    assert [(s.start, s.end) for s in metadata.prefills] == [(0, 1)]
