@@ -73,17 +73,20 @@ def main() -> None:
             bench(server.url, 4.0, 8, 99, tmp / "warm.json", a).wait()
             for rate in a.rates:
                 num = max(int(rate * a.seconds), 10)
+                # A seed per rate: the same seed at every rate sent the same prompts again, and the
+                # prefix cache answered the later rates' prompts (49% at 8/s, then 70% at 10/s).
+                seed = round(rate * 100)
                 if policy != "priority":
                     out = tmp / f"{policy}-{rate}.json"
-                    proc = bench(server.url, rate, num, 0, out, a)
+                    proc = bench(server.url, rate, num, seed, out, a)
                     if proc.wait() != 0:
                         raise RuntimeError(proc.stderr.read().decode()[-2000:])
                     ttft_ok, tpot_ok, _ = shares(json.loads(out.read_text()))
                     print(f"{policy} rate {rate}/s n={num}: goodput {fmt(ttft_ok, tpot_ok)}", flush=True)
                     continue
                 hi_n = max(num // 10, 3)
-                procs = [bench(server.url, rate * 0.9, num - hi_n, 0, tmp / f"lo-{rate}.json", a, priority=1),
-                         bench(server.url, rate * 0.1, hi_n, 1, tmp / f"hi-{rate}.json", a, priority=0)]
+                procs = [bench(server.url, rate * 0.9, num - hi_n, seed, tmp / f"lo-{rate}.json", a, priority=1),
+                         bench(server.url, rate * 0.1, hi_n, seed + 1, tmp / f"hi-{rate}.json", a, priority=0)]
                 for proc in procs:
                     if proc.wait() != 0:
                         raise RuntimeError(proc.stderr.read().decode()[-2000:])

@@ -1103,6 +1103,24 @@ def test_slo_ttft_serves_requests_still_on_time_before_those_that_missed() -> No
     h.assert_idle()
 
 
+def test_slo_ttft_sends_back_what_the_on_time_queue_ahead_dooms() -> None:
+    """Step = 0.1 + 0.01 x prefill s, 32 tokens a step, four 20-token prompts at t = 0
+    with a 1 s target: behind the first three (60 tokens), the fourth's first token is
+    predicted at 3 steps + 80 tokens = 1.1 s, a miss, though alone it would take 0.3 s.
+    It goes behind a fifth whose own target (2 s) it can still meet there; in arrival
+    order both would end late. Under overload this keeps the queue's tail on time."""
+    h = Harness(num_blocks=64, max_num_batched_tokens=32, slo_ttft=1.0, step_cost=linear_cost(),
+                clock=lambda: 0.0)
+    for i in range(4):
+        h.add(f"q{i}", tokens(100 * i, 20), arrival_time=0.0, max_tokens=2)
+    h.add("patient", tokens(500, 20), arrival_time=0.0, max_tokens=2, slo_ttft=2.0)
+    assert [(r, n) for r, _, n, _ in trace(h.step())] == [("q0", 20), ("q1", 12)]
+    assert [r.request_id for r in h.sched.waiting] == ["q2", "patient", "q3"]
+    h.run()
+    assert set(h.finished) == {"q0", "q1", "q2", "q3", "patient"}
+    h.assert_idle()
+
+
 # ----- per-request SLO targets and early rejection -------------------------------------
 
 

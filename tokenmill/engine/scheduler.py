@@ -449,21 +449,36 @@ class Scheduler:
 
     def _late_to_the_back(self) -> set[str]:
         """Requests still waiting for their first token that have missed their TTFT
-        target, or would miss it even if their prompt were computed in the next step, go
-        behind the others (in arrival order): they are lost to goodput, the others not
-        yet. Returns their ids."""
+        target, or are predicted to miss it behind the on-time requests queued ahead of
+        them, go behind the others (in arrival order): they are lost to goodput, the
+        others not yet. Under overload a queue served in arrival order makes every request
+        wait about as long, so all of them end just past the target; giving up on the
+        requests the queue ahead already dooms keeps the ones behind in time. Returns
+        their ids."""
         now = self.clock()
+        first_token_in = self._first_token_predictor(self.running, in_flight=False)
         rows = self._decode_rows()
         budget = self.config.max_num_batched_tokens
+        on_time_tokens = on_time_count = 0  # the prompts of the on-time requests ahead
 
         def late(request: Request) -> bool:
             ttft = self._ttft(request)
             if ttft is None or request.num_output_tokens > 0:
                 return False
+            waited = now - request.arrival_time
+            if first_token_in is not None:
+                return waited + first_token_in(on_time_tokens + self._prefill_left(request), on_time_count) > ttft
             step = self.step_cost.predict(min(self._prefill_left(request), budget), rows) if self.step_cost else None
-            return now - request.arrival_time + (step or 0.0) > ttft
+            return waited + (step or 0.0) > ttft
 
-        missed = [r for r in self.waiting if late(r)]
+        missed = []
+        for request in self.waiting:
+            if late(request):
+                missed.append(request)
+            elif (left := self._prefill_left(request)) > 1:
+                on_time_tokens, on_time_count = on_time_tokens + left, on_time_count + 1
+            else:
+                on_time_count += 1
         if missed:
             ids = {r.request_id for r in missed}
             self.waiting = deque([r for r in self.waiting if r.request_id not in ids] + missed)
@@ -476,10 +491,6 @@ class Scheduler:
         sequence slot when none is free. Under priority only requests ranked no worse
         than it are ahead (the others give way or are preempted). None while the step
         cost is not known (early rejection then admits)."""
-        cost = self.step_cost
-        if cost is None or cost.coefficients is None:
-            return None
-        b0, b1, b2 = cost.coefficients
 
         def ahead_of_it(queue: list[Request] | deque[Request]) -> list[Request]:
             if not self.config.by_priority:
@@ -487,8 +498,24 @@ class Scheduler:
             return [r for r in queue if self.rank(r) <= self.rank(request)]
 
         running, waiting = ahead_of_it(self.running), ahead_of_it(self.waiting)
+        first_token_in = self._first_token_predictor(running, in_flight=True)
+        if first_token_in is None:
+            return None
         left = [self._prefill_left(r) for r in (*running, *waiting)]
         tokens = sum(n for n in left if n > 1) + self._prefill_left(request)
+        return first_token_in(tokens, len(waiting))
+
+    def _first_token_predictor(self, running: list[Request], in_flight: bool) -> Callable[[int, int], float] | None:
+        """f(prompt tokens to compute, requests queued ahead) -> seconds until the last of
+        those tokens is computed beside `running` (the prompts left of running requests
+        count among the tokens): steps at the learned cost, each taking what the decoding
+        streams' TPOT targets leave for prefill, after the wait for a sequence slot when
+        none is free; `in_flight`: plus the step running now. None while the step cost is
+        not known."""
+        cost = self.step_cost
+        if cost is None or cost.coefficients is None:
+            return None
+        b0, b1, b2 = cost.coefficients
         rows = self._decode_rows()
         overhead = b0 + b2 * rows  # what a step costs beside its prefill tokens
         budget = self.config.max_num_batched_tokens
@@ -500,17 +527,22 @@ class Scheduler:
             per_step = min(budget, int((tpot - overhead) / b1) if b1 > 0 else budget)
             slots = min(slots, max(int((tpot - b0) / b2) if b2 > 0 else slots, 1))
         decode_step = cost.predict(0, max(rows, 1))
-        # A sequence slot: the streams that must end first, at the decode step they run at.
-        need = len(running) + len(waiting) + 1 - slots
         remaining = sorted(r.max_tokens - r.num_output_tokens for r in running)
-        wait = remaining[min(need, len(remaining)) - 1] * decode_step if need > 0 and remaining else 0.0
-        if per_step < 1:  # the decode step alone uses the targets up: prompts wait for streams to end
-            wait = max(wait, (remaining[0] if remaining else 1) * decode_step)
-            per_step = budget
-        steps = -(-tokens // per_step)
         # The step running now is not interrupted: as long as the last one, say.
-        in_flight = (cost.last_seconds or overhead) if self.running else 0.0
-        return in_flight + wait + steps * overhead + b1 * tokens
+        current = ((cost.last_seconds or overhead) if running else 0.0) if in_flight else 0.0
+
+        def first_token_in(tokens: int, queued_ahead: int) -> float:
+            # A sequence slot: the streams that must end first, at the decode step they run at.
+            need = len(running) + queued_ahead + 1 - slots
+            wait = remaining[min(need, len(remaining)) - 1] * decode_step if need > 0 and remaining else 0.0
+            step_tokens = per_step
+            if step_tokens < 1:  # the decode step alone uses the targets up: prompts wait for streams to end
+                wait = max(wait, (remaining[0] if remaining else 1) * decode_step)
+                step_tokens = budget
+            steps = -(-tokens // step_tokens)
+            return current + wait + steps * overhead + b1 * tokens
+
+        return first_token_in
 
     def _schedule_by_rank(self) -> tuple[list[ScheduledRequest], list[str]]:
         """One pass over the running and the waiting queue (each in rank order) merged:
