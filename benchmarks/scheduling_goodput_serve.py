@@ -1,5 +1,6 @@
 """Goodput of fcfs, priority and SLO mode on a real server (issue 29): the chat workload
-(random 128-token prompts, 64 output tokens, Poisson arrivals) at a few request rates,
+(random 128-token prompts, 64 output tokens, Poisson arrivals; or `--dataset shared-prefix
+--prefix-len 512 --num-prefixes 4`: one of 4 prefixes, then 128 random tokens) at a few request rates,
 goodput = TTFT <= 1 s and TPOT <= 100 ms, through `tokenmill bench serve --goodput`.
 One fresh `tokenmill serve` (the default model) per policy, the rates in turn on it:
 
@@ -32,8 +33,8 @@ TTFT_S, TPOT_S = 1.0, 0.1
 
 def bench(url: str, rate: float, num: int, seed: int, out: Path, a: argparse.Namespace,
           priority: int | None = None) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "tokenmill.cli", "bench", "serve", "--base-url", url, "--dataset", "random",
-           "--input-len", str(a.input_len), "--output-len", str(a.output_len), "--num-prompts", str(num),
+    cmd = [sys.executable, "-m", "tokenmill.cli", "bench", "serve", "--base-url", url, "--dataset", a.dataset,
+           "--prefix-len", str(a.prefix_len), "--num-prefixes", str(a.num_prefixes), "--input-len", str(a.input_len), "--output-len", str(a.output_len), "--num-prompts", str(num),
            "--request-rate", str(rate), "--seed", str(seed), "--ignore-eos", "--disable-tqdm",
            "--goodput", "ttft:1000", "tpot:100", "--save-result", str(out), "--num-warmups", "0"]
     if priority is not None:
@@ -61,7 +62,10 @@ def main() -> None:
     p.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5])
     p.add_argument("--seconds", type=float, default=60)
     p.add_argument("--policies", nargs="+", default=list(POLICIES))
-    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--dataset", default="random", choices=["random", "shared-prefix"])
+    p.add_argument("--prefix-len", type=int, default=0, help="shared-prefix: e.g. 512 (random: 0)")
+    p.add_argument("--num-prefixes", type=int, default=1)
+    p.add_argument("--input-len", type=int, default=128, help="prompt tokens (random), suffix tokens (shared-prefix)")
     p.add_argument("--output-len", type=int, default=64)
     p.add_argument("--serve-args", default="--max-model-len 1024")
     a = p.parse_args()
