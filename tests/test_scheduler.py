@@ -17,7 +17,7 @@ from fakes import EOS, Harness, make_request, reference_outputs
 from tokenmill.config import SchedulingConfig  # its default: off
 from tokenmill.engine.request import RequestStatus
 from tokenmill.engine.scheduler import PRIORITY_GUARD_SECONDS
-from tokenmill.engine.step_cost import StepCostEstimator
+from tokenmill.engine.step_cost import ForecastError, StepCostEstimator
 from tokenmill.sampling.params import SamplingParams
 
 
@@ -1119,6 +1119,62 @@ def test_slo_ttft_sends_back_what_the_on_time_queue_ahead_dooms() -> None:
     h.run()
     assert set(h.finished) == {"q0", "q1", "q2", "q3", "patient"}
     h.assert_idle()
+
+
+def test_slo_learns_how_far_its_ttft_forecasts_run_over_and_stretches_them() -> None:
+    """Each request's first forecast (made when it is first judged on time) is compared
+    with the wait it had: forecasts of 0.3 s and 0.6 s (a 20-token prompt, then one behind
+    it, at 0.1 + 0.01 x prefill s a step of 32 tokens) that took 0.6 s and 1.2 s teach a
+    ratio of 2. Once the machine has shown forecasts running 1.5x over, the queue of
+    test_slo_ttft_sends_back_what_the_on_time_queue_ahead_dooms loses q2 as well (its 0.8 s
+    forecast is 1.2 s stretched): on a shared machine a request forecast on time by a
+    small margin ended just past its target. 30 s later the stretch is forgotten."""
+    now = [0.0]
+    h = Harness(num_blocks=64, max_num_batched_tokens=32, slo_ttft=1.0, step_cost=linear_cost(),
+                clock=lambda: now[0])
+    h.add("a", tokens(0, 20), arrival_time=0.0, max_tokens=2)
+    h.add("b", tokens(100, 20), arrival_time=0.0, max_tokens=2)
+    for clock_at_first_token in (0.6, 1.2):
+        out = h.schedule()
+        now[0] = clock_at_first_token
+        h.sched.update_from_output(out, h.runner.execute(out))
+    assert [round(r, 6) for r in h.sched.ttft_forecast_error.ratios] == [2.0, 2.0]
+    assert h.sched.ttft_forecast_error.factor(now[0]) == 1.0  # not before 16 of them
+
+    h = Harness(num_blocks=64, max_num_batched_tokens=32, slo_ttft=1.0, step_cost=linear_cost(),
+                clock=lambda: 0.0)
+    for _ in range(16):
+        h.sched.ttft_forecast_error.observe(1.0, 1.5, 0.0)
+    assert h.sched.ttft_forecast_error.factor(0.0) == 1.5
+    for i in range(4):
+        h.add(f"q{i}", tokens(100 * i, 20), arrival_time=0.0, max_tokens=2)
+    h.add("patient", tokens(500, 20), arrival_time=0.0, max_tokens=2, slo_ttft=2.0)
+    assert [(r, n) for r, _, n, _ in trace(h.step())] == [("q0", 20), ("q1", 12)]
+    assert [r.request_id for r in h.sched.waiting] == ["patient", "q2", "q3"]
+    h.run()
+    assert set(h.finished) == {"q0", "q1", "q2", "q3", "patient"}
+    h.assert_idle()
+    assert h.sched.ttft_forecast_error.factor(31.0) == 1.0
+
+
+def test_forecast_error_takes_the_recent_median_within_bounds() -> None:
+    """The median ratio of the recent forecasts, bounded; old ones are forgotten (a
+    stretch that sends every request back gets no new samples: it must not last)."""
+    error = ForecastError(window=20, quantile=0.5, min_samples=4, max_age=30.0, bounds=(0.5, 2.0))
+    for actual in (1.0, 1.1, 1.2):
+        error.observe(1.0, actual, 0.0)
+    assert error.factor(0.0) == 1.0
+    error.observe(1.0, 3.0, 0.0)
+    assert error.factor(0.0) == 1.2
+    for actual in (2.5, 3.0, 3.0):
+        error.observe(1.0, actual, 0.0)
+    assert error.factor(0.0) == 2.0  # the median, 2.5, bounded
+    for _ in range(20):
+        error.observe(2.0, 0.2, 10.0)  # forecasts far too long: the window forgets the old ones
+    assert error.factor(10.0) == 0.5
+    error.observe(0.0, 1.0, 10.0)  # no forecast: nothing learned
+    assert len(error.ratios) == 20
+    assert error.factor(41.0) == 1.0 and error.ratios == []
 
 
 # ----- per-request SLO targets and early rejection -------------------------------------

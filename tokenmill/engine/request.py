@@ -57,6 +57,10 @@ class Request:
     stop_reason: int | str | None = None
     first_scheduled_time: float | None = None
     first_token_time: float | None = None  # the scheduler's clock when its first output token was appended
+    # SLO mode: (when, seconds to its first token) as forecast when it was first judged on
+    # time; None once it was judged late (its wait is not a forecast's to learn from).
+    ttft_forecast: tuple[float, float] | None = None
+    ttft_judged: bool = False
     num_new_output_tokens: int = 0  # output tokens appended by the latest step
     # Tokens a proposer guessed to follow (speculative decoding); the next step verifies
     # them. Never part of the request's tokens until accepted.

@@ -50,7 +50,7 @@ from tokenmill.engine.block_manager import HybridKVBlockManager, KVBlockManager
 from tokenmill.engine.kv_tiers import DiskTier
 from tokenmill.engine.kv_transfer import KVConnector, RemotePrefill, wants_remote_decode
 from tokenmill.engine.request import Request, RequestStatus
-from tokenmill.engine.step_cost import StepCostEstimator
+from tokenmill.engine.step_cost import ForecastError, StepCostEstimator
 
 logger = logging.getLogger(__name__)
 
@@ -126,6 +126,11 @@ class SchedulerStats:
     kv_transfer_failed_pulls: int = 0
 
 
+# SLO mode learns how far its TTFT forecasts run over from those of at least this share
+# of the target.
+FORECAST_MIN_SHARE = 0.25
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv: KVBlockManager | HybridKVBlockManager,
                  clock: Callable[[], float] = time.monotonic, step_cost: StepCostEstimator | None = None) -> None:
@@ -157,6 +162,8 @@ class Scheduler:
         # Under priority with a step bound: each priority level's latest arrivals, as
         # (arrival time, prompt tokens to compute).
         self._arrivals: dict[int, deque[tuple[float, int]]] = {}
+        # SLO mode: how far its TTFT forecasts run over on this machine (engine/step_cost.py).
+        self.ttft_forecast_error = ForecastError()
 
     # ----- admission -----------------------------------------------------------------
 
@@ -460,6 +467,7 @@ class Scheduler:
         rows = self._decode_rows()
         budget = self.config.max_num_batched_tokens
         on_time_tokens = on_time_count = 0  # the prompts of the on-time requests ahead
+        stretch = self.ttft_forecast_error.factor(now)
 
         def late(request: Request) -> bool:
             ttft = self._ttft(request)
@@ -467,7 +475,20 @@ class Scheduler:
                 return False
             waited = now - request.arrival_time
             if first_token_in is not None:
-                return waited + first_token_in(on_time_tokens + self._prefill_left(request), on_time_count) > ttft
+                forecast = first_token_in(on_time_tokens + self._prefill_left(request), on_time_count)
+                is_late = waited + forecast * stretch > ttft
+                if not request.ttft_judged:  # learn from the first forecast of each request
+                    request.ttft_judged = True
+                    # (a short one only measures the step in flight, not a queue's wait)
+                    learn = not is_late and forecast >= FORECAST_MIN_SHARE * ttft
+                    request.ttft_forecast = (now, forecast) if learn else None
+                elif is_late and request.ttft_forecast is not None:
+                    # Forecast on time, now late: its wait had it stayed is the best guess
+                    # (leaving it out would learn only from the forecasts that held).
+                    judged_at, first = request.ttft_forecast
+                    self.ttft_forecast_error.observe(first, now - judged_at + forecast, now)
+                    request.ttft_forecast = None
+                return is_late
             step = self.step_cost.predict(min(self._prefill_left(request), budget), rows) if self.step_cost else None
             return waited + (step or 0.0) > ttft
 
@@ -715,6 +736,10 @@ class Scheduler:
             request.num_new_output_tokens = 0
             if request.first_token_time is None:
                 request.first_token_time = self.clock()
+                if request.ttft_forecast is not None:
+                    judged_at, forecast = request.ttft_forecast
+                    self.ttft_forecast_error.observe(forecast, request.first_token_time - judged_at,
+                                                     request.first_token_time)
             for token_id in tokens:
                 request.append_output_token(token_id)
                 request.num_new_output_tokens += 1

@@ -113,6 +113,44 @@ class StepCostEstimator:
         return _gauss(a, [self._moment[r] for r in active])
 
 
+class ForecastError:
+    """How far the waits SLO mode forecasts run over, learned from the requests it judged
+    on time: each forecast (seconds until the first token, made when the request was
+    first judged) against the wait it had. The scheduler stretches its forecasts by the
+    `quantile` of actual / forecast over the last `window` of them, forgetting those older
+    than `max_age` seconds. The step cost is fitted per step, but a queue's wait is many
+    steps on a shared machine, plus what the forecast leaves out (slots freed later than
+    predicted, the saved time the TPOT rule spends): a request forecast on time by a small
+    margin then ends just past its target. Forgetting matters: a request judged late
+    teaches nothing, so a stretch that judges every request late would never learn again."""
+
+    def __init__(self, window: int = 64, quantile: float = 0.9, min_samples: int = 16,
+                 max_age: float = 30.0, bounds: tuple[float, float] = (0.5, 2.0)) -> None:
+        self.samples: deque[tuple[float, float]] = deque(maxlen=window)  # (when, actual / forecast)
+        self.quantile = quantile
+        self.min_samples = min_samples
+        self.max_age = max_age
+        self.bounds = bounds
+
+    @property
+    def ratios(self) -> list[float]:
+        return [ratio for _, ratio in self.samples]
+
+    def observe(self, forecast: float, actual: float, now: float) -> None:
+        if forecast > 0 and actual >= 0:
+            self.samples.append((now, actual / forecast))
+
+    def factor(self, now: float) -> float:
+        """What to multiply a forecast by (1 until enough recent forecasts are known)."""
+        while self.samples and now - self.samples[0][0] > self.max_age:
+            self.samples.popleft()
+        if len(self.samples) < self.min_samples:
+            return 1.0
+        ordered = sorted(self.ratios)
+        ratio = ordered[min(int(self.quantile * len(ordered)), len(ordered) - 1)]
+        return min(max(ratio, self.bounds[0]), self.bounds[1])
+
+
 def _gauss(a: list[list[float]], b: list[float]) -> list[float] | None:
     """Solve a x = b (a small symmetric system) by elimination with partial pivoting;
     None when it is singular."""
