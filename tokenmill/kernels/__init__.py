@@ -106,7 +106,9 @@ def paged_decode_attention(
     cached tokens (`window` > 0: its last `window` of them, a sliding-window layer's), read
     through its block table (int32 [num_seqs, max_blocks]). An int8/fp8 cache comes with its
     float16 scales per (token, head), `kv_scales` = (k, v) (reference: `LayerKVCache.read`
-    then SDPA). A row's keys are reduced in position order whatever else is in the call."""
+    then SDPA). A row's keys are reduced in position order whatever else is in the call. A
+    bf16 cache on a CPU with AVX-512 BF16 is read with bf16 dot products (q and the softmax
+    weights rounded to bf16, float32 sums), as torch's flash attention computes bf16."""
     torch.ops.tokenmill.paged_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, scale,
                                                *(kv_scales or (None, None)), window)
 
