@@ -394,7 +394,10 @@ def worker_spec(system: str, args: argparse.Namespace, peers: Peers, prefix_on: 
     if system == "tokenmill":
         argv = [sys.executable, str(WORKERS / "tokenmill_worker.py"), "--dtype", args.tokenmill_dtype]
         argv += ["--model", args.gguf] if getattr(args, "gguf", None) else []
-        return WorkerSpec(system, [*argv, "--threads", str(threads), "--prefix-caching", prefix], worker_env(threads))
+        # This checkout's tokenmill, not whichever one the venv has installed (a worktree
+        # run from another checkout's venv measured that checkout's code).
+        return WorkerSpec(system, [*argv, "--threads", str(threads), "--prefix-caching", prefix],
+                          worker_env(threads, {"PYTHONPATH": str(REPO)}))
     if system == "hf":
         argv = [sys.executable, str(WORKERS / "hf_worker.py"), "--model", peers.gguf, "--dtype", "float32"]
         return WorkerSpec(system, [*argv, "--threads", str(threads)], worker_env(threads))

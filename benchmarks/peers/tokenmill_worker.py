@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 from protocol import Request, claim_stdout, log, serve
@@ -28,7 +29,10 @@ def main() -> int:
     from tokenmill.bench.offline import TokenmillSystem
     from tokenmill.llm import LLM
 
-    log(NAME, f"loading (dtype {args.dtype}, {args.threads} threads, prefix caching {args.prefix_caching})")
+    import tokenmill
+
+    log(NAME, f"loading (dtype {args.dtype}, {args.threads} threads, prefix caching {args.prefix_caching}) "
+              f"from {Path(tokenmill.__file__).parent.parent}")
     t0 = time.perf_counter()
     llm = LLM(model=args.model, dtype=args.dtype, num_threads=args.threads,
               enable_prefix_caching=args.prefix_caching == "on")
