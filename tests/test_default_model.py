@@ -170,6 +170,24 @@ def test_bad_input_fails_early_and_leaves_nothing(llm_f32, prompt, params, messa
     assert_engine_idle(llm_f32)
 
 
+def test_vllm_prompt_dicts_give_the_same_tokens_as_plain_prompts(llm_f32) -> None:
+    params = SamplingParams(temperature=0, max_tokens=6)
+    text = "The capital of France is"
+    ids = llm_f32.tokenizer.encode(text)
+    plain = [o.outputs[0].token_ids for o in llm_f32.generate([text, ids], params)]
+    wrapped = [o.outputs[0].token_ids for o in llm_f32.generate([{"prompt": text}, {"prompt_token_ids": ids}], params)]
+    assert wrapped == plain and plain[0] == plain[1]
+    one = llm_f32.generate({"prompt_token_ids": ids}, params)  # a single dict, as vLLM takes it
+    assert [o.outputs[0].token_ids for o in one] == plain[:1]
+
+
+@pytest.mark.parametrize("prompt", [{"prompt_token_ids": [1], "prompt": "a"}, {"text": "a"}, {"prompt": [1, 2]}])
+def test_a_malformed_prompt_dict_is_named(llm_f32, prompt) -> None:
+    with pytest.raises(ValueError, match="a prompt dict holds exactly one of 'prompt'"):
+        llm_f32.generate(["a valid prompt", prompt], SamplingParams())
+    assert_engine_idle(llm_f32)
+
+
 def test_request_that_can_never_fit_the_kv_cache_is_rejected(llm_f32) -> None:
     small = sibling(llm_f32, num_blocks=4)  # 64 token slots
     with pytest.raises(ValueError, match=r"can never fit in the KV cache \(64 tokens\)"):

@@ -13,7 +13,9 @@ from tokenmill.outputs import EmbeddingRequestOutput, RequestOutput
 from tokenmill.pooling_params import PoolingParams
 from tokenmill.sampling.params import SamplingParams
 
-Prompt = str | list[int]
+# A text, token ids, or vLLM's TextPrompt / TokensPrompt dicts: {"prompt": text} or
+# {"prompt_token_ids": ids}.
+Prompt = str | list[int] | dict[str, object]
 Message = dict[str, str]
 
 
@@ -151,13 +153,25 @@ def _compile_constraints_of(llm: LLM, params: list[SamplingParams]) -> None:
 LLM._compile_constraints = _compile_constraints_of
 
 
-def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[Prompt]:
-    if isinstance(prompts, str):
-        return [prompts]
+def _as_prompt_list(prompts: Prompt | Sequence[Prompt]) -> list[str | list[int]]:
+    """Every prompt as a text or a list of token ids (the input processor's forms)."""
+    if isinstance(prompts, (str, dict)):
+        prompts = [prompts]
     prompts = list(prompts)
     if prompts and isinstance(prompts[0], int):  # one prompt given as token ids
         return [prompts]
-    return prompts
+    return [_unwrap_prompt_dict(p) if isinstance(p, dict) else p for p in prompts]
+
+
+def _unwrap_prompt_dict(prompt: dict[str, object]) -> str | list[int]:
+    """vLLM's TextPrompt {"prompt": text} or TokensPrompt {"prompt_token_ids": ids}."""
+    keys = set(prompt)
+    if keys == {"prompt"} and isinstance(prompt["prompt"], str):
+        return prompt["prompt"]
+    if keys == {"prompt_token_ids"} and isinstance(prompt["prompt_token_ids"], (list, tuple)):
+        return list(prompt["prompt_token_ids"])
+    raise ValueError(f"a prompt dict holds exactly one of 'prompt' (a text) or 'prompt_token_ids' (a list of "
+                     f"token ids), as vLLM's TextPrompt and TokensPrompt; got the keys {sorted(keys)}")
 
 
 def _as_priority_list(priority: Sequence[int] | None, count: int) -> list[int]:
