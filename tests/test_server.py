@@ -149,6 +149,32 @@ def test_sse_framing(server):
     assert "usage" not in chunks[-1] or chunks[-1]["usage"] is None
 
 
+def test_stream_lines_survive_unicode_line_separators(server, client):
+    """U+2028, U+2029 and U+0085 are escaped in every data line: a client that reads the
+    stream with httpx's `iter_lines` (which splits where str.splitlines does) gets whole JSON
+    lines, and the text round-trips (the soak's client once got a line cut at a generated U+2028)."""
+    prompt = "one\u2028two\u2029three\x85four"
+    body = {"prompt": prompt, "max_tokens": 2, "stream": True, "echo": True, "temperature": 0, "ignore_eos": True}
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=120) as response:
+        assert response.status_code == 200
+        lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines), lines
+    chunks = [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
+    streamed = "".join(c["choices"][0]["text"] for c in chunks if c["choices"])
+    whole = client.completions.create(model=server.model, prompt=prompt, max_tokens=2, echo=True, temperature=0,
+                                      extra_body={"ignore_eos": True}).choices[0].text
+    assert streamed == whole and streamed.startswith(prompt)
+
+
+def test_sse_json_escapes_only_what_line_readers_split_on() -> None:
+    from tokenmill.serve.protocol import sse_json
+
+    payload = {"text": "a\u2028b\u2029c\x85d\u00e9\n"}
+    line = sse_json(payload)
+    assert line.splitlines() == [line] and json.loads(line) == payload
+    assert "\u00e9" in line  # other text stays UTF-8 as is
+
+
 def test_tokenize_and_detokenize_round_trip(server):
     tokens = server.post("/tokenize", json={"prompt": "Hello world"}).json()
     assert tokens["count"] == len(tokens["tokens"]) and tokens["max_model_len"] == 1024

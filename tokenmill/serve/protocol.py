@@ -15,6 +15,7 @@ every 2xx response against them.
 
 from __future__ import annotations
 
+import json
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, field_validator, model_validator
@@ -367,6 +368,19 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+
+
+# Characters JSON leaves raw that Python's str.splitlines, and so httpx's `aiter_lines` and
+# other line readers, take for line ends (JSON escapes every other one: they are below 0x20).
+# SSE ends lines only at CR/LF, but a generated U+2028 split a data line in two for such a
+# client (the soak's). Escaped, the JSON is the same and every data line stays one line.
+_JSON_RAW_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def sse_json(payload: Any) -> str:
+    """`payload` as the JSON of one SSE `data:` line: compact, UTF-8 text as is, the
+    characters line readers split on escaped."""
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).translate(_JSON_RAW_LINE_BREAKS)
 
 
 def sse_content(payload: str, *, named: bool = False) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from tokenmill.outputs import RequestOutput
 from tokenmill.serve.async_engine import EngineUnavailableError
 from tokenmill.serve.errors import APIError, bad_request, error_body
-from tokenmill.serve.protocol import ChatCompletionRequest, ChatMessage, OpenAIModel, RequestBody, sse_content
+from tokenmill.serve.protocol import ChatCompletionRequest, ChatMessage, OpenAIModel, RequestBody, sse_content, sse_json
 from tokenmill.serve.reasoning import get_reasoning_parser
 from tokenmill.serve.serving import (
     OpenAIServing,
@@ -368,7 +368,7 @@ class _EventWriter:
     def emit(self, kind: str, **fields: Any) -> str:
         payload = {"type": kind, "sequence_number": self.sequence, **fields}
         self.sequence += 1
-        return f"event: {kind}\ndata: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+        return f"event: {kind}\ndata: {sse_json(payload)}\n\n"
 
     @property
     def index(self) -> int:

@@ -21,7 +21,6 @@ import asyncio
 import contextvars
 import dataclasses
 import functools
-import json
 import logging
 import math
 import time
@@ -57,6 +56,7 @@ from tokenmill.serve.protocol import (
     CompletionRequest,
     SamplingFields,
     Usage,
+    sse_json,
 )
 from tokenmill.serve.reasoning import END as REASONING_END
 from tokenmill.serve.reasoning import START as REASONING_START
@@ -540,7 +540,7 @@ class SSEResponse(StreamingResponse):
 
 
 def _event(payload: dict[str, Any]) -> str:
-    return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
+    return f"data: {sse_json(payload)}\n\n"
 
 
 class _Renderer:
