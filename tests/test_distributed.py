@@ -170,6 +170,19 @@ def test_gloo_all_reduce_and_more_microbatches_equal_too(tiny: Path, reference) 
     assert_same(run(engine_settings(tiny, 2, 2, all_reduce="gloo", pipeline_microbatches=3)), reference)
 
 
+def exact(outputs: tuple) -> tuple:
+    tokens, logprobs, _ = outputs
+    return tokens, [[sorted((t, lp.logprob) for t, lp in step.items()) for step in seq] for seq in logprobs]
+
+
+def test_a_first_stage_looks_up_a_tied_table_as_the_head_stores_it(tiny: Path) -> None:
+    """int8 at load rounds the tied head, whose rows one process looks up; the first of two
+    pipeline stages holds no head and looked up the float table instead (other tokens).
+    Now it keeps the table in the head's format: the same bits as one process."""
+    settings = dict(quantization="int8")
+    assert exact(run(engine_settings(tiny, 1, 2, **settings))) == exact(run(engine_settings(tiny, **settings)))
+
+
 def test_replicated_kv_heads_and_untied_head(tmp_path: Path) -> None:
     """TP = 6 over 3 KV heads (each on two ranks) and a separate LM head on the last stage."""
     path = write_tiny_llama(tmp_path / "untied", tie=False, seed=1)

@@ -86,7 +86,7 @@ def set_weight_format(model: nn.Module, fmt: WeightFormat, embedding_dtype: torc
             experts.set_format(fmt)
     release = getattr(model, "release_tied_embedding", None)
     if release is not None:
-        release()
+        release(fmt)
     if embedding_dtype is not None:
         for module in model.modules():
             if isinstance(module, nn.Embedding) and module.weight is not None and module.weight.dtype != embedding_dtype:

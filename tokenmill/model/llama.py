@@ -31,7 +31,7 @@ from tokenmill.model.moe import SparseMoE
 from tokenmill.model_arch import ModelArchConfig
 from tokenmill.parallel.layout import ShardLayout
 from tokenmill.parallel.model_parallel import ModelParallel
-from tokenmill.quantization import QuantizedTensor, WeightFormat
+from tokenmill.quantization import LinearWeights, QuantizedTensor, WeightFormat
 
 
 class Attention(nn.Module):
@@ -212,6 +212,8 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, layout.vocab.size, bias=False, many_rows=False) \
             if layout.last_stage and lm_head else None
+        # A tied table in the head's format on a stage without the head (release_tied_embedding).
+        self.tied_rows: LinearWeights | None = None
         # Each layer's operands for the native fused layer, set at load when the plan runs it.
         self.fused_layers: list[FusedLayerOperands] | None = None
         self.tie_weights()
@@ -241,10 +243,19 @@ class LlamaForCausalLM(nn.Module):
         if self.cfg.tie_word_embeddings and self.lm_head is not None:
             self.lm_head.weight = self.embed_tokens.weight
 
-    def release_tied_embedding(self) -> None:
+    def release_tied_embedding(self, fmt: WeightFormat | None = None) -> None:
         """Once a tied head is in its weight format, it serves the embedding lookup (its
-        `rows`): the table is not kept a second time."""
-        if self.cfg.tie_word_embeddings and self.lm_head is not None and self.lm_head.weights is not None:
+        `rows`): the table is not kept a second time. A pipeline stage that embeds but holds
+        no head (the first of several) keeps its table in the head's format (`fmt`), so its
+        rows are the values the whole model looks up (a format that quantizes at load, int8
+        or int4, rounds them)."""
+        if not self.cfg.tie_word_embeddings:
+            return
+        if self.lm_head is not None and self.lm_head.weights is not None:
+            self.embed_tokens.weight = None
+        elif (fmt is not None and not self.parallel.layout.last_stage and self.embed_tokens is not None
+              and self.embed_tokens.weight is not None):
+            self.tied_rows = fmt.make(self.embed_tokens.weight.detach().float(), many_rows=False)
             self.embed_tokens.weight = None
 
     @property
@@ -315,7 +326,8 @@ class LlamaForCausalLM(nn.Module):
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         """Embedding rows: from the table, or from a tied head's own storage."""
         if self.embed_tokens.weight is None:
-            return self.lm_head.weights.rows(ids).to(self.dtype)
+            tied = self.lm_head.weights if self.lm_head is not None else self.tied_rows
+            return tied.rows(ids).to(self.dtype)
         return self.embed_tokens(ids).to(self.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
