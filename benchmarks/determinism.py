@@ -2,7 +2,8 @@
 it (`matrix`), and what `--enable-deterministic-inference` costs (`cost`). Not part of CI.
 
     # 16 W3 prompts: one at a time vs batches, chunks of 64 and 512, prefix hits, the same
-    # request again, preemption, one thread (default-rows: short prompt chunks as rows, as before)
+    # request again, preemption, one thread, tensor parallel 2 (default-rows: short prompt
+    # chunks as rows, as before)
     PYTHONPATH=. .venv/bin/python benchmarks/determinism.py matrix --prompts 16 --mode default
     PYTHONPATH=. .venv/bin/python benchmarks/determinism.py matrix --prompts 16 --mode deterministic
     # W1-W4 (benchmarks/compare.py's shapes), default vs deterministic, alternated, medians
@@ -102,6 +103,10 @@ def run_matrix(mode: str, dtype: str, num_prompts: int, max_tokens: int,
         print(f"(preemptions: {small.engine.scheduler.num_preemptions})", flush=True)
         return got
 
+    def tensor_parallel() -> list:  # two ranks on the two cores, 64 requests at a time
+        split = make_llm(mode, dtype, enable_prefix_caching=False, tensor_parallel_size=2, distributed_timeout=120.0)
+        return [r for i in range(0, len(prompts), 64) for r in outputs(split, prompts[i:i + 64], max_tokens)]
+
     conditions = {f"batches of {b}": (lambda b=b: batched(b)) for b in batch_sizes}
     conditions.update({f"prompts chunked by {c}": (lambda c=c: outputs(sibling(max_num_batched_tokens=c), prompts,
                                                                         max_tokens)) for c in chunks})
@@ -110,6 +115,7 @@ def run_matrix(mode: str, dtype: str, num_prompts: int, max_tokens: int,
     conditions["the same request again (prefix-cache hit but the last block)"] = again
     conditions["preempted and recomputed"] = preempted
     conditions["one thread"] = lambda: outputs(make_llm(mode, dtype, num_threads=1), prompts, max_tokens)
+    conditions["tensor parallel 2, batches of 64"] = tensor_parallel
     results = {}
     for name, run in conditions.items():
         if only and only not in name:

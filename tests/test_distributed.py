@@ -21,7 +21,8 @@ from tokenmill.distributed.executor import DistributedError
 from tokenmill.llm import LLM
 from tokenmill.model_arch import ModelArchConfig
 from tokenmill.parallel.group import max_kv_units
-from tokenmill.parallel.layout import Span, build_layout, split_sizes
+from tokenmill.parallel.layout import Span, build_layout, reference_split, split_sizes
+from tokenmill.parallel.model_parallel import ModelParallel
 from tokenmill.runner.pipeline import split_microbatches
 
 SMOLLM2 = ModelArchConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, tie_word_embeddings=True)
@@ -170,9 +171,39 @@ def test_gloo_all_reduce_and_more_microbatches_equal_too(tiny: Path, reference) 
     assert_same(run(engine_settings(tiny, 2, 2, all_reduce="gloo", pipeline_microbatches=3)), reference)
 
 
+def test_deterministic_inference_reduces_as_the_two_rank_split_whatever_the_degree() -> None:
+    """One process cuts o_proj and down_proj where the 2-rank split's second rank starts
+    (SmolLM2: 3 of 9 heads, an MLP cut on the 32-column groups); the split's own ranks hold
+    whole parts and cut nothing; without deterministic inference, or for a model that does
+    not split in two, nothing is cut."""
+    reference = reference_split(SMOLLM2, 32)
+    single = ModelParallel.single(SMOLLM2, reduce_as=reference)
+    assert single.column_cuts("layers.7.self_attn.o_proj.weight") == (192,)
+    assert single.column_cuts("layers.7.mlp.down_proj.weight") == (reference[1].intermediate.start,)
+    assert reference[1].intermediate.start % 32 == 0
+    assert single.column_cuts("layers.7.mlp.gate_proj.weight") == ()  # column-parallel: nothing to add
+    for layout in reference:
+        assert ModelParallel(layout, reduce_as=reference).column_cuts("layers.7.mlp.down_proj.weight") == ()
+    assert ModelParallel.single(SMOLLM2).column_cuts("layers.7.self_attn.o_proj.weight") == ()
+    assert reference_split(ModelArchConfig("llama", 512, 96, 1, 4, 6, 3, 16)) == ()  # one MLP column
+
+
 def exact(outputs: tuple) -> tuple:
     tokens, logprobs, _ = outputs
     return tokens, [[sorted((t, lp.logprob) for t, lp in step.items()) for step in seq] for seq in logprobs]
+
+
+@pytest.mark.parametrize("extra", [{}, {"quantization": "int8"}], ids=["float32", "int8"])
+def test_deterministic_inference_gives_one_process_and_tp2_the_same_bits(tiny: Path, extra: dict) -> None:
+    """Greedy tokens and logprobs bit for bit: one process, TP = 2 (uneven heads) over shared
+    memory, and TP = 2 x PP = 2 over gloo, each preempting and hitting the prefix cache.
+    Without the 2-rank reduction order the logprobs differed in their last bits."""
+    settings = dict(enable_deterministic_inference=True, **extra)
+    single = run(engine_settings(tiny, **settings))
+    for tp, pp, more in ((2, 1, {}), (2, 2, {"all_reduce": "gloo"})):
+        split = run(engine_settings(tiny, tp, pp, **settings, **more))
+        assert exact(split) == exact(single), (tp, pp, more)
+        assert split[2].num_preemptions > 0 and split[2].prefix_cache_hits > 0
 
 
 def test_a_first_stage_looks_up_a_tied_table_as_the_head_stores_it(tiny: Path) -> None:
@@ -256,6 +287,31 @@ def default_model_split(llm_f32, **split) -> None:
                          ids=["tp2-uneven", "tp3", "pp2", "tp2xpp2"])
 def test_default_model_splits_equal_one_process(llm_f32, split) -> None:
     default_model_split(llm_f32, **split)
+
+
+def test_default_model_deterministic_at_tp2_equals_one_process() -> None:
+    """The issue's report: the default model (Q4_1 as stored) at --tensor-parallel-size 2
+    answered the capital-of-France question otherwise than one process (a near-tie flipped).
+    With deterministic inference the two give the same tokens and logprobs bit for bit, the
+    fused decode layer of the one process (its o_proj and down_proj in two column parts)
+    against the split's per-op path; when each degree kept its own sums, 3 of the 4 text
+    prompts changed tokens."""
+    messages = [[{"role": "user", "content": "What is the capital of France?"}]]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
+    results = []
+    for tp in (1, 2):
+        llm = LLM(enable_deterministic_inference=True, tensor_parallel_size=tp, max_model_len=256,
+                  distributed_timeout=60.0)
+        try:
+            outputs = llm.chat(messages, params) + llm.generate(DEFAULT_TEXTS, params)
+            if tp == 1:  # the fused layer runs o_proj and down_proj as two column parts each
+                fused = llm.engine.executor.model.fused_layers
+                assert fused is not None and [len(w.pieces) for w in fused[0].weights] == [1, 2, 1, 2]
+        finally:
+            close(llm)
+        results.append([(o.outputs[0].token_ids, [sorted((t, lp.logprob) for t, lp in step.items())
+                                                  for step in o.outputs[0].logprobs]) for o in outputs])
+    assert results[0] == results[1]
 
 
 def test_gguf_parts_are_read_without_the_rest() -> None:

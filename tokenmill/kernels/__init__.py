@@ -35,7 +35,7 @@ _SOURCES = [
                               "cpu_prefill_attention.cpp")
 ]
 _OPS = ("paged_decode_attention", "skinny_linear", "grouped_skinny_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary_",
-        "llama_decode_layer", "write_kv_cache", "hadamard_", "quant_linear", "quant_dequantize",
+        "llama_decode_layer", "column_parts_linear", "write_kv_cache", "hadamard_", "quant_linear", "quant_dequantize",
         "quantize_activations_q8", "quant_isa", "prefill_attention", "has_prefill_attention")
 _NAME = "tokenmill_cpu_kernels"
 
@@ -267,6 +267,17 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
     torch.ops.tokenmill.rotary_(x, cos, sin)
 
 
+def column_parts_linear(x: torch.Tensor, tensors: list[torch.Tensor], formats: list[int],
+                        perms: list[torch.Tensor | None], max_integer_rows: int = -1,
+                        integer_gemm: bool = False) -> torch.Tensor:
+    """x [M, K] float32 @ W^T for a weight in consecutive column parts (quantization's
+    ColumnParts; the fused layer's format rows): each part times its own input columns,
+    quantized parts as `quant_linear` with these settings, tiled ones by the skinny kernel,
+    the products added in order."""
+    return torch.ops.tokenmill.column_parts_linear(x.contiguous(), tensors, formats, perms, max_integer_rows,
+                                                   integer_gemm)
+
+
 def llama_decode_layer(
     h: torch.Tensor,
     residual: torch.Tensor,
@@ -283,11 +294,12 @@ def llama_decode_layer(
     (in place), runs attention (writing K/V at `slots`) and the MLP, returns the MLP output.
     `layer` holds the layer's norms, weights and head shape, gathered once at load (what the
     op covers: fused_layer.py). A weight is tiles for skinny_linear (operand.format None) or a
-    quantized stream. An int8/fp8 cache comes with its scales; `kv_rotation` is the Hadamard
+    quantized stream, or several of either over consecutive input columns, added in order
+    (operand.column_parts). An int8/fp8 cache comes with its scales; `kv_rotation` is the Hadamard
     block it stores K and V rotated by (0: none)."""
-    tensors, formats, perms = layer.flat_weights
+    tensors, formats, perms, parts = layer.flat_weights
     return torch.ops.tokenmill.llama_decode_layer(
         h, residual, layer.input_norm, layer.post_norm, layer.eps, tensors, formats, perms, *rope, *kv_cache, slots,
         block_tables, context_lens, layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scale,
-        *(kv_scales or (None, None)), kv_rotation,
+        *(kv_scales or (None, None)), kv_rotation, parts,
     )

@@ -90,12 +90,28 @@ class DecodeOperand:
     out_features: int
     format: tuple[int, ...] | None = None
     col_perm: torch.Tensor | None = None
+    in_features: int = 0
+    # A weight computed as column parts (deterministic inference's row-parallel linears,
+    # ModelParallel.reduce_as): each part multiplies its own consecutive input columns and
+    # the products are added in order. Empty: this operand is the whole weight.
+    column_parts: tuple[DecodeOperand, ...] = ()
 
     @property
     def kind(self) -> str:
+        if self.column_parts:
+            return self.column_parts[0].kind
         if self.format is not None:
             return "quantized"
         return "tiled bfloat16" if self.tensor.dtype == torch.bfloat16 else "tiled float32"
+
+    @property
+    def pieces(self) -> tuple[DecodeOperand, ...]:
+        return self.column_parts or (self,)
+
+    @property
+    def format_row(self) -> tuple[int, ...]:
+        """The op's row for this weight: a quantized tensor's format, or for tiles N, K and zeros."""
+        return self.format if self.format is not None else (self.out_features, self.in_features, 0, 0, 0, 0)
 
 
 @dataclass(frozen=True)
@@ -113,10 +129,16 @@ class FusedLayerOperands:
     scale: float
 
     @functools.cached_property
-    def flat_weights(self) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor | None]]:
+    def flat_weights(self) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor | None], list[int]]:
         """The weights as the op's arguments: tensors, their format rows one after another
-        (a tiled weight's row: N then zeros), act-order permutations."""
-        formats: list[int] = []
-        for operand in self.weights:
-            formats.extend(operand.format if operand.format is not None else (operand.out_features, 0, 0, 0, 0, 0))
-        return [o.tensor for o in self.weights], formats, [o.col_perm for o in self.weights]
+        (a tiled weight's row: N, K, then zeros), act-order permutations, and how many of them
+        each of the four linears has (more than one: its column parts, added in order)."""
+        return self.flatten(self.weights)
+
+    @staticmethod
+    def flatten(operands: Sequence[DecodeOperand]) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor | None],
+                                                            list[int]]:
+        pieces = [piece for operand in operands for piece in operand.pieces]
+        formats = [value for piece in pieces for value in piece.format_row]
+        return ([p.tensor for p in pieces], formats, [p.col_perm for p in pieces],
+                [len(operand.pieces) for operand in operands])

@@ -14,7 +14,7 @@ from torch import nn
 from tokenmill import kernels
 from tokenmill.kernels import huge_pages
 from tokenmill.kernels.ops import REFERENCE_OPS, TorchOps, apply_rotary
-from tokenmill.quantization import LinearWeights, WeightFormat
+from tokenmill.quantization import ColumnParts, LinearWeights, WeightFormat
 from tokenmill.quantization.dense import CPUDenseWeights
 
 __all__ = ["Experts", "GatedMLP", "Linear", "RMSNorm", "RotaryEmbedding", "SwiGLU", "apply_rotary", "rope_inv_freq",
@@ -39,6 +39,9 @@ class Linear(nn.Module):
         self.weight: nn.Parameter | None = nn.Parameter(torch.empty(out_features, in_features))
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.weights: LinearWeights | None = None
+        # Input columns before which the weight is cut into parts whose products are added in
+        # order (ColumnParts; deterministic inference's row-parallel linears). Empty: whole.
+        self.column_cuts: tuple[int, ...] = ()
         # nn.Linear's initialisation (random test models; checkpoints overwrite it).
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         if self.bias is not None:
@@ -46,7 +49,7 @@ class Linear(nn.Module):
             nn.init.uniform_(self.bias, -bound, bound)
 
     def set_format(self, fmt: WeightFormat) -> None:
-        self.weights = self._format(fmt).make(self.weight.detach(), many_rows=self.many_rows)
+        self.weights = self._make(fmt, self.weight.detach())
         self.weight = None
 
     def load_weight(self, weight: torch.Tensor, fmt: WeightFormat | None = None) -> None:
@@ -54,14 +57,18 @@ class Linear(nn.Module):
         if fmt is not None:
             if not self.quantize and not isinstance(weight, torch.Tensor):
                 weight = weight.dequantize()
-            self.weights = self._format(fmt).make(weight.detach() if isinstance(weight, torch.Tensor) else weight,
-                                                  many_rows=self.many_rows)
+            self.weights = self._make(fmt, weight.detach() if isinstance(weight, torch.Tensor) else weight)
             self.weight = None
         else:
             self.weight = nn.Parameter(weight.detach(), requires_grad=False)
 
     def _format(self, fmt: WeightFormat) -> WeightFormat:
         return fmt if self.quantize else fmt.float_format
+
+    def _make(self, fmt: WeightFormat, weight) -> LinearWeights:
+        if self.column_cuts:
+            return ColumnParts.make(self._format(fmt), weight, self.column_cuts, self.many_rows)
+        return self._format(fmt).make(weight, many_rows=self.many_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weights is None:

@@ -115,6 +115,10 @@ class DecoderLayer(nn.Module):
         layout = parallel.layout
         self.mlp = SparseMoE(cfg, layout) if cfg.moe_layer(layout.layers.start + layer_idx) else \
             GatedMLP(cfg.hidden_size, layout.intermediate.size, cfg.hidden_act)
+        # Row-parallel products as the reference split computes them (deterministic inference).
+        self.self_attn.o_proj.column_cuts = parallel.column_cuts("o_proj.weight")
+        if isinstance(self.mlp, GatedMLP):
+            self.mlp.down_proj.column_cuts = parallel.column_cuts("down_proj.weight")
 
     def forward(
         self, rope: tuple[torch.Tensor, torch.Tensor], h: torch.Tensor, residual: torch.Tensor | None,

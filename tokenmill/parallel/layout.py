@@ -173,6 +173,22 @@ def build_layout(arch: ModelArchConfig, tp_size: int, tp_rank: int, pp_size: int
     )
 
 
+# Deterministic inference sums every row-parallel linear as a split of this many ranks
+# does, whatever the degree it runs at (ModelParallel.reduce_as): tensor parallelism 1 and 2
+# then give the same bits. Other degrees add other partial products (deterministic among
+# runs at that degree).
+REFERENCE_TP_SIZE = 2
+
+
+def reference_split(arch: ModelArchConfig, column_unit: int = 1) -> tuple[ShardLayout, ...]:
+    """The layouts of the reference split's ranks, as `build_layout` cuts them (same column
+    unit); () when the model does not split so (then there is nothing to match)."""
+    try:
+        return tuple(build_layout(arch, REFERENCE_TP_SIZE, r, 1, 0, column_unit) for r in range(REFERENCE_TP_SIZE))
+    except ValueError:
+        return ()
+
+
 def _expert_spans(arch: ModelArchConfig, tp_size: int, expert_parallel: bool,
                   column_unit: int) -> tuple[list[Span], list[Span]]:
     """Per rank: the experts held and their intermediate columns (nothing for a dense model)."""

@@ -39,10 +39,25 @@ class ModelParallel:
     tp: TPCommunicator | None = None  # None when tp_size == 1
     prev_stage: StageLink | None = None  # None on the first stage
     next_stage: StageLink | None = None  # None on the last stage
+    # Deterministic inference: the ranks' layouts of a reference tensor-parallel split
+    # (`reference_split`) whose row-parallel products this rank computes as they do, so
+    # that one process and that split give the same bits (`column_cuts`). Empty: none.
+    reduce_as: tuple[ShardLayout, ...] = ()
 
     @classmethod
-    def single(cls, arch: ModelArchConfig) -> ModelParallel:
-        return cls(ShardLayout.single(arch))
+    def single(cls, arch: ModelArchConfig, reduce_as: tuple[ShardLayout, ...] = ()) -> ModelParallel:
+        return cls(ShardLayout.single(arch), reduce_as=reduce_as)
+
+    def column_cuts(self, checkpoint_name: str) -> tuple[int, ...]:
+        """Where a row-parallel linear's local input columns are cut so its partial products
+        are the reference split's ranks' (added in rank order, as the all-reduce adds them):
+        inside this rank's columns, where a reference rank's columns start."""
+        mine = self.layout.checkpoint_part(checkpoint_name)
+        if mine is None or mine[0] != 1 or not self.reduce_as:  # not cut along its input columns
+            return ()
+        local = mine[1]
+        starts = (ref.checkpoint_part(checkpoint_name)[1].start for ref in self.reduce_as)
+        return tuple(start - local.start for start in starts if local.start < start < local.stop)
 
     @property
     def tp_size(self) -> int:

@@ -134,7 +134,7 @@ class CPUDenseWeights(LinearWeights):
         self.tiled = place(self.tiled)
 
     def fused_decode_operand(self) -> DecodeOperand:
-        return DecodeOperand(self.tiled, self.out_features)
+        return DecodeOperand(self.tiled, self.out_features, in_features=self.in_features)
 
 
 # oneDNN compiles a primitive (JIT code and buffers, ~0.6 MB each for the default model's

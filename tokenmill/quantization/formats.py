@@ -63,7 +63,8 @@ class QuantizedWeights(LinearWeights):
         self.qt = replace(self.qt, packed=place(self.qt.packed))
 
     def fused_decode_operand(self) -> DecodeOperand:
-        return DecodeOperand(self.qt.packed, self.out_features, tuple(self.qt.format), self.qt.col_perm)
+        return DecodeOperand(self.qt.packed, self.out_features, tuple(self.qt.format), self.qt.col_perm,
+                             self.in_features)
 
 
 class QuantizedFormat(WeightFormat):

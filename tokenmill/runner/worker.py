@@ -36,6 +36,8 @@ from tokenmill.dtypes import kv_cache_dtype_name, torch_dtype
 from tokenmill.hardware import cpu_info
 from tokenmill.model.loader import LoadedModel, load_model, open_checkpoint
 from tokenmill.model_arch import ModelArchConfig
+from tokenmill.parallel.layout import REFERENCE_TP_SIZE, reference_split
+from tokenmill.parallel.model_parallel import ModelParallel
 from tokenmill.pooling import Pooler, model_pooling
 from tokenmill.quantization.dense import CPUMatmulChoice, bound_onednn_caches
 from tokenmill.runner import tune
@@ -70,6 +72,34 @@ class RankSetup:
     microbatches: int | None = None  # pipeline micro-batches per step (a PipelineRunner's)
 
 
+def model_parallel_factory(rank: RankSetup | None, alignment: int,
+                           deterministic: bool) -> Callable[[ModelArchConfig, int], ModelParallel] | None:
+    """What `load_model` builds this process's ModelParallel with: one rank's of a split
+    (row-parallel cuts on multiples of the format's alignment), or None for the whole model.
+    Deterministic inference at one process or at the reference degree (2) sums the
+    row-parallel linears as the reference split does (ModelParallel.reduce_as), so either
+    degree gives the same bits; other degrees keep their own sums (logged)."""
+    if rank is None and not deterministic:
+        return None
+
+    def build(arch: ModelArchConfig, unit: int) -> ModelParallel:
+        unit = math.lcm(unit, alignment)
+        parallel = rank.parallel(arch, unit) if rank is not None else ModelParallel.single(arch)
+        if deterministic:
+            if parallel.tp_size <= REFERENCE_TP_SIZE:
+                parallel.reduce_as = reference_split(arch, unit)
+                if parallel.reduce_as and parallel.tp_size == 1:
+                    logger.info("deterministic inference: o_proj and down_proj add the products of the column parts "
+                                "of a tensor-parallel split of %d, in its order (sizes 1 and %d give the same bits)",
+                                REFERENCE_TP_SIZE, REFERENCE_TP_SIZE)
+            else:
+                logger.info("deterministic inference at tensor parallel size %d: its sums differ from sizes 1 and %d "
+                            "(which give the same bits)", parallel.tp_size, REFERENCE_TP_SIZE)
+        return parallel
+
+    return build
+
+
 def rank_setup(ctx, config: EngineConfig, num_threads: int) -> RankSetup:
     """This rank's setup from its membership of the split (`parallel.group.DistributedContext`)."""
     parallel = config.parallel
@@ -93,10 +123,7 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltRank
     backend = select_attention_backend(config.device.attention_backend, device, kernels_ok)
     keep_quantized = quantized_as_stored(config, checkpoint.quantized, kernels_ok)
     chosen = choose_plan(config, device, dtype, kernels_ok, backend, checkpoint.arch, keep_quantized)
-    parallel = None
-    if rank is not None:
-        alignment = chosen.weight_format.shard_alignment
-        parallel = lambda arch, unit: rank.parallel(arch, math.lcm(unit, alignment))
+    parallel = model_parallel_factory(rank, chosen.weight_format.shard_alignment, chosen.batch_invariant)
     loaded = load_model(checkpoint, dtype.compute, device, config.model.max_model_len, chosen.weight_format, parallel,
                         keep_quantized=keep_quantized, lm_head=runner_type != "pooling")
     max_model_len = resolve_max_model_len(config, loaded)

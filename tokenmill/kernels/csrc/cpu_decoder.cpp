@@ -13,6 +13,10 @@
 // rotated to match). Each of the four weights is either tiled for skinny_linear (float32
 // or bfloat16; its format row starts with N and has bits 0) or a weight-only quantized
 // QuantizedTensor for quant_linear (its `.format` row, and its act-order permutation).
+// `parts` (empty: one weight each) gives how many weights each of the four linears has:
+// a linear of several is the sum, in order, of each part times its own consecutive input
+// columns (deterministic inference's row-parallel linears, as a 2-rank tensor-parallel
+// split computes and all-reduces them: tokenmill/parallel/model_parallel.py).
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch_v2.h>
@@ -28,13 +32,48 @@ namespace {
 constexpr int64_t kFormatLen = 6;  // QuantizedTensor.format: N, K, bits, group, scale bytes, offset
 
 // x . W^T for one of the layer's weights, by its kind (see the header comment).
+// `max_integer_rows` / `integer_gemm`: quant_linear's (-1 / false: its built-in switch,
+// what the fused layer runs).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef format,
-                  const std::optional<at::Tensor>& perm) {
+                  const std::optional<at::Tensor>& perm, int64_t max_integer_rows = -1, bool integer_gemm = false) {
   if (format[2] == 0) return skinny_linear(x, weight, format[0]);
-  return quant_linear(x, QuantWeight::from_format(weight, format, perm));
+  return quant_linear(x, QuantWeight::from_format(weight, format, perm), max_integer_rows, -1, integer_gemm);
+}
+
+// x . W^T for a weight in consecutive column parts (`weights[i]` with format row i and
+// permutation i): each part times its own input columns, the products added in order, as
+// the ranks of a tensor-parallel split and their all-reduce add them.
+at::Tensor linear_parts(const at::Tensor& x, at::TensorList weights, at::IntArrayRef formats,
+                        const c10::List<std::optional<at::Tensor>>& perms, int64_t max_integer_rows = -1,
+                        bool integer_gemm = false) {
+  const int64_t parts = static_cast<int64_t>(weights.size());
+  if (parts == 1) return linear(x, weights[0], formats.slice(0, kFormatLen), perms.get(0), max_integer_rows, integer_gemm);
+  at::Tensor y;
+  int64_t col = 0;
+  for (int64_t w = 0; w < parts; ++w) {
+    const at::IntArrayRef format = formats.slice(w * kFormatLen, kFormatLen);
+    const int64_t k = format[1];
+    TORCH_CHECK(k > 0 && col + k <= x.size(1), "a column part's K does not fit the input");
+    at::Tensor product =
+        linear(x.narrow(1, col, k).contiguous(), weights[w], format, perms.get(w), max_integer_rows, integer_gemm);
+    y = y.defined() ? at::add(y, product) : product;  // in order, as the all-reduce adds the ranks' products
+    col += k;
+  }
+  TORCH_CHECK(col == x.size(1), "the column parts do not cover the input");
+  return y;
 }
 
 }  // namespace
+
+// One linear in column parts (ColumnParts.apply on the native kernels): float32 x [M, K].
+at::Tensor column_parts_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef formats,
+                               const c10::List<std::optional<at::Tensor>>& perms, int64_t max_integer_rows,
+                               bool integer_gemm) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  TORCH_CHECK(!weights.empty() && formats.size() == weights.size() * kFormatLen && perms.size() == weights.size(),
+              "a format row of 6 and a permutation (or None) per part");
+  return linear_parts(x, weights, formats, perms, max_integer_rows, integer_gemm);
+}
 
 // As DecoderLayer.forward: h (the previous layer's MLP output) is added into `residual`
 // (updated in place, twice: + h, then + attention output), and the layer's MLP output is
@@ -47,7 +86,7 @@ at::Tensor llama_decode_layer(
     at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
     const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     double scale, const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
-    int64_t kv_rotation) {
+    int64_t kv_rotation, at::IntArrayRef parts) {
   const int64_t tokens = h.size(0), hidden = h.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
@@ -55,10 +94,23 @@ at::Tensor llama_decode_layer(
               "k/v cache: contiguous [blocks, block_size, kv_heads, head_dim] of one dtype");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == tokens,
               "slots: int64, one per token");
-  TORCH_CHECK(weights.size() == 4 && formats.size() == 4 * kFormatLen && perms.size() == 4,
-              "four weights (qkv, o, gate_up, down), a format row of 6 and a permutation (or None) each");
+  TORCH_CHECK(parts.empty() || parts.size() == 4, "parts: empty or one count per linear");
+  int64_t first[5] = {0, 1, 2, 3, 4};  // each linear's first weight
+  for (int64_t i = 0; i < 4 && !parts.empty(); ++i) {
+    TORCH_CHECK(parts[i] >= 1, "every linear has at least one part");
+    first[i + 1] = first[i] + parts[i];
+  }
+  TORCH_CHECK(static_cast<int64_t>(weights.size()) == first[4] && static_cast<int64_t>(formats.size()) == first[4] * kFormatLen &&
+                  static_cast<int64_t>(perms.size()) == first[4],
+              "four linears (qkv, o, gate_up, down) of `parts` weights each, a format row of 6 and a permutation (or None) "
+              "per weight");
   auto apply = [&](int64_t i, const at::Tensor& x) {
-    return linear(x, weights[i], formats.slice(i * kFormatLen, kFormatLen), perms.get(i));
+    if (first[i + 1] - first[i] == 1)
+      return linear(x, weights[first[i]], formats.slice(first[i] * kFormatLen, kFormatLen), perms.get(first[i]));
+    c10::List<std::optional<at::Tensor>> part_perms;
+    for (int64_t w = first[i]; w < first[i + 1]; ++w) part_perms.push_back(perms.get(w));
+    return linear_parts(x, weights.slice(first[i], first[i + 1] - first[i]),
+                        formats.slice(first[i] * kFormatLen, (first[i + 1] - first[i]) * kFormatLen), part_perms);
   };
   TORCH_CHECK(kv_rotation == 0 || k_scale.has_value(), "only an int8/fp8 KV cache is stored rotated");
 
@@ -94,9 +146,13 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
       "llama_decode_layer(Tensor h, Tensor(a!) residual, Tensor input_norm, Tensor post_norm, float eps, "
       "Tensor[] weights, int[] formats, Tensor?[] perms, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
       "Tensor(c!) v_cache, Tensor slots, Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, "
-      "int head_dim, float scale, Tensor(d!)? k_scale=None, Tensor(e!)? v_scale=None, int kv_rotation=0) -> Tensor");
+      "int head_dim, float scale, Tensor(d!)? k_scale=None, Tensor(e!)? v_scale=None, int kv_rotation=0, "
+      "int[] parts=[]) -> Tensor");
+  m.def("column_parts_linear(Tensor x, Tensor[] weights, int[] formats, Tensor?[] perms, int max_integer_rows=-1, "
+        "bool integer_gemm=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("llama_decode_layer", &tokenmill::llama_decode_layer);
+  m.impl("column_parts_linear", &tokenmill::column_parts_linear);
 }

@@ -1,0 +1,104 @@
+"""A weight stored as consecutive column parts whose products are added in order."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from tokenmill import kernels
+from tokenmill.kernels.fused_layer import DecodeOperand, FusedLayerOperands
+from tokenmill.quantization.base import LinearWeights, WeightFormat
+from tokenmill.quantization.dense import CPUDenseWeights
+from tokenmill.quantization.formats import QuantizedWeights
+
+
+class ColumnParts(LinearWeights):
+    """A weight computed as consecutive column (input, K) parts, each in its own format
+    instance, their products added in order: x W^T = x[:, :c] W[:, :c]^T + x[:, c:] W[:, c:]^T.
+    Deterministic inference stores the row-parallel linears so (ModelParallel.reduce_as):
+    one process then adds the same partial products, in the same order, as the ranks of a
+    2-way tensor-parallel split and their all-reduce do, and the two give the same bits."""
+
+    def __init__(self, parts: list[LinearWeights]) -> None:
+        self.parts = parts
+        self.out_features = parts[0].out_features
+        self.in_features = sum(p.in_features for p in parts)
+        self._native_operand: DecodeOperand | None = None  # the parts' native operands, gathered once
+
+    @classmethod
+    def make(cls, fmt: WeightFormat, weight, cuts: tuple[int, ...], many_rows: bool = True) -> ColumnParts:
+        """`weight` [N, K] (a float tensor or a QuantizedTensor, cut in its groups) in `fmt`,
+        cut before the columns `cuts`."""
+        bounds = [0, *cuts, weight.shape[1]]
+        return cls([fmt.make(_columns(weight, start, stop), many_rows=many_rows)
+                    for start, stop in zip(bounds, bounds[1:])])
+
+    @property
+    def format_name(self) -> str:
+        return self.parts[0].format_name
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        native = self._native_args(x)
+        if native is not None:  # one native call: no Python between the parts (same kernels, same bits)
+            tensors, formats, perms, _ = FusedLayerOperands.flatten([self._operand()])
+            return kernels.column_parts_linear(x, tensors, formats, perms, *native)
+        y, start = None, 0
+        for part in self.parts:
+            product = part.apply(x[:, start : start + part.in_features].contiguous())
+            y = product if y is None else torch.add(y, product)  # as the all-reduce adds the ranks' products
+            start += part.in_features
+        return y
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts], dim=1)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    @property
+    def decode_nbytes(self) -> int:
+        return sum(p.decode_nbytes for p in self.parts)
+
+    def move_streamed(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        for part in self.parts:
+            part.move_streamed(place)
+        self._native_operand = None
+
+    def _operand(self) -> DecodeOperand | None:
+        if self._native_operand is None:
+            self._native_operand = self.fused_decode_operand()
+        return self._native_operand
+
+    def _native_args(self, x: torch.Tensor) -> tuple[int, bool] | None:
+        """(max_integer_rows, integer_gemm) with which `kernels.column_parts_linear` runs
+        exactly the kernels each part's `apply` would for float32 `x`, or None when it would
+        not (oneDNN rows of a dense weight, no native operand)."""
+        if x.dtype != torch.float32 or not x.is_cpu or self._operand() is None:
+            return None
+        first = self.parts[0]
+        if all(isinstance(p, QuantizedWeights) for p in self.parts):
+            return first.integer_rows, first.integer_gemm
+        if all(isinstance(p, CPUDenseWeights) for p in self.parts) and x.shape[0] <= first.choice.skinny_max_rows:
+            return -1, False
+        return None
+
+    def fused_decode_operand(self) -> DecodeOperand | None:
+        operands = [p.fused_decode_operand() for p in self.parts]
+        if any(o is None for o in operands):
+            return None
+        return DecodeOperand(operands[0].tensor, self.out_features, in_features=self.in_features,
+                             column_parts=tuple(operands))
+
+
+def _columns(weight, start: int, stop: int):
+    """Columns [start, stop) of a weight, as a tensor-parallel rank receives them
+    (model/llama.py, `_rank_part`): a quantized tensor cut in its groups, or, where the cut
+    falls inside a group (or the weight is act-order), dequantized and then cut."""
+    if isinstance(weight, torch.Tensor):
+        return weight[:, start:stop].contiguous()
+    try:
+        return weight.narrow_cols(start, stop - start)
+    except ValueError:
+        return weight.dequantize()[:, start:stop].contiguous()
