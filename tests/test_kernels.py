@@ -680,3 +680,31 @@ def test_native_bf16_prefill_attention_matches_sdpa(n, L, heads, kv_heads, d) ->
     err = float((out.float() - exact).abs().max())
     assert err <= 1.5 * float((torch_bf16 - exact).abs().max()) + 4e-3, err
     assert not kernels.has_prefill_attention(80)  # head sizes without a kernel go to SDPA
+
+
+@pytest.mark.parametrize("n,L", [(32, 544), (1, 17), (40, 40)])
+def test_prefill_attention_reads_a_paged_cache_in_place(n, L) -> None:
+    """With `key_slots` the kernel reads each key from its cache slot (blocks of 16 in any
+    order, as a block table scatters them) while packing: the same bits as gathering the keys
+    into a copy first, which it no longer needs. A slot outside the cache is refused."""
+    from tokenmill.hardware import cpu_info
+
+    if not kernels.has_prefill_attention(64):  # no kernel on this CPU: the other test checks the op says so
+        assert not cpu_info().has("avx512_bf16")
+        return
+    gen = torch.Generator().manual_seed(n * L)
+    blocks, block_size, kv_heads, heads, d = 64, 16, 3, 9, 64
+    k_cache = torch.randn(blocks, block_size, kv_heads, d, generator=gen).bfloat16()
+    v_cache = torch.randn(blocks, block_size, kv_heads, d, generator=gen).bfloat16()
+    table = torch.randperm(blocks, generator=gen)[: -(-L // block_size)]
+    slots = (table.unsqueeze(1) * block_size + torch.arange(block_size)).reshape(-1)[:L].contiguous()
+    q = torch.randn(n, heads, d, generator=gen).bfloat16()
+    flat_k, flat_v = k_cache.view(-1, kv_heads, d), v_cache.view(-1, kv_heads, d)
+    gathered, in_place = torch.empty_like(q), torch.empty_like(q)
+    kernels.prefill_attention(gathered, q, flat_k[slots], flat_v[slots], 0.125)
+    kernels.prefill_attention(in_place, q, flat_k, flat_v, 0.125, slots)
+    assert torch.equal(gathered, in_place)
+    bad = slots.clone()
+    bad[-1] = blocks * block_size
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.prefill_attention(in_place, q, flat_k, flat_v, 0.125, bad)

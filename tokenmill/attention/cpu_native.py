@@ -107,19 +107,24 @@ class CPUNativeBackend(AttentionBackend):
             attend_prefills(q, k, v, kv_cache, metadata.prefills, scale, out, metadata.slot_mapping,
                             self.prefill_dtype)
             return
+        in_place = not kv_cache.quantized and kv_cache.k.dtype == bf16  # a bf16 cache's context read where it is
         for span in metadata.prefills:
             rows = slice(span.start, span.end)
-            if span.context_gather is not None:  # earlier context: read from the cache, the chunk's rows last
+            key_slots = None
+            if span.context_gather is not None and in_place:  # earlier context: the cache's rows, the chunk's last
+                ks, vs = kv_cache.k.view(-1, *kv_cache.k.shape[2:]), kv_cache.v.view(-1, *kv_cache.v.shape[2:])
+                key_slots = span.context_gather.to(torch.long).contiguous()
+            elif span.context_gather is not None:
                 ks, vs = kv_cache.read(span.context_gather, bf16)
             elif kv_cache.quantized:
                 ks, vs = kv_cache.read(metadata.slot_mapping[rows], bf16)
             else:
                 ks, vs = k[rows].to(bf16), v[rows].to(bf16)
             if out.dtype == bf16:
-                prefill_attention(out[rows], q[rows], ks, vs, scale)
+                prefill_attention(out[rows], q[rows], ks, vs, scale, key_slots)
             else:
                 o = torch.empty(out[rows].shape, dtype=bf16)
-                prefill_attention(o, q[rows].to(bf16), ks, vs, scale)
+                prefill_attention(o, q[rows].to(bf16), ks, vs, scale, key_slots)
                 out[rows] = o
 
     @staticmethod

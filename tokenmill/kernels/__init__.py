@@ -120,12 +120,15 @@ def has_prefill_attention(head_dim: int) -> bool:
     return bool(torch.ops.tokenmill.has_prefill_attention(head_dim))
 
 
-def prefill_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> None:
+def prefill_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                      key_slots: torch.Tensor | None = None) -> None:
     """out [n, heads, d] = softmax(q k^T * scale) v, bf16 (rows of d contiguous, any other
     strides), q [n, heads, d] over k, v [L, kv_heads, d], L >= n, bottom-right causal (query
     row i sees keys 0 .. L - n + i), float32 scores and softmax, probabilities rounded to bf16
-    for the value product (what SDPA's bf16 flash kernel computes; reference: SDPA)."""
-    torch.ops.tokenmill.prefill_attention(out, q, k, v, scale)
+    for the value product (what SDPA's bf16 flash kernel computes; reference: SDPA).
+    `key_slots` (int64 [L]): k and v are a bf16 paged cache viewed as [slots, kv_heads, d] and
+    key j is its row key_slots[j], read in place (the bits of gathering k[key_slots] first)."""
+    torch.ops.tokenmill.prefill_attention(out, q, k, v, scale, key_slots)
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],

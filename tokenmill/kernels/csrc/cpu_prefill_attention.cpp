@@ -169,13 +169,28 @@ bool has_prefill_attention(int64_t head_dim) {
 }
 
 // out [n, H, d] bf16 = attention of q [n, H, d] over k, v [L, KVH, d] (all bf16, rows of d
-// contiguous, any token/head strides), query row i seeing keys 0 .. L - n + i.
-void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale) {
+// contiguous, any token/head strides), query row i seeing keys 0 .. L - n + i. With
+// `key_slots` (int64 [L]), k and v are a whole paged cache viewed as [slots, KVH, d] and key j
+// is row key_slots[j]: the keys are read where they are stored while they are packed, with
+// no gathered copy (the same values, so the same bits as gathering them first).
+void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, double scale,
+                       const std::optional<at::Tensor>& key_slots) {
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.dim() == 3 && out.sizes() == q.sizes(),
               "q, out [n, heads, d]; k, v [L, kv_heads, d]");
   for (const at::Tensor* t : {static_cast<const at::Tensor*>(&out), &q, &k, &v})
     TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->stride(2) == 1, "bf16 tensors with contiguous rows");
-  const int64_t n = q.size(0), H = q.size(1), d = q.size(2), L = k.size(0), KVH = k.size(1);
+  const int64_t* slot = nullptr;
+  if (key_slots.has_value()) {
+    TORCH_CHECK(key_slots->scalar_type() == at::kLong && key_slots->dim() == 1 && key_slots->is_contiguous(),
+                "key_slots: contiguous int64 [L]");
+    slot = key_slots->data_ptr<int64_t>();
+    const int64_t rows = k.size(0);
+    for (int64_t j = 0; j < key_slots->size(0); ++j)
+      TORCH_CHECK(slot[j] >= 0 && slot[j] < rows, "key_slots[", j, "] = ", slot[j], " is outside the cache's ", rows,
+                  " slots");
+  }
+  const int64_t n = q.size(0), H = q.size(1), d = q.size(2), KVH = k.size(1);
+  const int64_t L = slot ? key_slots->size(0) : k.size(0);
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == d && H % KVH == 0 && L >= n, "shapes do not match");
   TORCH_CHECK(has_prefill_attention(d), "prefill_attention: needs AVX-512 BF16 and head_dim 32, 64, 96 or 128");
 #if defined(TM_PREFILL_BF16)
@@ -188,6 +203,7 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
   uint32_t* kpp = reinterpret_cast<uint32_t*>(kp.data_ptr<int32_t>());
   uint32_t* vpp = reinterpret_cast<uint32_t*>(vp.data_ptr<int32_t>());
   const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
+  auto row_of = [slot](int64_t key) { return slot ? slot[key] : key; };
   at::parallel_for(0, KVH * blocks, 1, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) {
       const int64_t g = t / blocks, b = t % blocks;
@@ -195,14 +211,14 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
       for (int64_t p = 0; p < pairs; ++p)
         for (int64_t j = 0; j < kKeys; ++j) {
           const int64_t key = b * kKeys + j;
-          kdst[p * kKeys + j] = key < L ? pair_at(kraw + key * ks0 + g * ks1, 2 * p) : 0u;
+          kdst[p * kKeys + j] = key < L ? pair_at(kraw + row_of(key) * ks0 + g * ks1, 2 * p) : 0u;
         }
       uint32_t* vdst = vpp + g * blocks * (kKeys / 2) * d + b * (kKeys / 2) * d;
       for (int64_t mp = 0; mp < kKeys / 2; ++mp) {
         const int64_t k0 = b * kKeys + 2 * mp;
         if (k0 >= L) break;
-        const uint16_t* lo = vraw + k0 * vs0 + g * vs1;
-        const uint16_t* hi = k0 + 1 < L ? vraw + (k0 + 1) * vs0 + g * vs1 : nullptr;
+        const uint16_t* lo = vraw + row_of(k0) * vs0 + g * vs1;
+        const uint16_t* hi = k0 + 1 < L ? vraw + row_of(k0 + 1) * vs0 + g * vs1 : nullptr;
         for (int64_t c = 0; c < d; ++c) vdst[mp * d + c] = uint32_t(lo[c]) | (hi ? uint32_t(hi[c]) << 16 : 0u);
       }
     }
@@ -222,13 +238,14 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
   });
 #else
   (void)scale;
+  (void)slot;
 #endif
 }
 
 }  // namespace tokenmill
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
-  m.def("prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, float scale) -> ()");
+  m.def("prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, float scale, Tensor? key_slots=None) -> ()");
   m.def("has_prefill_attention(int head_dim) -> bool", &tokenmill::has_prefill_attention);
 }
 
