@@ -8,7 +8,11 @@ with the prompt load, and the long prompts' TTFT.
 - colocated: one `tokenmill serve` pinned to every core given (`--cores`, one thread each, or
   `--colocated-threads`), the scheduler's defaults (chunked prefill);
 - 1P1D: a kv_producer pinned to the first core and a kv_consumer pinned to the second (one
-  thread each), behind `vllm-router --vllm-pd-disaggregation`.
+  thread each), behind `vllm-router --vllm-pd-disaggregation`; on one host the consumer copies
+  the KV from the producer's shared memory;
+- 1P1D-tcp: the same consumer behind another router with a second producer (first core too)
+  whose shared memory is off: the KV comes over TCP;
+- 1P1D-control: the streams through 1P1D's router, the long prompts to its producer alone.
 
 Systems and modes are alternated over `--rounds`; medians and the spread are reported.
 On a shared machine, the load average is printed with every run: read the ratios.
@@ -206,18 +210,27 @@ def main() -> None:
     consumer = PinnedServer([*extra, "--num-threads", "1", "--kv-transfer-config", json.dumps(
         {"kv_connector": "TokenmillConnector", "kv_role": "kv_consumer"})], second)
     servers = [colocated, producer, consumer]
-    proc = None
+    wanted = args.systems.split(",")
+    if "1P1D-tcp" in wanted:
+        producer_tcp = PinnedServer([*extra, "--num-threads", "1", "--kv-transfer-config", json.dumps(
+            {"kv_connector": "TokenmillConnector", "kv_role": "kv_producer", "kv_port": free_port(),
+             "kv_connector_extra_config": {"shared_memory": False}})], first)
+        servers.append(producer_tcp)
+    proc = proc_tcp = None
     rows: list[dict] = []
     try:
         for server in servers:
             server.start()
         proc, pd_url = router(producer, consumer)
+        tcp_url = None
+        if "1P1D-tcp" in wanted:
+            proc_tcp, tcp_url = router(producer_tcp, consumer)
         model = httpx.get(colocated.url + "/v1/models").json()["data"][0]["id"]
         # 1P1D-control: the streams through the router, the long prompts to the prefill instance
         # alone (its core busy, the decode instance never sees them): what pinning and a busy
         # neighbour core do to the decode instance, without any KV transfer.
-        systems = {k: v for k, v in {"colocated": colocated.url, "1P1D": pd_url, "1P1D-control": pd_url}.items()
-                   if k in args.systems.split(",")}
+        systems = {k: v for k, v in {"colocated": colocated.url, "1P1D": pd_url, "1P1D-tcp": tcp_url,
+                                     "1P1D-control": pd_url}.items() if k in wanted}
         rng = random.Random(0)
         for url in systems.values():  # warm-up: kernels, tuning, a long prompt each
             stream_times(url, model, [rng.randrange(1000, 40000) for _ in range(args.prompt_tokens)], 4)
@@ -230,9 +243,10 @@ def main() -> None:
                     print(json.dumps(row), flush=True)
                     rows.append(row)
     finally:
-        if proc is not None:
-            proc.terminate()
-            proc.wait(10)
+        for p in (proc, proc_tcp):
+            if p is not None:
+                p.terminate()
+                p.wait(10)
         for server in servers:
             server.stop()
     summary = {}

@@ -2,7 +2,9 @@
 one prefill (kv_producer) and one decode (kv_consumer) `tokenmill serve` per KV dtype, the
 official openai client, greedy outputs compared with one instance's, blocks freed on both
 sides, and the faults: a decode instance that never pulls, a prefill instance that is gone,
-a mismatched KV layout (docs/disaggregation.md)."""
+a mismatched KV layout (docs/disaggregation.md). The instances share this host, so the
+decode instance copies from the prefill instance's shared memory; the second prefill
+instance of 2P1D has it off, so its blocks come over TCP."""
 
 from __future__ import annotations
 
@@ -111,7 +113,7 @@ def instances(request, tmp_path_factory):
         servers[kv] = tuple(ServerProcess(*model, "--kv-cache-dtype", kv, "--kv-transfer-config", kv_config(role))
                             for role in ("kv_producer", "kv_consumer"))
     servers["bfloat16-2"] = (ServerProcess(*model, "--kv-cache-dtype", "bfloat16", "--kv-transfer-config",
-                                           kv_config("kv_producer")),)
+                                           kv_config("kv_producer", shared_memory=False)),)
     start_all([s for pair in servers.values() for s in pair])
     yield servers
     for pair in servers.values():
@@ -143,6 +145,7 @@ def test_router_pd_equals_one_instance_and_frees_blocks(instances, kv: str) -> N
         one = openai.OpenAI(base_url=prefill.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         computed_before = metric(decode, "prompt_tokens_computed")
         pulled_before = metric(decode, "kv_transfer_pulled_blocks")
+        shared_before = metric(decode, "kv_transfer_shared_memory_blocks")
         for prompt in PROMPTS:
             want = one.completions.create(model=prefill.model, prompt=prompt, max_tokens=16, temperature=0)
             got = router.client.completions.create(model=prefill.model, prompt=prompt, max_tokens=16, temperature=0)
@@ -159,6 +162,9 @@ def test_router_pd_equals_one_instance_and_frees_blocks(instances, kv: str) -> N
         assert metric(decode, "prompt_tokens_computed") - computed_before == 3
         assert metric(decode, "kv_transfer_pulled_blocks") - pulled_before >= 2 + 1 + 1
         assert metric(decode, "kv_transfer_failed_pulls") == 0
+        # Same host: every block was copied from the prefill instance's shared memory.
+        assert (metric(decode, "kv_transfer_shared_memory_blocks") - shared_before
+                == metric(decode, "kv_transfer_pulled_blocks") - pulled_before)
 
         # Again: the decode instance's own prefix cache holds every block it needs, so it pulls
         # none and releases the prefill instance's hold.
@@ -253,13 +259,20 @@ def test_two_prefill_instances_one_decode_instance(instances) -> None:
     try:
         one = openai.OpenAI(base_url=prefill.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         sent = [metric(p, "kv_transfer_sent_blocks") for p in (prefill, second)]
+        pulled, shared = (metric(decode, f"kv_transfer_{m}_blocks") for m in ("pulled", "shared_memory"))
         for i in range(4):
             prompt = f"{PROMPTS[0]} {i} {PROMPTS[0]}"
             want = one.completions.create(model=prefill.model, prompt=prompt, max_tokens=8, temperature=0)
             got = router.client.completions.create(model=prefill.model, prompt=prompt, max_tokens=8, temperature=0)
             assert got.choices[0].text == want.choices[0].text
-        assert all(metric(p, "kv_transfer_sent_blocks") > before for p, before in zip((prefill, second), sent))
         for server in (prefill, second, decode):
             assert wait_freed(server)["tokenmill:kv_cache_usage_perc"] == 0
+        # (read once the instances are idle: a producer's counters are its last step's)
+        new_sent = [metric(p, "kv_transfer_sent_blocks") - before for p, before in zip((prefill, second), sent)]
+        assert all(new_sent)
+        # The first prefill instance's blocks were copied from its shared memory, the second's
+        # (shared_memory off) came over TCP.
+        assert metric(decode, "kv_transfer_shared_memory_blocks") - shared == new_sent[0]
+        assert metric(decode, "kv_transfer_pulled_blocks") - pulled == sum(new_sent)
     finally:
         router.stop()

@@ -216,15 +216,21 @@ def test_pulled_blocks_copy_into_the_pool_in_staged_chunks_bit_for_bit() -> None
     import torch
 
     from tokenmill.attention.kv_cache import KVCacheSpec, PagedKVCache
-    from tokenmill.runner.kv_offload import HostKVBuffer, block_tensors, copy_in_blocks
+    from tokenmill.runner.kv_offload import HostKVBuffer, block_tensors, copy_in_blocks, read_blocks, word_dtype
 
-    for dtype in (torch.bfloat16, torch.int8):
-        spec = KVCacheSpec(num_layers=3, num_kv_heads=2, head_dim=32, block_size=4, dtype=dtype)
+    # bfloat16 and int8 with scales copy as int32 words; 3-byte blocks (one token of an odd
+    # head_dim) as bytes.
+    for dtype, heads, head_dim, block_size, words in ((torch.bfloat16, 2, 32, 4, torch.int32),
+                                                      (torch.int8, 2, 32, 4, torch.int32),
+                                                      (torch.int8, 1, 3, 1, torch.uint8)):
+        spec = KVCacheSpec(num_layers=3, num_kv_heads=heads, head_dim=head_dim, block_size=block_size, dtype=dtype)
         source = PagedKVCache(spec, 8, torch.device("cpu"))
         for t in block_tensors(source):
             t.copy_(torch.randint(0, 256, t.shape, dtype=torch.uint8))
+        assert word_dtype(block_tensors(source)) == words
         payloads = [HostKVBuffer(source).block_bytes(b) for b in (1, 2, 3, 5, 6)]
         assert all(len(p) == spec.bytes_per_block for p in payloads)
+        assert read_blocks(block_tensors(source), [1, 2, 3, 5, 6]) == payloads  # the producer's gathered read
         pool = PagedKVCache(spec, 10, torch.device("cpu"))
         before = [t.clone() for t in block_tensors(pool)]
         staging = torch.zeros((2, spec.bytes_per_block), dtype=torch.uint8)

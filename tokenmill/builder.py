@@ -42,10 +42,12 @@ def build_engine(config: EngineConfig) -> LLMEngine:
         if config.parallel.world_size > 1:
             raise ValueError("kv_transfer_config: disaggregation with tensor/pipeline parallelism is not built yet")
         facts = built.facts
+        runner = built.executor
         engine.set_kv_connector(ZmqKVConnector(transfer, kv_layout_facts(facts),
                                                facts.kv_bytes_per_token * facts.block_size,
-                                               built.executor.kv_block_bytes,
-                                               write_blocks=built.executor.write_kv_blocks))
+                                               runner.kv_block_bytes, write_blocks=runner.write_kv_blocks,
+                                               shared_pool=runner.shared_kv_pool(),
+                                               copy_shared=runner.copy_shared_kv_blocks))
     return engine
 
 

@@ -287,7 +287,9 @@ class KVTransferConfig(_JsonFlag):
     engine_id: str | None = None  # default: a fresh uuid per engine
     kv_load_failure_policy: str = "recompute"  # a consumer whose pull fails recomputes the prompt
     # tokenmill's keys: "abort_request_timeout" (s a producer keeps unpulled blocks; vLLM's
-    # VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480), "pull_timeout" (s a consumer waits for a pull, 30)
+    # VLLM_NIXL_ABORT_REQUEST_TIMEOUT, 480), "pull_timeout" (s a consumer waits for a pull, 30),
+    # "shared_memory" (true: a producer's pool is in shared memory and consumers on its host
+    # copy from it in place; false: every pull goes over TCP)
     kv_connector_extra_config: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -302,10 +304,13 @@ class KVTransferConfig(_JsonFlag):
         if not isinstance(self.kv_port, int) or not 0 < self.kv_port < 65536:
             raise ValueError(f"kv_transfer_config: kv_port must be a TCP port, got {self.kv_port!r}")
         extra = self.kv_connector_extra_config
-        unknown = sorted(set(extra) - {"abort_request_timeout", "pull_timeout"})
+        known = ["abort_request_timeout", "pull_timeout", "shared_memory"]
+        unknown = sorted(set(extra) - set(known))
         if unknown:
             raise ValueError(f"kv_transfer_config: unsupported kv_connector_extra_config key(s) {unknown}; tokenmill "
-                             "knows ['abort_request_timeout', 'pull_timeout']")
+                             f"knows {known}")
+        if not isinstance(extra.get("shared_memory", True), bool):
+            raise ValueError(f"kv_transfer_config: shared_memory must be true or false, got {extra['shared_memory']!r}")
         for key in ("abort_request_timeout", "pull_timeout"):
             value = extra.get(key, 1.0)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -326,6 +331,10 @@ class KVTransferConfig(_JsonFlag):
     @property
     def pull_timeout(self) -> float:
         return float(self.kv_connector_extra_config.get("pull_timeout", 30.0))
+
+    @property
+    def shared_memory(self) -> bool:
+        return bool(self.kv_connector_extra_config.get("shared_memory", True))
 
 def parse_kv_transfer_config(value: str | dict | KVTransferConfig | None) -> KVTransferConfig | None:
     """A JSON string (the flag), a dict or a config -> KVTransferConfig; unknown keys refused by name."""

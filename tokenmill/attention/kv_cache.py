@@ -12,7 +12,7 @@ Everything that writes or reads the cache in PyTorch goes through `LayerKVCache.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -20,6 +20,9 @@ import torch
 from tokenmill.attention import kv_quant
 from tokenmill.kernels.huge_pages import empty as huge_pages_empty
 from tokenmill.dtypes import dtype_name
+
+# (shape, dtype=, device=) -> an uninitialized tensor, as torch.empty
+TensorAllocator = Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True)
@@ -80,18 +83,20 @@ class LayerKVCache:
 
     @classmethod
     def allocate(cls, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device | str = "cpu", rotation: int = 0, huge_pages: bool = False) -> LayerKVCache:
+                 device: torch.device | str = "cpu", rotation: int = 0, huge_pages: bool = False,
+                 empty: TensorAllocator | None = None) -> LayerKVCache:
         # Zeroed, not empty: padded decode reads touch unwritten slots (masked out, but
         # garbage NaNs would still poison the weighted sum). On huge pages (CPU): advised
         # before the zeros first touch them (kernels/huge_pages.py; paged attention reads
         # blocks scattered over the pool, 1.1-1.3x faster on 2 MiB pages on a Zen 4).
+        # `empty`: where else the tensors live (a disaggregated producer's shared memory).
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
-        empty = huge_pages_empty if huge_pages else torch.empty
+        empty = empty or (huge_pages_empty if huge_pages else torch.empty)
         k, v = (empty(shape, dtype=dtype, device=device).zero_() for _ in range(2))
         if not kv_quant.is_quantized(dtype):
             return cls(k, v)
         scale_shape = (num_blocks, num_kv_heads, block_size)
-        k_scale, v_scale = (torch.zeros(scale_shape, dtype=kv_quant.SCALE_DTYPE, device=device) for _ in range(2))
+        k_scale, v_scale = (empty(scale_shape, dtype=kv_quant.SCALE_DTYPE, device=device).zero_() for _ in range(2))
         return cls(k, v, k_scale, v_scale, rotation)
 
     @property
@@ -155,7 +160,7 @@ class PagedKVCache:
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device,
                  sliding_layers: frozenset[int] = frozenset(), num_sliding_blocks: int = 0,
-                 huge_pages: bool = False) -> None:
+                 huge_pages: bool = False, empty: TensorAllocator | None = None) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.spec = spec
@@ -166,7 +171,7 @@ class PagedKVCache:
         self.layers = [
             LayerKVCache.allocate(self.num_sliding_blocks if i in self.sliding_layers else num_blocks,
                                   spec.block_size, spec.num_kv_heads, spec.head_dim, spec.dtype, device, spec.rotation,
-                                  huge_pages)
+                                  huge_pages, empty)
             for i in range(spec.num_layers)
         ]
 

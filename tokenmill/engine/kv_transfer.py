@@ -82,6 +82,7 @@ class KVTransferStats:
     pulled_blocks: int = 0  # consumer: blocks received, cumulative
     pulling_requests: int = 0  # consumer: requests waiting for their KV now
     failed_pulls: int = 0  # consumer: pulls that failed (recomputed or failed per policy)
+    shared_memory_blocks: int = 0  # consumer: of pulled_blocks, those copied from a producer's shared memory
 
 
 class KVConnector(Protocol):

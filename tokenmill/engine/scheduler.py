@@ -124,6 +124,7 @@ class SchedulerStats:
     kv_transfer_pulled_blocks: int = 0
     kv_transfer_pulling_requests: int = 0
     kv_transfer_failed_pulls: int = 0
+    kv_transfer_shared_memory_blocks: int = 0  # of the pulled blocks, copied from a producer's shared memory
 
 
 # SLO mode learns how far its TTFT forecasts run over from those of at least this share
@@ -785,7 +786,7 @@ class Scheduler:
                     kv_transfer_held_requests=c.held_requests,
                     kv_transfer_sent_blocks=c.sent_blocks, kv_transfer_expired_requests=c.expired_requests,
                     kv_transfer_pulled_blocks=c.pulled_blocks, kv_transfer_pulling_requests=len(self.pulling),
-                    kv_transfer_failed_pulls=c.failed_pulls)
+                    kv_transfer_failed_pulls=c.failed_pulls, kv_transfer_shared_memory_blocks=c.shared_memory_blocks)
 
     def _host_tier_stats(self) -> dict[str, int]:
         host = getattr(self.kv, "host_tier", None)

@@ -285,10 +285,11 @@ class RooflineStepModel:
 # What moving a request's KV costs in prefill-decode disaggregation (docs/disaggregation.md).
 # The default link of a catalog device: one 400 Gb/s NIC per device (RDMA), as H100/H200 nodes have.
 DEVICE_KV_TRANSFER_BANDWIDTH = 50e9
-# This machine: the loopback pull measured by benchmarks/disaggregation.py (docs/disaggregation.md:
-# 128 blocks, 47.2 MB of bfloat16 KV in 226 ms median over ZMQ/TCP, the producer's core busy
-# with the next prompt): ~0.21 GB/s.
-MEASURED_KV_TRANSFER_BANDWIDTH = 47.2e6 / 0.226
+# This machine: the transfer measured by benchmarks/disaggregation.py on one host, where the
+# decode instance copies from the prefill instance's shared memory (docs/disaggregation.md, 2026-11-28:
+# 128 blocks, 47.2 MB of bfloat16 KV in 32 ms median, on a core decoding meanwhile): ~1.5 GB/s.
+# Over TCP (`"shared_memory": false`) the same took 66 ms + a 32 ms copy-in: ~0.48 GB/s.
+MEASURED_KV_TRANSFER_BANDWIDTH = 47.2e6 / 0.032
 
 
 @dataclass(frozen=True)

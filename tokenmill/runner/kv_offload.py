@@ -47,14 +47,31 @@ def block_tensors(kv_cache: PagedKVCache) -> list[torch.Tensor]:
 COPY_IN_CHUNK = 32  # blocks staged at a time (11.8 MB of the default model's bfloat16 KV)
 
 
+def word_dtype(pool: list[torch.Tensor]) -> torch.dtype:
+    """The widest integer (up to 4 bytes) whose size divides every pool tensor's bytes per
+    block. Block copies move words, not bytes: index_select + index_copy_ of a 2,048-token
+    prompt's 47.2 MB (the default model, 60 tensors) take 41 ms as uint8, 16 ms as int16 and
+    8 ms as int32 on one Zen 4 core."""
+    for dtype in (torch.int32, torch.int16):
+        if all(t[0].numel() % dtype.itemsize == 0 for t in pool):
+            return dtype
+    return torch.uint8
+
+
+def as_words(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A [blocks, ...] byte tensor (or a [blocks, bytes] slice with word-aligned rows) as
+    [blocks, words] of `dtype`, a view."""
+    return rows.reshape(rows.shape[0], -1).view(dtype)
+
+
 def copy_in_blocks(pool: list[torch.Tensor], payloads: list[bytes], blocks: list[int],
                    staging: torch.Tensor | None = None) -> None:
     """Blocks' bytes (each every cache tensor's, in `block_bytes`' order) into these pool
     blocks: up to COPY_IN_CHUNK payloads at a time are staged in one [blocks, bytes] tensor
     (`staging`, reused by a caller that copies often: a fresh one costs its page faults),
-    then one index_copy_ per cache tensor writes them all, where a copy per block and tensor
-    made 7,680 small copies for a 2,048-token prompt of the default model (128 blocks, 47.2 MB;
-    on one core of the loaded 2-core EPYC 77-79 ms staged, 78-164 ms per block)."""
+    then one index_copy_ of words per cache tensor writes them all, where a copy per block and
+    tensor made 7,680 small copies for a 2,048-token prompt of the default model (128 blocks,
+    47.2 MB; on one core of the loaded 2-core EPYC 77-79 ms staged as bytes, 78-164 ms per block)."""
     if not blocks:
         return
     size = len(payloads[0])
@@ -62,6 +79,7 @@ def copy_in_blocks(pool: list[torch.Tensor], payloads: list[bytes], blocks: list
         staging = torch.empty((min(COPY_IN_CHUNK, len(blocks)), size), dtype=torch.uint8)
     rows = staging.numpy()
     device = pool[0].device
+    words = word_dtype(pool)
     for start in range(0, len(blocks), len(staging)):
         chunk = blocks[start:start + len(staging)]
         for i, payload in enumerate(payloads[start:start + len(chunk)]):
@@ -71,8 +89,29 @@ def copy_in_blocks(pool: list[torch.Tensor], payloads: list[bytes], blocks: list
         offset = 0
         for tensor in pool:
             n = tensor[0].numel()
-            tensor.index_copy_(0, index, source[:, offset:offset + n].view(len(chunk), *tensor.shape[1:]))
+            as_words(tensor, words).index_copy_(0, index, source[:, offset:offset + n].view(words))
             offset += n
+
+
+def read_blocks(pool: list[torch.Tensor], blocks: list[int]) -> list[bytes]:
+    """These pool blocks as bytes, one entry per block in `block_bytes`' layout (what a
+    disaggregated producer sends): COPY_IN_CHUNK blocks at a time gathered as words, one
+    index_select per cache tensor, where a slice per block and tensor made 7,680 small copies
+    for a 2,048-token prompt of the default model."""
+    words = word_dtype(pool)
+    size = sum(t[0].numel() for t in pool)
+    out: list[bytes] = []
+    for start in range(0, len(blocks), COPY_IN_CHUNK):
+        chunk = blocks[start:start + COPY_IN_CHUNK]
+        index = torch.tensor(chunk, dtype=torch.long, device=pool[0].device)
+        staged = torch.empty((len(chunk), size), dtype=torch.uint8)
+        offset = 0
+        for tensor in pool:
+            n = tensor[0].numel()
+            staged[:, offset:offset + n].view(words).copy_(as_words(tensor, words).index_select(0, index).cpu())
+            offset += n
+        out += [row.tobytes() for row in staged.numpy()]
+    return out
 
 
 # The disk tier's writes run on a writer thread while the step computes. A disk that keeps

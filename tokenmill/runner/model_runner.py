@@ -16,10 +16,12 @@ import torch
 from tokenmill.attention.backend import AttentionBackend, BatchLayout, ForwardContext, forward_context
 from tokenmill.attention.kv_cache import KVCacheSpec, PagedKVCache
 from tokenmill.engine.batch import PromptLogprobsChunk, RequestTable, RunnerOutput, SchedulerOutput, StepRequest
+from tokenmill.kv_transfer.shared_memory import PeerRegion, SharedRegion
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.pooling import Pooler
-from tokenmill.runner.kv_offload import COPY_IN_CHUNK, HostKVBuffer, block_tensors, copy_in_blocks
+from tokenmill.runner.kv_offload import COPY_IN_CHUNK, HostKVBuffer, block_tensors, copy_in_blocks, read_blocks
 from tokenmill.runner.plan import AttentionSpan, ExecutionPlan
+from tokenmill.runner.shared_kv_pool import copy_from_peer, pool_layout
 from tokenmill.runner.threads import ThreadGovernor
 from tokenmill.sampling.rejection import RejectionSampler, Verification
 from tokenmill.sampling.sampler import Sampler, SamplingRow, compute_token_logprobs
@@ -65,6 +67,7 @@ class ModelRunner:
         self.host_kv_spec: KVCacheSpec | None = None  # its 8-bit block format (--kv-offloading-cache-dtype); None: the pool's
         self._pool_bytes: list[torch.Tensor] | None = None  # the pool's tensors as bytes (pulled KV is written there)
         self._copy_in_staging: torch.Tensor | None = None  # pulled blocks staged for the copy into the pool
+        self.shared_kv_region: SharedRegion | None = None  # a disaggregated producer's pool lives there (worker.py)
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
@@ -94,8 +97,9 @@ class ModelRunner:
         """These pool blocks' KV as bytes, one entry per block, in the pool's own layout and
         dtype (a disaggregated producer serves them; the blocks are held, so no step writes
         them meanwhile, and this may run on another thread)."""
-        buffer = self.host_kv if self.host_kv is not None else HostKVBuffer(self.kv_cache, self.host_kv_spec)
-        return [buffer.block_bytes(b) for b in block_ids]
+        if self._pool_bytes is None:
+            self._pool_bytes = block_tensors(self.kv_cache)
+        return read_blocks(self._pool_bytes, block_ids)
 
     def write_kv_blocks(self, block_ids: list[int], payloads: list[bytes]) -> None:
         """Pulled KV (`kv_block_bytes`' bytes, from a producer) into these pool blocks. A
@@ -105,9 +109,23 @@ class ModelRunner:
         with torch.inference_mode():
             if self._pool_bytes is None:
                 self._pool_bytes = block_tensors(self.kv_cache)
+            if self._copy_in_staging is None:
                 size = sum(t[0].numel() for t in self._pool_bytes)
                 self._copy_in_staging = torch.zeros((COPY_IN_CHUNK, size), dtype=torch.uint8)  # touched once
             copy_in_blocks(self._pool_bytes, payloads, block_ids, self._copy_in_staging)
+
+    def shared_kv_pool(self) -> dict | None:
+        """Where this producer's pool is in shared memory, for consumers on this host (None: not there)."""
+        region = self.shared_kv_region
+        return region.describe(pool_layout(region, self.kv_cache)) if region is not None else None
+
+    def copy_shared_kv_blocks(self, peer: PeerRegion, remote_block_ids: list[int], block_ids: list[int]) -> None:
+        """A producer's pool blocks (its mapped shared memory) into these pool blocks; the
+        puller thread calls it as it calls `write_kv_blocks`, under the same ownership rules."""
+        with torch.inference_mode():
+            if self._pool_bytes is None:
+                self._pool_bytes = block_tensors(self.kv_cache)
+            copy_from_peer(self._pool_bytes, peer, remote_block_ids, block_ids)
 
     @torch.inference_mode()
     def run(self, items: list[StepRequest]) -> RunnerOutput:

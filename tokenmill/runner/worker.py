@@ -34,6 +34,8 @@ from tokenmill.config import EngineConfig, EngineFacts, PoolingFacts, Speculativ
 from tokenmill.config import default_kv_cache_memory as default_kv_cache_memory_bytes
 from tokenmill.dtypes import kv_cache_dtype_name, torch_dtype
 from tokenmill.hardware import cpu_info
+from tokenmill.kv_transfer.shared_memory import ALIGN as SHARED_ALIGN
+from tokenmill.kv_transfer.shared_memory import SharedRegion
 from tokenmill.model.loader import LoadedModel, load_model, open_checkpoint
 from tokenmill.model_arch import ModelArchConfig
 from tokenmill.parallel.layout import REFERENCE_TP_SIZE, reference_split
@@ -43,6 +45,7 @@ from tokenmill.quantization.dense import CPUMatmulChoice, bound_onednn_caches
 from tokenmill.runner import tune
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.runner.pipeline import PipelineRunner
+from tokenmill.runner.shared_kv_pool import shared_allocator
 from tokenmill.runner.plan import (EVERY_ROW, ExecutionPlan, apply_plan, batch_invariant_plan, cpu_native_plan,
                                   quantized_plan, reference_plan)
 from tokenmill.runner.threads import ThreadGovernor
@@ -149,10 +152,13 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltRank
         num_blocks = memory // bytes_per_block
     if num_blocks < 1:
         raise ValueError(f"kv_cache_memory {memory} bytes is less than one KV block ({bytes_per_block} bytes)")
+    shared = shared_kv_region(config, spec, num_blocks, device) if rank is None and not sliding_layers else None
     kv_cache = PagedKVCache(spec, num_blocks, device, sliding_layers, num_sliding_blocks,
-                            huge_pages=config.device.huge_pages)
+                            huge_pages=config.device.huge_pages and shared is None,
+                            empty=shared_allocator(shared) if shared is not None else None)
     runner_class = rank.runner_class if rank is not None else ModelRunner
     runner = runner_class(loaded.model, kv_cache, backend, plan, device, seed=config.model.seed, threads=governor)
+    runner.shared_kv_region = shared
     host_spec = offload_cache_spec(config, spec, device)
     runner.host_kv_spec = host_spec
     runner.structured_output = StructuredOutputManager(
@@ -428,6 +434,26 @@ def offload_cache_spec(config: EngineConfig, pool: KVCacheSpec, device: torch.de
     if name == "fp8_e4m3":
         check_fp8_kv_cache(device)
     return dataclasses.replace(pool, dtype=torch_dtype(name), rotation=kv_quant.rotation_block(pool.head_dim))
+
+
+def shared_kv_region(config: EngineConfig, spec: KVCacheSpec, num_blocks: int,
+                     device: torch.device) -> SharedRegion | None:
+    """A disaggregated producer's pool goes in shared memory, which decode instances on this
+    host copy from in place (kv_transfer/shared_memory.py); None for every other engine, for
+    `"shared_memory": false`, or where no memfd can be made (then consumers pull over TCP)."""
+    transfer = config.cache.kv_transfer_config
+    if transfer is None or not transfer.is_producer or not transfer.shared_memory or device.type != "cpu":
+        return None
+    tensors_per_layer = 4 if spec.quantized else 2  # K, V (and their scales): each page-aligned
+    nbytes = spec.bytes_per_block * num_blocks + tensors_per_layer * spec.num_layers * SHARED_ALIGN
+    try:
+        region = SharedRegion(nbytes)
+    except (OSError, AttributeError) as e:  # AttributeError: no os.memfd_create (not Linux)
+        logger.warning("kv_transfer_config: no shared memory for the KV pool (%s); decode instances pull over TCP", e)
+        return None
+    logger.info("kv_transfer_config: the KV pool (%.1f MiB) is in shared memory; decode instances on this host "
+                "copy from it in place", region.size / 2**20)
+    return region
 
 
 def kv_cache_spec(config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,

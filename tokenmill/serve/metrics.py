@@ -250,6 +250,8 @@ _KV_TRANSFER_METRICS = [
      "Decode instance: requests waiting for their KV (pulls in flight)."),
     (CounterMetricFamily, "kv_transfer_failed_pulls",
      "Decode instance: pulls that failed (the prompt was recomputed)."),
+    (CounterMetricFamily, "kv_transfer_shared_memory_blocks",
+     "Decode instance: of the pulled blocks, those copied from a prefill instance's shared memory (same host)."),
 ]
 
 
