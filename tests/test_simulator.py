@@ -293,6 +293,28 @@ def test_calibration_profile_recovers_a_known_step_model():
     assert any(s.prefill_tokens and s.decode_tokens for s in features)  # mixed steps
 
 
+def test_calibration_adds_the_long_prompts_that_max_model_len_takes():
+    """Prompts of 1,024-4,096 tokens alone join the default profile where max_model_len takes
+    them (the prefill attention term is fitted over the range it predicts), and run through
+    the engine as chunks of the scheduler's budget."""
+    from tokenmill.simulator.profile import DEFAULT_WORKLOADS, MeteredExecutor, run_profile, with_long_prompts
+
+    assert with_long_prompts(DEFAULT_WORKLOADS, 1024) == DEFAULT_WORKLOADS
+    assert with_long_prompts(DEFAULT_WORKLOADS, 3000)[-1].prompt_lens == (1024, 2048)
+    workloads = with_long_prompts(DEFAULT_WORKLOADS, 8192)
+    assert workloads[:-1] == DEFAULT_WORKLOADS and workloads[-1].prompt_lens == (1024, 2048, 4096)
+    truth = StepCostModel(0.03, 0.002, 0.004, 2e-6, 3e-8)
+    clock = VirtualClock()
+    runner = TimedFakeRunner(4000, 16, truth, clock)
+    executor = MeteredExecutor(runner)
+    engine = LLMEngine(EngineConfig.from_kwargs(block_size=16, max_model_len=8192), executor, FakeTokenizer(),
+                       fake_facts(4000, 16, 8192), clock)
+    samples = run_profile(engine, executor, workloads[-1:], repeats=1)
+    # 4,096 tokens in two chunks of 2,048: the second attends over the first.
+    pairs = max(s.prefill_attention for s, _ in samples)
+    assert pairs == 2048 * 2048 + 2048 * 2049 // 2
+
+
 def test_server_overheads_from_side_by_side_runs():
     from tokenmill.simulator.profile import overheads_from_pairs
 

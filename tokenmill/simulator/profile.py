@@ -1,7 +1,8 @@
 """Calibration: the step cost of the real runner on this machine, fitted and stored.
 
 `calibrate(config)` builds the engine `tokenmill serve` would build with the same
-settings, runs a short profile through it (single prompts of 16-512 tokens, batches of
+settings, runs a short profile through it (single prompts of 16-512 tokens, and of
+1,024-4,096 where max_model_len takes them, batches of
 1-64 requests decoding at contexts of 16-400 tokens, and decodes with prompts arriving
 among them, so that prefill tokens, decode rows, their contexts and the prefill attention
 vary independently), times every engine step (`StepRecord.duration_s`: scheduling, the
@@ -92,6 +93,19 @@ QUICK_WORKLOADS = (
     Workload("64 x 16", (16,) * 64, 10),
     Workload("prompts among 8 decodes", (32, 128, 256, 64, 192), 2, stagger=4, background=((64, 40),) * 8),
 )
+
+
+# Prompts past the short ones, one at a time, where max_model_len takes them: the prefill
+# attention term grows with the square of a prompt, and fitted on prompts of at most 512 tokens
+# it put a 4,096-token prefill at 0.78x of its measured time (docs/disaggregation.md). At the
+# scheduler's default chunk of 2,048 tokens, 4,096 is two chunks, the second over 2,048 of context.
+LONG_PROMPTS = (1024, 2048, 4096)
+
+
+def with_long_prompts(workloads: Sequence[Workload], max_model_len: int) -> tuple[Workload, ...]:
+    """`workloads` and a workload of the LONG_PROMPTS that fit `max_model_len` (none: as given)."""
+    lens = tuple(n for n in LONG_PROMPTS if n + 2 <= max_model_len)
+    return (*workloads, Workload("long prompts", lens, 2, stagger=4)) if lens else tuple(workloads)
 
 
 def profile_tokens(workloads: Sequence[Workload]) -> int:
@@ -342,6 +356,8 @@ def calibrate(config: EngineConfig, workloads: Sequence[Workload] = DEFAULT_WORK
     measure the server's overheads. Loads the model (and torch)."""
     started = time.perf_counter()
     calibrator = Calibrator(config)
+    if workloads is DEFAULT_WORKLOADS:
+        workloads = with_long_prompts(workloads, calibrator.facts.max_model_len)
     samples = calibrator.profile(workloads, repeats, log)
     profile = calibrator.make_profile(samples, time.perf_counter() - started)
     if server:
