@@ -99,7 +99,7 @@ PROMPTS: list[str] = []
 
 @pytest.fixture(scope="module", params=["tiny", pytest.param("default", marks=pytest.mark.slow)])
 def instances(request, tmp_path_factory):
-    """{kv dtype: (prefill, decode)}: bfloat16 and int8 KV (float32 compute, as the suite's
+    """{kv dtype: (prefill, decode)}: bfloat16, int8 and fp8 KV (float32 compute, as the suite's
     servers), on the tiny random checkpoint with 4-token blocks (CI) or the default model;
     "bfloat16-2": a second bfloat16 prefill instance (2P1D)."""
     if request.param == "tiny":
@@ -109,7 +109,7 @@ def instances(request, tmp_path_factory):
         model = []
         PROMPTS[:] = DEFAULT_PROMPTS
     servers = {}
-    for kv in ("bfloat16", "int8"):
+    for kv in ("bfloat16", "int8", "fp8_e4m3"):
         servers[kv] = tuple(ServerProcess(*model, "--kv-cache-dtype", kv, "--kv-transfer-config", kv_config(role))
                             for role in ("kv_producer", "kv_consumer"))
     servers["bfloat16-2"] = (ServerProcess(*model, "--kv-cache-dtype", "bfloat16", "--kv-transfer-config",
@@ -137,7 +137,7 @@ def metric(server: ServerProcess, name: str) -> float:
     return sum(v for k, v in server.metrics().items() if k.startswith(f"tokenmill:{name}"))
 
 
-@pytest.mark.parametrize("kv", ["bfloat16", "int8"])
+@pytest.mark.parametrize("kv", ["bfloat16", "int8", "fp8_e4m3"])
 def test_router_pd_equals_one_instance_and_frees_blocks(instances, kv: str) -> None:
     prefill, decode = instances[kv]
     router = Router(prefill, decode)
