@@ -205,6 +205,7 @@ class HostKVBuffer:
         self.host_spec = host_spec  # None: the tiers keep the pool's own bytes
         self.host: list[torch.Tensor] = []  # per pool tensor (or, 8-bit, per tensor of the 8-bit format), as bytes
         self.num_blocks = 0
+        self.words = word_dtype(self.pool)  # what the copies move (the host tensors' rows divide the same way)
         self.disk_writer = DiskWriter()
         self.wait_for_writes = False  # this step's files: wait for them at its end (the disk keeps up)
 
@@ -224,15 +225,17 @@ class HostKVBuffer:
                 payload = self.tier_block_bytes(block)
             self.disk_writer.submit(path, encode_block_file(transfers.disk_header, block_hash, payload, record),
                                     block_hash)
+        words = self.words
         if transfers.store:
             blocks, slots = zip(*transfers.store)
             blocks, slots = _index(blocks, device), _index(slots, "cpu")
-            for pool, host in zip(self._tier_rows(blocks), self.host):
-                host.index_copy_(0, slots, pool.to("cpu"))
+            for rows, host in zip(self._tier_rows(blocks), self.host):
+                as_words(host, words).index_copy_(0, slots, as_words(rows, words).to("cpu"))
         if transfers.load:
             slots, blocks = zip(*transfers.load)
             slots, blocks = _index(slots, "cpu"), _index(blocks, device)
-            self._put_tier_rows(blocks, [host.index_select(0, slots).to(device) for host in self.host])
+            self._put_tier_rows(blocks, [as_words(host, words).index_select(0, slots).to(device).view(torch.uint8)
+                                         .view(len(slots), *host.shape[1:]) for host in self.host])
         for payload, block in transfers.disk_load:  # verified by the engine; in the tiers' format
             self._put_tier_rows(_index((block,), device), self._split(payload, self.host, device))
         if transfers.remote_load:  # a disaggregated producer's: the pool's layout
@@ -273,8 +276,8 @@ class HostKVBuffer:
     def _tier_rows(self, blocks: torch.Tensor) -> list[torch.Tensor]:
         """These pool blocks as the tiers keep them: one uint8 tensor [len(blocks), ...] per
         host tensor (the pool's bytes, or the 8-bit format's codes and scales)."""
-        if self.host_spec is None:
-            return [pool.index_select(0, blocks) for pool in self.pool]
+        if self.host_spec is None:  # as words (word_dtype): the same bytes, moved 4 at a time
+            return [as_words(pool, self.words).index_select(0, blocks) for pool in self.pool]
         rows = []
         for layer in self.kv_cache:
             for cache in (layer.k, layer.v):
@@ -289,7 +292,7 @@ class HostKVBuffer:
         """The inverse of `_tier_rows`: tier-format rows into these pool blocks."""
         if self.host_spec is None:
             for pool, r in zip(self.pool, rows):
-                pool.index_copy_(0, blocks, r)
+                as_words(pool, self.words).index_copy_(0, blocks, as_words(r, self.words))
             return
         rows = dict(zip(self._host_order(), rows))
         i = 0
@@ -317,6 +320,7 @@ class HostKVBuffer:
         # GPU machine would let the copies overlap compute; plain here (CPU pool).
         like = self.pool if self.host_spec is None else block_tensors(_one_block_cache(self.kv_cache, self.host_spec))
         self.host = [torch.empty((num_blocks, *t.shape[1:]), dtype=torch.uint8) for t in like]
+        self.words = word_dtype(self.host)
         self.num_blocks = num_blocks
 
 
