@@ -189,8 +189,11 @@ class RotaryEmbedding(nn.Module):
 
     def __init__(self, head_dim: int, max_positions: int, theta: float, scaling: dict | None) -> None:
         super().__init__()
-        inv_freq = rope_inv_freq(head_dim, theta, scaling)
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+        # On the CPU even while the model is built on the meta device: the first arange on
+        # meta imports torch._dynamo, 1 s of every engine's start.
+        with torch.device("cpu"):
+            inv_freq = rope_inv_freq(head_dim, theta, scaling)
+            angles = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
         self.register_buffer("cos", angles.cos(), persistent=False)  # [positions, head_dim / 2]
         self.register_buffer("sin", angles.sin(), persistent=False)
 

@@ -208,7 +208,10 @@ class LlamaForCausalLM(nn.Module):
         self.max_positions = max_positions or cfg.max_position_embeddings
         self.rotaries = nn.ModuleList(self._rotaries())
         # Vocabulary-parallel: this rank's rows of the embedding and the LM head.
-        self.embed_tokens = nn.Embedding(layout.vocab.size, cfg.hidden_size) if layout.holds_embedding else None
+        # `_weight`: no random init (on the meta device torch's init would import torch._dynamo: 1.6 s)
+        self.embed_tokens = nn.Embedding(layout.vocab.size, cfg.hidden_size,
+                                         _weight=torch.empty(layout.vocab.size, cfg.hidden_size)
+                                         ) if layout.holds_embedding else None
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, self.rotaries[self._rope_kind(layout.layers.start + i)], parallel)
             for i in range(layout.layers.size)
