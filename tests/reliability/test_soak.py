@@ -7,7 +7,8 @@ first window's (p99 in the long run, p90 in the short one: see check_soak); and 
 server's /metrics counters equal what the clients counted (requests by finish reason,
 prompt and generation tokens, aborts, 400s and 429s).
 
-CI runs 3 minutes; `-m slow` runs 30 (test_soak_30_minutes)."""
+CI runs 75 seconds (test_soak_75_seconds: every check but the TTFT trend, which needs
+minutes of samples); `-m slow` runs 3 and 30 minutes with it."""
 
 from __future__ import annotations
 
@@ -187,6 +188,8 @@ def mean_itl(samples: list[tuple[float, dict]], start: float, end: float) -> flo
 
 def percentile(values: list[float], quantile: float) -> float:
     ordered = sorted(values)
+    if not ordered:
+        return float("nan")
     return ordered[max(0, math.ceil(quantile * len(ordered)) - 1)]
 
 
@@ -264,8 +267,9 @@ def run_soak(server, total_seconds: float, calibration_seconds: float, warmup_se
             "warmup_seconds": warmup_seconds}
 
 
-def check_soak(result: dict) -> dict:
-    """The soak's figures, then the assertions on them (so a failure shows them all)."""
+def check_soak(result: dict, ttft_trend: bool = True) -> dict:
+    """The soak's figures, then the assertions on them (so a failure shows them all).
+    `ttft_trend=False`: the TTFT windows are reported, not compared (too few samples)."""
     ledger: Ledger = result["ledger"]
     warm = [(t, s) for t, s in result["samples"] if t >= result["warmup_seconds"]]
     rss = [s["rss"] / 2**20 for _, s in warm]
@@ -341,16 +345,25 @@ def check_soak(result: dict) -> dict:
     assert not ledger.errors, (ledger.errors[:5], figures)
     assert len(warm) >= 4 and growth < 50, figures
     assert end["fds"] <= base["fds"] + 2 and end["threads"] <= base["threads"] + 2, figures
-    assert last_q / last_itl <= 1.25 * first_q / first_itl, figures
+    assert not ttft_trend or last_q / last_itl <= 1.25 * first_q / first_itl, figures
     assert server_counts == client_counts, figures
     # Aborted streams: the server may have generated a few tokens the client never read.
     assert seen <= generated <= seen + ledger.aborted * 200, figures
     return figures
 
 
+def test_soak_75_seconds(rserver):
+    """The CI share: a minute of the soak's mix at 70% load (errors, metrics against the
+    clients' counts, memory, descriptors and threads), without the TTFT trend (~25 TTFTs a
+    window)."""
+    result = run_soak(rserver, total_seconds=75, calibration_seconds=15, warmup_seconds=15)
+    RESULTS["soak_ci"] = check_soak(result, ttft_trend=False)
+
+
+@pytest.mark.slow
 def test_soak_3_minutes(rserver):
     result = run_soak(rserver, total_seconds=180, calibration_seconds=20, warmup_seconds=30)
-    RESULTS["soak_ci"] = check_soak(result)
+    RESULTS["soak_3min"] = check_soak(result)
 
 
 @pytest.mark.slow
