@@ -47,6 +47,8 @@ def run(policy: str, args: argparse.Namespace) -> dict:
                    str(router_port), "--policy", policy, "--worker-urls", *(r.url for r in replicas)]
         if policy == "kv_aware":
             command += ["--kv-event-block-size", "16", "--kv-event-model", replicas[0].model]
+            if args.session_affinity_ttl:  # vllm-router keys a session on its x-session-id header
+                command += ["--kv-aware-session-affinity-ttl-secs", str(args.session_affinity_ttl)]
             for replica, port in zip(replicas, ports):
                 command += ["--kv-event-source", f"{replica.url}=tcp://127.0.0.1:{port}"]
         router = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -64,14 +66,18 @@ def run(policy: str, args: argparse.Namespace) -> dict:
         model = replicas[0].model
         load = []
 
+        def send(s: int, turn: int) -> None:
+            histories[s] += turns[s][turn]
+            body = {"model": model, "prompt": histories[s], "max_tokens": args.answer, "temperature": 0}
+            # A multi-turn client names its conversation, as agents do; only session affinity reads it.
+            headers = {"x-session-id": f"session-{s}"}
+            httpx.post(url + "/v1/completions", json=body, headers=headers, timeout=600).raise_for_status()
+            load.append(os.getloadavg()[0])
+            time.sleep(args.gap)  # the replica's events reach the router before the session's next turn
+
         def session(s: int) -> None:
             for turn in range(args.turns):
-                histories[s] += turns[s][turn]
-                body = {"model": model, "prompt": histories[s], "max_tokens": args.answer, "temperature": 0}
-                response = httpx.post(url + "/v1/completions", json=body, timeout=600)
-                response.raise_for_status()
-                load.append(os.getloadavg()[0])
-                time.sleep(args.gap)  # the replica's events reach the router before the session's next turn
+                send(s, turn)
 
         if args.concurrent:  # every session at once, each one's turns in order
             with ThreadPoolExecutor(args.sessions) as pool:
@@ -79,11 +85,7 @@ def run(policy: str, args: argparse.Namespace) -> dict:
         else:  # round-robin, one request at a time
             for turn in range(args.turns):
                 for s in range(args.sessions):
-                    histories[s] += turns[s][turn]
-                    body = {"model": model, "prompt": histories[s], "max_tokens": args.answer, "temperature": 0}
-                    httpx.post(url + "/v1/completions", json=body, timeout=600).raise_for_status()
-                    load.append(os.getloadavg()[0])
-                    time.sleep(args.gap)
+                    send(s, turn)
         hits = sum(counter(r, "tokenmill:prefix_cache_hits_total") for r in replicas)
         queries = sum(counter(r, "tokenmill:prefix_cache_queries_total") for r in replicas)
         served = [counter(r, "tokenmill:request_success_total") for r in replicas]
@@ -108,11 +110,15 @@ def main() -> None:
     parser.add_argument("--concurrent", action="store_true", help="all sessions at once (each one's turns in order)")
     parser.add_argument("--kv-cache-memory", default="256MiB")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--session-affinity-ttl", type=int, default=0,
+                        help="kv_aware only: vllm-router's --kv-aware-session-affinity-ttl-secs (0: off)")
+    parser.add_argument("--policies", nargs="+", default=["kv_aware", "cache_aware"])
     parser.add_argument("--output", default=None)
     args = parser.parse_args()
     report = {"cpu": cpu_info().model_name, "cores": cpu_info().num_cores,
-              "trace": {k: getattr(args, k) for k in ("sessions", "turns", "history", "user", "answer", "concurrent")}}
-    for policy in ("kv_aware", "cache_aware"):
+              "trace": {k: getattr(args, k) for k in ("sessions", "turns", "history", "user", "answer", "concurrent",
+                                                                 "session_affinity_ttl")}}
+    for policy in args.policies:
         report[policy] = run(policy, args)
         print(policy, report[policy], flush=True)
     print(json.dumps(report, indent=1))
