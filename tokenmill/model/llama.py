@@ -208,10 +208,13 @@ class LlamaForCausalLM(nn.Module):
         self.max_positions = max_positions or cfg.max_position_embeddings
         self.rotaries = nn.ModuleList(self._rotaries())
         # Vocabulary-parallel: this rank's rows of the embedding and the LM head.
-        # `_weight`: no random init (on the meta device torch's init would import torch._dynamo: 1.6 s)
-        self.embed_tokens = nn.Embedding(layout.vocab.size, cfg.hidden_size,
-                                         _weight=torch.empty(layout.vocab.size, cfg.hidden_size)
-                                         ) if layout.holds_embedding else None
+        # Built on the meta device (loading), no random init: there torch's init imports
+        # torch._dynamo, 1.6 s of every engine's start. Elsewhere (tests' tiny models) the usual init.
+        on_meta = torch.empty(0).is_meta
+        self.embed_tokens = nn.Embedding(
+            layout.vocab.size, cfg.hidden_size,
+            _weight=torch.empty(layout.vocab.size, cfg.hidden_size) if on_meta else None,
+        ) if layout.holds_embedding else None
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, i, self.rotaries[self._rope_kind(layout.layers.start + i)], parallel)
             for i in range(layout.layers.size)
