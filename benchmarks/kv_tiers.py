@@ -39,9 +39,11 @@ from tokenmill.hardware import cpu_info
 
 def make_sessions(args: argparse.Namespace, pool: list[int]) -> list[dict]:
     rng = random.Random(args.seed)
-    return [{"history": [rng.choice(pool) for _ in range(args.history)],
+    lengths = ([rng.randint(args.history, args.history_max) for _ in range(args.sessions)] if args.history_max
+               else [args.history] * args.sessions)  # (the fixed length draws nothing: earlier traces unchanged)
+    return [{"history": [rng.choice(pool) for _ in range(length)],
              "users": [[rng.choice(pool) for _ in range(args.user)] for _ in range(args.turns)]}
-            for _ in range(args.sessions)]
+            for length in lengths]
 
 
 def run_trace(llm, sessions: list[dict], args: argparse.Namespace) -> dict:
@@ -96,6 +98,9 @@ def main() -> None:
     parser.add_argument("--sessions", type=int, default=12)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--history", type=int, default=512, help="tokens of a session's history before turn 1")
+    parser.add_argument("--history-max", type=int, default=None,
+                        help="histories drawn uniformly from --history to this many tokens (the issue's 1-4k)")
+    parser.add_argument("--kv-cache-gib", type=float, default=1.0, help="the unbounded pool's KV memory")
     parser.add_argument("--user", type=int, default=64, help="tokens of each user message")
     parser.add_argument("--answer", type=int, default=16, help="tokens of each answer")
     parser.add_argument("--pool-blocks", type=int, default=64)
@@ -117,16 +122,17 @@ def main() -> None:
     from tokenmill.llm import LLM
     from tokenmill.workloads.offline import ordinary_token_ids
 
-    longest = args.history + args.turns * (args.user + args.answer)
+    grown = args.turns * (args.user + args.answer)
+    longest = (args.history_max or args.history) + grown
     base = LLM(dtype=args.dtype, num_threads=args.threads, max_model_len=longest + args.user + args.answer + 64, seed=0,
-               kv_cache_memory="1GiB", enable_prefix_caching=False)
+               kv_cache_memory=f"{args.kv_cache_gib}GiB", enable_prefix_caching=False)
     facts = base.engine.facts
-    working_set_blocks = args.sessions * -(-longest // facts.block_size)
+    sessions = make_sessions(args, ordinary_token_ids(base.tokenizer, facts.vocab_size))
+    working_set_blocks = sum(-(-(len(s["history"]) + grown) // facts.block_size) for s in sessions)
     if working_set_blocks > facts.num_blocks:
         raise SystemExit(f"the unbounded pool ({facts.num_blocks} blocks) cannot hold the working set "
                          f"({working_set_blocks} blocks)")
     host_blocks = int(args.offloading_gib * 2**30) // (facts.kv_bytes_per_token * facts.block_size)
-    sessions = make_sessions(args, ordinary_token_ids(base.tokenizer, facts.vocab_size))
     configs = {
         "pool": dict(num_blocks=args.pool_blocks),
         "pool+host": dict(num_blocks=args.pool_blocks, kv_offloading_size=args.offloading_gib),
@@ -137,7 +143,7 @@ def main() -> None:
     base8 = None
     if args.host8:  # the host tier's format is the runner's: its own model and KV memory
         base8 = LLM(dtype=args.dtype, num_threads=args.threads, max_model_len=longest + args.user + args.answer + 64, seed=0,
-                    kv_cache_memory="1GiB", enable_prefix_caching=False, kv_offloading_size=args.offloading_gib,
+                    kv_cache_memory=f"{args.kv_cache_gib}GiB", enable_prefix_caching=False, kv_offloading_size=args.offloading_gib,
                     kv_offloading_cache_dtype="int8")
         configs["pool+host8"] = dict(num_blocks=args.pool_blocks, kv_offloading_size=args.offloading_gib)
     if args.configs:
@@ -190,7 +196,8 @@ def main() -> None:
     report = {
         "cpu": cpu_info().model_name, "cores": cpu_info().num_cores,
         "load_avg_1m_during": [round(x, 2) for x in load],
-        "trace": {k: getattr(args, k) for k in ("sessions", "turns", "history", "user", "answer", "seed")},
+        "trace": {k: getattr(args, k) for k in ("sessions", "turns", "history", "history_max", "user", "answer",
+                                                      "seed")},
         "pool_blocks": args.pool_blocks, "host_blocks": host_blocks, "block_size": facts.block_size,
         "working_set_blocks": working_set_blocks, "working_set_over_pool": working_set_blocks / args.pool_blocks,
         "kv_bytes_per_token": facts.kv_bytes_per_token, "dtype": facts.kv_cache_dtype,
