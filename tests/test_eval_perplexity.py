@@ -11,6 +11,8 @@ import torch
 
 from tokenmill.cli import main
 from tokenmill.eval.perplexity import default_text_path, perplexity, sliding_windows
+from tokenmill.llm import LLM
+from tokenmill.sampling.params import SamplingParams
 
 
 @pytest.mark.parametrize("n,context,stride", [(10, 4, 4), (10, 4, 1), (11, 4, 3), (3, 8, 4), (100, 16, 16)])
@@ -82,6 +84,38 @@ def test_the_command_prints_a_table_and_writes_json(tmp_path, capsys, llm_f32) -
     assert int8["settings"]["kv_cache_dtype"] == "int8"
     assert int8["perplexity"] != written["perplexity"]
     assert abs(int8["perplexity"] / written["perplexity"] - 1) < 0.02
+
+
+def test_cached_prefix_reads_each_windows_context_back_from_the_host_tier(tmp_path, capsys, llm_f32) -> None:
+    """--cached-prefix: every window after the first reads its context (whole blocks before the
+    position that scores its first token) from the host tier the pool pushed it into. Kept as
+    the pool holds it, the perplexity is the computed one's; in the tier's int8 format it moves a
+    little. A prompt-logprobs request without the eval's mark still skips the cache."""
+    out = tmp_path / "ppl.json"
+    args = ["eval", "perplexity", "--max-tokens", "300", "--context-len", "128", "--stride", "64", "--dtype",
+            "float32", "--kv-cache-memory", "16MiB", "--cached-prefix", "--kv-offloading-size", "0.25",
+            "--no-progress", "--output-json", str(out)]
+    ids = llm_f32.tokenizer.encode(default_text_path().read_text(encoding="utf-8"))[:300]
+    computed = perplexity(llm_f32, ids, context_len=128, stride=64, show_progress=False)
+    results = {}
+    for dtype in ("auto", "int8"):
+        assert main([*args, "--kv-offloading-cache-dtype", dtype]) == 0
+        results[dtype] = json.loads(out.read_text())
+        used = results[dtype]["settings"]["cached_prefix"]
+        # windows 2-4 each read 48 tokens (3 blocks of 16: the 64-token overlap less the last block)
+        assert used == {"cached_tokens": 3 * 48, "from_pool": 0, "from_host_tier": 3 * 48, "from_disk_tier": 0}
+        assert results[dtype]["num_scored"] == computed.num_scored == 299
+    capsys.readouterr()
+    assert results["auto"]["perplexity"] == pytest.approx(computed.perplexity, rel=1e-5)
+    assert results["int8"]["perplexity"] != results["auto"]["perplexity"]
+    assert abs(results["int8"]["perplexity"] / results["auto"]["perplexity"] - 1) < 0.02
+
+    caching = LLM.from_engine(llm_f32.engine.sibling(enable_prefix_caching=True))
+    prompt = ids[:100]
+    caching.generate([prompt], SamplingParams(max_tokens=1))
+    again = caching.generate([prompt], SamplingParams(max_tokens=1, prompt_logprobs=0))[0]
+    assert again.num_cached_tokens == 0 and all(p is not None for p in again.prompt_logprobs[1:])
+    caching.engine.reset_prefix_cache()
 
 
 def test_command_errors(tmp_path, capsys) -> None:

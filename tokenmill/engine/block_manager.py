@@ -157,8 +157,8 @@ class KVBlockManager:
         the pool, then continued in the host tier), and the number of tokens they cover.
         Never covers the last token: that one must be computed so that its logits can be
         sampled."""
-        if not self.enable_caching or request.params.prompt_logprobs is not None:
-            return PrefixHit(), 0  # prompt logprobs need every prompt position computed
+        if not self.enable_caching or not request.reads_prefix_cache:
+            return PrefixHit(), 0  # (prompt logprobs need every prompt position computed)
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(request)[:max_blocks]
         hits = PrefixHit()
@@ -186,7 +186,7 @@ class KVBlockManager:
         its pool and host-tier hits; files only checked for presence, not read), less those
         already read ahead: what the scheduler has read in the background before admitting it."""
         disk = self.host_tier.disk if self.host_tier is not None else None
-        if disk is None or not disk.enabled or not self.enable_caching or request.params.prompt_logprobs is not None:
+        if disk is None or not disk.enabled or not self.enable_caching or not request.reads_prefix_cache:
             return []
         hashes = self._block_hashes(request)[: (request.num_tokens - 1) // self.block_size]
         i = 0
@@ -203,7 +203,7 @@ class KVBlockManager:
     def peek_cached_tokens(self, request: Request) -> int:
         """The tokens `get_computed_blocks` would find cached now, keeping nothing for the
         request (it may never be added: a scheduling prediction asks)."""
-        if not self.enable_caching or request.params.prompt_logprobs is not None:
+        if not self.enable_caching or not request.reads_prefix_cache:
             return 0
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self.req_hashes.get(request.request_id)

@@ -73,6 +73,10 @@ class Request:
     # (vLLM's), and those its response carries (a producer's, for the consumer).
     kv_transfer_params: dict | None = None
     kv_transfer_params_out: dict | None = None
+    # Prompt logprobs need every prompt position computed, so such a request skips the
+    # prefix cache (vLLM's rule). The perplexity eval's --cached-prefix mode sets this to
+    # read it anyway: cached positions then get no logprobs (None), the rest are scored.
+    prompt_logprobs_from_cache: bool = False
 
     def __post_init__(self) -> None:
         self.all_token_ids = list(self.prompt_token_ids)
@@ -80,6 +84,10 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        return self.params.prompt_logprobs is None or self.prompt_logprobs_from_cache
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -22,6 +22,7 @@ EPILOG = """\
 examples:
   tokenmill eval perplexity                                   # default model and text
   tokenmill eval perplexity --kv-cache-dtype int8 --output-json int8.json
+  tokenmill eval perplexity --cached-prefix --kv-offloading-size 2 --kv-offloading-cache-dtype int8
   tokenmill eval perplexity model.gguf --text book.txt --context-len 2048 --stride 1024
 """
 
@@ -47,6 +48,10 @@ def add_perplexity_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--context-len", type=int, default=1024, help="tokens per window (default 1024)")
     parser.add_argument("--stride", type=int, default=None,
                         help="tokens between window starts (default: half the context length)")
+    parser.add_argument("--cached-prefix", action="store_true",
+                        help="score each window with its context read back from the prefix cache: prefilled "
+                             "first, pushed out of the pool into the host tier when --kv-offloading-size is set, "
+                             "so the tier's storage (--kv-offloading-cache-dtype) is what is measured")
     parser.add_argument("--output-json", default=None, metavar="FILE", help="write the result as JSON")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     add_engine_args(parser)
@@ -74,7 +79,8 @@ def cmd_perplexity(args: argparse.Namespace) -> int:
 
     llm = LLM(**config.flat())
     token_ids = llm.tokenizer.encode(text, add_special_tokens=False)[: args.max_tokens]
-    result = perplexity(llm, token_ids, args.context_len, stride, show_progress=not args.no_progress)
+    result = perplexity(llm, token_ids, args.context_len, stride, show_progress=not args.no_progress,
+                        cached_prefix=args.cached_prefix)
     result.settings["text"] = text_path
     print(f"perplexity of {text_path} ({len(token_ids):,} tokens), {result.num_windows} windows, "
           f"{result.tokens_per_second:,.0f} tokens/s computed")

@@ -104,6 +104,81 @@ def token_nlls(llm: LLM, token_ids: list[int], windows: list[Window], show_progr
     return nlls
 
 
+def cached_prefix_nlls(llm: LLM, token_ids: list[int], windows: list[Window], show_progress: bool = True
+                       ) -> tuple[list[float], dict[str, int]]:
+    """-log p of every scored token, each window's earlier tokens read from the prefix cache.
+
+    First every window's context up to its scored tokens (whole blocks; never the position
+    whose logits score the first of them) is prefilled once, then, with a host tier
+    (--kv-offloading-size), pushed out of the pool by prompts of other tokens, and finally
+    each window is scored with those blocks read back: from the host tier (or the disk
+    under it), so what a tier stores them as (e.g. --kv-offloading-cache-dtype int8) is
+    what is measured; without a tier, from the pool. Returns the NLLs and where the cached
+    tokens came from (raises if a window's context was not read back whole)."""
+    from tokenmill.sampling.params import SamplingParams
+
+    engine = llm.engine
+    block_size = engine.facts.block_size
+    kv = engine.scheduler.kv
+    host = getattr(kv, "host_tier", None)
+    contexts = [((w.length - w.num_scored - 1) // block_size) * block_size for w in windows]
+    primes = [token_ids[w.start : w.start + n + 1] if n > 0 else [] for w, n in zip(windows, contexts)]
+    greedy_one = SamplingParams(max_tokens=1, temperature=0.0)
+    bar = tqdm(total=2 * len(windows), desc="cached-prefix perplexity", unit="request", disable=not show_progress)
+    if host is not None:  # every context first, then all of them out of the pool
+        for prime in primes:
+            if prime:
+                llm.generate([prime], greedy_one)
+            bar.update(1)
+        _push_out_of_pool(llm, engine.facts.num_blocks, block_size)
+    before = _tier_hit_tokens(host)
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, temperature=0.0)
+    nlls: list[float] = []
+    cached = 0
+    for window, context, prime in zip(windows, contexts, primes):
+        if host is None:  # each context just before its window: the pool holds one at a time
+            if prime:
+                llm.generate([prime], greedy_one)
+            bar.update(1)
+        request = engine.input_processor.process(engine.new_request_id(), token_ids[window.start : window.end], params,
+                                                 arrival_time=engine.clock())
+        for sample in request.samples:
+            sample.prompt_logprobs_from_cache = True
+        output = llm._add_and_run([request], use_tqdm=False)[0]
+        if output.num_cached_tokens != context:
+            raise RuntimeError(f"window at token {window.start}: {output.num_cached_tokens} of its {context} context "
+                               "tokens came from the cache (the host tier must hold every window's context and "
+                               "the pool one window: raise --kv-offloading-size or --kv-cache-memory)")
+        cached += context
+        nlls.extend(_window_nlls(token_ids, window, output.prompt_logprobs))
+        bar.update(1)
+    bar.close()
+    after = _tier_hit_tokens(host)
+    from_tiers = {name: after[name] - before[name] for name in after}
+    return nlls, {"cached_tokens": cached, "from_pool": cached - sum(from_tiers.values()), **from_tiers}
+
+
+def _push_out_of_pool(llm: LLM, num_blocks: int, block_size: int) -> None:
+    """Prefill prompts of other tokens until every block in the pool has been reused, so
+    what was cached before lives only in the tiers below it."""
+    from tokenmill.sampling.params import SamplingParams
+
+    max_len = llm.engine.facts.max_model_len - 1
+    filler_blocks = max(1, min(max_len, num_blocks * block_size) // block_size - 1)
+    rounds = -(-num_blocks // filler_blocks) + 1
+    vocab = llm.engine.facts.vocab_size
+    for i in range(rounds):  # distinct token runs: nothing here hits what came before
+        prompt = [(17 + 7919 * (i * filler_blocks * block_size + j)) % vocab for j in range(filler_blocks * block_size)]
+        llm.generate([prompt], SamplingParams(max_tokens=1, temperature=0.0))
+
+
+def _tier_hit_tokens(host: Any) -> dict[str, int]:
+    if host is None:
+        return {}
+    disk = getattr(host, "disk", None)
+    return {"from_host_tier": host.stats.hit_tokens, "from_disk_tier": disk.stats.hit_tokens if disk else 0}
+
+
 def _window_nlls(token_ids: list[int], window: Window, prompt_logprobs: list) -> list[float]:
     # prompt_logprobs[p] scores the window's token p from tokens 0..p-1 (None at p = 0).
     first = window.length - window.num_scored
@@ -111,10 +186,16 @@ def _window_nlls(token_ids: list[int], window: Window, prompt_logprobs: list) ->
 
 
 def perplexity(llm: LLM, token_ids: list[int], context_len: int, stride: int,
-               show_progress: bool = True) -> PerplexityResult:
+               show_progress: bool = True, cached_prefix: bool = False) -> PerplexityResult:
+    """`cached_prefix`: each window's context is read back from the prefix cache (and its
+    tiers) instead of computed with the window (`cached_prefix_nlls`)."""
     windows = sliding_windows(len(token_ids), context_len, stride)
     start = time.perf_counter()
-    nlls = token_nlls(llm, token_ids, windows, show_progress)
+    cache_use: dict[str, int] = {}
+    if cached_prefix:
+        nlls, cache_use = cached_prefix_nlls(llm, token_ids, windows, show_progress)
+    else:
+        nlls = token_nlls(llm, token_ids, windows, show_progress)
     seconds = time.perf_counter() - start
     nll = math.fsum(nlls) / len(nlls)
     facts = llm.engine.facts
@@ -122,7 +203,9 @@ def perplexity(llm: LLM, token_ids: list[int], context_len: int, stride: int,
         "model": facts.model_name, "weight_format": facts.weight_format, "compute_dtype": facts.compute_dtype,
         "kv_cache_dtype": facts.kv_cache_dtype, "kv_cache_format": facts.kv_cache_format,
         "attention_backend": facts.attention_backend,
-        "tokens_computed": sum(w.length for w in windows),
+        "tokens_computed": sum(w.length for w in windows) - cache_use.get("cached_tokens", 0),
+        "kv_offloading_cache_dtype": llm.engine.config.cache.kv_offloading_cache_dtype,
+        **({"cached_prefix": cache_use} if cached_prefix else {}),
     }
     return PerplexityResult(math.exp(nll), nll, len(nlls), len(token_ids), len(windows), context_len, stride,
                             seconds, settings)
