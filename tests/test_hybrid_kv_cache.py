@@ -120,3 +120,27 @@ def test_served_conversation_hits_across_turns(checkpoint: Path) -> None:
         raise
     finally:
         server.stop()
+
+
+def test_a_host_tier_turns_the_hybrid_manager_off_and_serves_a_returning_prefix(checkpoint: Path, caplog) -> None:
+    """--kv-offloading-size on a model with sliding-window layers: the engine starts (as vLLM's
+    does with a KV connector, the hybrid manager steps aside, saying so), and a prefix pushed
+    out of a small pool comes back from the host tier with the tokens of an engine without
+    any cache."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="tokenmill.runner.worker"):
+        llm = LLM(model=str(checkpoint), dtype="float32", block_size=BLOCK, max_model_len=512, kv_cache_memory=2**20,
+                  max_num_seqs=4, max_num_batched_tokens=64, kv_offloading_size=0.01)
+    assert "hybrid KV cache manager off" in caplog.text and "--kv-offloading-size" in caplog.text
+    kv = llm.engine.scheduler.kv
+    assert not isinstance(kv, HybridKVBlockManager) and kv.host_tier is not None
+    returning = _prompt(70, 5)
+    llm.generate([returning], GREEDY)
+    pool_tokens = llm.engine.facts.num_blocks * BLOCK
+    for seed in range(6, 6 + pool_tokens // 400 + 2):  # other prompts fill the pool: the first one's blocks go to the tier
+        llm.generate([_prompt(400, seed)], GREEDY)
+    out = llm.generate([returning], GREEDY)[0]
+    assert out.num_cached_tokens == (70 - 1) // BLOCK * BLOCK and kv.host_tier.stats.hit_tokens > 0
+    plain = _llm(checkpoint, enable_prefix_caching=False)
+    assert plain.generate([returning], GREEDY)[0].outputs[0].token_ids == out.outputs[0].token_ids

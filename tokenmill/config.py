@@ -354,7 +354,9 @@ class CacheConfig:
     disable_hybrid_kv_cache_manager: bool = setting(False, help="keep every block of sliding-window layers too "
                                                                 "(by default a model with both sliding-window and "
                                                                 "full-attention layers keeps only the window's blocks "
-                                                                "of its sliding layers, in a pool of their own)")
+                                                                "of its sliding layers, in a pool of their own; off by itself "
+                                                                "with --kv-offloading-size or --kv-transfer-config, as "
+                                                                "vLLM's is with a KV connector)")
     kv_cache_dtype: str = setting("auto", choices=KV_CACHE_DTYPES,
                                   help="how K and V are stored: auto follows --dtype; int8 and fp8_e4m3 (alias fp8) "
                                        "store 8-bit codes with a float16 scale per token and KV head, about half the "

@@ -600,10 +600,19 @@ def select_attention_backend(name: str, device: torch.device, kernels_ok: bool) 
 def hybrid_sliding_layers(config: EngineConfig, loaded: LoadedModel, supported: bool) -> frozenset[int]:
     """The layers whose KV goes to a sliding-window pool of its own: a model with both kinds
     of layer, on one process without a draft model (tensor/pipeline ranks and a draft's
-    shared memory split keep every block), unless --disable-hybrid-kv-cache-manager."""
+    shared memory split keep every block), unless --disable-hybrid-kv-cache-manager or a
+    KV tier (--kv-offloading-size) or connector (--kv-transfer-config) is on: those move
+    whole blocks of every layer, so, as vLLM does with a KV connector, the hybrid manager
+    steps aside for them (with a log line) rather than refuse to start."""
     arch = loaded.model.cfg
     sliding = frozenset(i for i in range(arch.num_layers) if arch.layer_window(i) is not None)
     if not supported or config.cache.disable_hybrid_kv_cache_manager or len(sliding) in (0, arch.num_layers):
+        return frozenset()
+    movers = [flag for flag, on in (("--kv-offloading-size", config.cache.kv_offloading_size),
+                                    ("--kv-transfer-config", config.cache.kv_transfer_config)) if on]
+    if movers:
+        logger.info("hybrid KV cache manager off (as --disable-hybrid-kv-cache-manager): %s moves every layer's "
+                    "blocks, so the %d sliding-window layers keep all of theirs", " and ".join(movers), len(sliding))
         return frozenset()
     return sliding
 
