@@ -108,6 +108,11 @@ class CPUNativeBackend(AttentionBackend):
                             self.prefill_dtype)
             return
         in_place = not kv_cache.quantized and kv_cache.k.dtype == bf16  # a bf16 cache's context read where it is
+        if out.dtype == bf16:
+            q16, out16 = q, out
+        else:  # the step's queries cast once and its outputs copied back once, not once per prompt
+            q16, out16 = q.to(bf16), torch.empty(q.shape, dtype=bf16)
+        k16 = v16 = None
         for span in metadata.prefills:
             rows = slice(span.start, span.end)
             key_slots = None
@@ -119,13 +124,13 @@ class CPUNativeBackend(AttentionBackend):
             elif kv_cache.quantized:
                 ks, vs = kv_cache.read(metadata.slot_mapping[rows], bf16)
             else:
-                ks, vs = k[rows].to(bf16), v[rows].to(bf16)
-            if out.dtype == bf16:
-                prefill_attention(out[rows], q[rows], ks, vs, scale, key_slots)
-            else:
-                o = torch.empty(out[rows].shape, dtype=bf16)
-                prefill_attention(o, q[rows].to(bf16), ks, vs, scale, key_slots)
-                out[rows] = o
+                if k16 is None:  # (cast once for every prompt of the step that has no earlier context)
+                    k16, v16 = k.to(bf16), v.to(bf16)
+                ks, vs = k16[rows], v16[rows]
+            prefill_attention(out16[rows], q16[rows], ks, vs, scale, key_slots)
+        if out16 is not out:
+            for first, last in _row_runs(metadata.prefills):
+                out[first:last] = out16[first:last]
 
     @staticmethod
     def _decode(q, kv_cache, native: NativeDecode, scale: float, out: torch.Tensor) -> None:
@@ -139,6 +144,17 @@ class CPUNativeBackend(AttentionBackend):
         paged_decode_attention(od, qd, k_cache, v_cache, native.block_tables, native.context_lens, scale,
                                kv_cache.scales, native.window)
         out[native.rows] = od
+
+
+def _row_runs(spans: list) -> list[tuple[int, int]]:
+    """The spans' rows as runs of consecutive rows (a step's prompts usually sit together)."""
+    runs: list[tuple[int, int]] = []
+    for span in spans:
+        if runs and runs[-1][1] == span.start:
+            runs[-1] = (runs[-1][0], span.end)
+        else:
+            runs.append((span.start, span.end))
+    return runs
 
 
 @functools.cache
