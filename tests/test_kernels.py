@@ -708,3 +708,57 @@ def test_prefill_attention_reads_a_paged_cache_in_place(n, L) -> None:
     bad[-1] = blocks * block_size
     with pytest.raises(RuntimeError, match="outside the cache"):
         kernels.prefill_attention(in_place, q, flat_k, flat_v, 0.125, bad)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_prefill_attention_chunks_gives_each_chunk_its_own_bits(threads) -> None:
+    """A step's prompt chunks in one call: chunks sharing a prefix (the same cache slots:
+    blocks packed once for all of them), a chunk with a private context, one without context
+    (its keys are its own rows), lengths not a multiple of the 32-key block; every chunk's
+    rows equal `prefill_attention` over that chunk alone, bit for bit, on one thread or two.
+    Rows outside the chunks are left as they were; bad tables are refused."""
+    from tokenmill.hardware import cpu_info
+
+    if not kernels.has_prefill_attention(64):
+        assert not cpu_info().has("avx512_bf16")
+        return
+    gen = torch.Generator().manual_seed(7)
+    blocks, block_size, kv_heads, heads, d = 96, 16, 3, 9, 64
+    k_cache = torch.randn(blocks, block_size, kv_heads, d, generator=gen).bfloat16()
+    v_cache = torch.randn(blocks, block_size, kv_heads, d, generator=gen).bfloat16()
+    flat_k, flat_v = k_cache.view(-1, kv_heads, d), v_cache.view(-1, kv_heads, d)
+    order = torch.randperm(blocks * block_size, generator=gen)
+    prefix = order[:200]  # 200 keys shared by three chunks (6 whole blocks of 32 and a partial one)
+    chunks = [  # (keys, query rows = the last n keys)
+        (torch.cat([prefix, order[200:232]]), 32), (torch.cat([prefix, order[232:245]]), 13),
+        (torch.cat([prefix, order[245:246]]), 1), (order[300:377], 20), (order[400:440], 40),
+    ]
+    decode_rows = 3  # rows before the chunks (a step's decodes): untouched
+    n_total = decode_rows + sum(n for _, n in chunks)
+    q = torch.randn(n_total, heads, d, generator=gen).bfloat16()
+    out = torch.full_like(q, 7.0)
+    row_starts = [decode_rows]
+    for _, n in chunks:
+        row_starts.append(row_starts[-1] + n)
+    key_starts = [0]
+    for keys, _ in chunks:
+        key_starts.append(key_starts[-1] + len(keys))
+    tables = (torch.tensor(row_starts), torch.cat([keys for keys, _ in chunks]).contiguous(), torch.tensor(key_starts))
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        kernels.prefill_attention_chunks(out, q, flat_k, flat_v, 0.125, *tables)
+    finally:
+        torch.set_num_threads(previous)
+    assert torch.equal(out[:decode_rows], torch.full_like(out[:decode_rows], 7.0))
+    for c, (keys, n) in enumerate(chunks):
+        alone = torch.empty(n, heads, d, dtype=torch.bfloat16)
+        kernels.prefill_attention(alone, q[row_starts[c] : row_starts[c + 1]], flat_k, flat_v, 0.125, keys)
+        assert torch.equal(out[row_starts[c] : row_starts[c + 1]], alone), c
+    with pytest.raises(RuntimeError, match="must include its own rows"):
+        kernels.prefill_attention_chunks(out, q, flat_k, flat_v, 0.125, torch.tensor([0, 50]), tables[1][:40],
+                                         torch.tensor([0, 40]))
+    bad = tables[1].clone()
+    bad[5] = blocks * block_size
+    with pytest.raises(RuntimeError, match="outside the cache"):
+        kernels.prefill_attention_chunks(out, q, flat_k, flat_v, 0.125, tables[0], bad, tables[2])

@@ -27,7 +27,7 @@ from tokenmill.attention.backend import AttentionBackend, BatchLayout, padded_bl
 from tokenmill.attention.paged_sdpa import PrefillSpan, attend_prefills, prefill_spans, windowed_spans, write_kv
 from tokenmill.hardware import cpu_info
 from tokenmill.kernels import (hadamard_, has_prefill_attention, paged_decode_attention, prefill_attention,
-                               write_kv_cache)
+                               prefill_attention_chunks, write_kv_cache)
 
 
 @dataclass
@@ -45,6 +45,24 @@ class NativeMetadata:
     prefills: list[PrefillSpan]
     layout: BatchLayout | None = None
     windowed: dict[int, NativeMetadata] = field(default_factory=dict)  # per sliding window, built on first use
+    # The prompt chunks as `prefill_attention_chunks` takes them (row starts, every chunk's key
+    # slots, key starts), built on first use; None: the chunks' rows are not one run.
+    chunk_keys: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = field(default=None, init=False)
+    _chunk_keys_built: bool = field(default=False, init=False)
+
+    def prefill_chunks(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        if not self._chunk_keys_built:
+            self._chunk_keys_built = True
+            spans = self.prefills
+            if spans and len(_row_runs(spans)) == 1:
+                slots = [span.context_gather if span.context_gather is not None
+                         else self.slot_mapping[span.start : span.end] for span in spans]
+                key_starts = [0]
+                for keys in slots:
+                    key_starts.append(key_starts[-1] + len(keys))
+                self.chunk_keys = (torch.tensor([spans[0].start] + [span.end for span in spans], dtype=torch.long),
+                                   torch.cat(slots).to(torch.long), torch.tensor(key_starts, dtype=torch.long))
+        return self.chunk_keys
 
     def for_window(self, window: int | None, device: torch.device) -> NativeMetadata:
         if window is None or self.layout is None:
@@ -113,7 +131,11 @@ class CPUNativeBackend(AttentionBackend):
         else:  # the step's queries cast once and its outputs copied back once, not once per prompt
             q16, out16 = q.to(bf16), torch.empty(q.shape, dtype=bf16)
         k16 = v16 = None
-        for span in metadata.prefills:
+        chunks = metadata.prefill_chunks() if in_place else None
+        if chunks is not None:  # every chunk in one call, reading its keys where the cache holds them
+            cache_k, cache_v = kv_cache.k.view(-1, *kv_cache.k.shape[2:]), kv_cache.v.view(-1, *kv_cache.v.shape[2:])
+            prefill_attention_chunks(out16, q16, cache_k, cache_v, scale, *chunks)
+        for span in metadata.prefills if chunks is None else ():
             rows = slice(span.start, span.end)
             key_slots = None
             if span.context_gather is not None and in_place:  # earlier context: the cache's rows, the chunk's last

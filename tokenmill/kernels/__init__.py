@@ -36,7 +36,8 @@ _SOURCES = [
 ]
 _OPS = ("paged_decode_attention", "skinny_linear", "grouped_skinny_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary_",
         "llama_decode_layer", "column_parts_linear", "write_kv_cache", "hadamard_", "quant_linear", "quant_dequantize",
-        "quantize_activations_q8", "quant_isa", "prefill_attention", "has_prefill_attention")
+        "quantize_activations_q8", "quant_isa", "prefill_attention", "prefill_attention_chunks",
+        "has_prefill_attention")
 _NAME = "tokenmill_cpu_kernels"
 
 
@@ -129,6 +130,17 @@ def prefill_attention(out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: to
     `key_slots` (int64 [L]): k and v are a bf16 paged cache viewed as [slots, kv_heads, d] and
     key j is its row key_slots[j], read in place (the bits of gathering k[key_slots] first)."""
     torch.ops.tokenmill.prefill_attention(out, q, k, v, scale, key_slots)
+
+
+def prefill_attention_chunks(out: torch.Tensor, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                             scale: float, row_starts: torch.Tensor, key_slots: torch.Tensor,
+                             key_starts: torch.Tensor) -> None:
+    """Every prompt chunk of a step in one call, each row with the bits `prefill_attention`
+    gives its chunk alone: chunk c is rows row_starts[c] .. row_starts[c + 1] of q and out [N,
+    heads, d], over the keys in rows key_slots[key_starts[c] : key_starts[c + 1]] of a bf16
+    paged cache viewed as [slots, kv_heads, d] (its context and itself, in position order).
+    A key block several chunks hold in the same slots (a shared prefix) is packed once."""
+    torch.ops.tokenmill.prefill_attention_chunks(out, q, k_cache, v_cache, scale, row_starts, key_slots, key_starts)
 
 
 def write_kv_cache(k: torch.Tensor, v: torch.Tensor, kv_cache: tuple[torch.Tensor, torch.Tensor],

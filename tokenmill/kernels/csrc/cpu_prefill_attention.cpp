@@ -6,7 +6,9 @@
 // 1024-token causal layer of 9 heads of 64 in 22-30 ms at one thread, about 45 GFLOP/s, bf16
 // no faster than float32, 36-40% of a bf16 prefill.
 //
-// Per KV head, K and V are repacked once per call so the dot products read them in order:
+// Per KV head, K and V are repacked once per call so the dot products read them in order
+// (a step's chunks in one call: a key block that several hold in the same cache slots, a shared
+// prefix, is repacked once for all of them):
 // K as [key block of 32][d / 2 pairs][32 keys] of bf16 pairs (a vector = 16 keys' pair p), V
 // as [key pair][d] of (v[2m][c], v[2m + 1][c]) pairs. A task is 4 query rows of one head: for
 // each block of 32 keys up to the causal limit, the 4 rows' scores (d / 2 dot products per 16
@@ -22,9 +24,13 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <unordered_map>
+#include <utility>
+#include <vector>
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -63,9 +69,11 @@ inline uint32_t pair_at(const uint16_t* row, int64_t c) {
 
 // One task: query rows [r0, r0 + nr) (nr <= 4) of one head. ND = head_dim / 16; a key block
 // is KV vectors of 16 keys.
+// `blocks`: the packed index of each key block of the chunk (its keys 32 kb .. 32 kb + 31),
+// so chunks that share a block (a prefix held by the same cache slots) read one copy.
 template <int ND>
 void attend_rows(const uint16_t* q, int64_t q_row, int64_t r0, int64_t nr, int64_t offset, const uint32_t* kp,
-                 const uint32_t* vp, float scale, uint16_t* out, int64_t out_row) {
+                 const uint32_t* vp, const int32_t* blocks, float scale, uint16_t* out, int64_t out_row) {
   constexpr int64_t d = ND * 16, pairs = d / 2, KV = kKeys / 16;
   __m512 acc[kRows][ND];
   float m[kRows], l[kRows];
@@ -82,7 +90,7 @@ void attend_rows(const uint16_t* q, int64_t q_row, int64_t r0, int64_t nr, int64
     __m512 s[kRows][KV];
     for (int64_t r = 0; r < kRows; ++r)
       for (int64_t x = 0; x < KV; ++x) s[r][x] = _mm512_setzero_ps();
-    const uint32_t* kblock = kp + kb * pairs * kKeys;
+    const uint32_t* kblock = kp + blocks[kb] * pairs * kKeys;
     for (int64_t p = 0; p < pairs; ++p) {
       __m512bh kv[KV];
       for (int64_t x = 0; x < KV; ++x) kv[x] = (__m512bh)_mm512_loadu_si512(kblock + p * kKeys + x * 16);
@@ -123,7 +131,7 @@ void attend_rows(const uint16_t* q, int64_t q_row, int64_t r0, int64_t nr, int64
       }
     }
     for (int64_t r = nr; r < kRows; ++r) std::memset(pb[r], 0, sizeof(pb[r]));
-    const uint32_t* vblock = vp + kb * (kKeys / 2) * d;
+    const uint32_t* vblock = vp + blocks[kb] * (kKeys / 2) * d;
     for (int64_t mp = 0; mp < kKeys / 2; ++mp) {
       __m512bh pv[kRows];
       for (int64_t r = 0; r < kRows; ++r) pv[r] = (__m512bh)_mm512_set1_epi32(pair_at(pb[r], 2 * mp));
@@ -141,8 +149,8 @@ void attend_rows(const uint16_t* q, int64_t q_row, int64_t r0, int64_t nr, int64
   }
 }
 
-using AttendFn = void (*)(const uint16_t*, int64_t, int64_t, int64_t, int64_t, const uint32_t*, const uint32_t*, float,
-                          uint16_t*, int64_t);
+using AttendFn = void (*)(const uint16_t*, int64_t, int64_t, int64_t, int64_t, const uint32_t*, const uint32_t*,
+                          const int32_t*, float, uint16_t*, int64_t);
 
 AttendFn attend_fn(int64_t d) {
   switch (d) {
@@ -167,6 +175,122 @@ bool has_prefill_attention(int64_t head_dim) {
   return false;
 #endif
 }
+
+#if defined(TM_PREFILL_BF16)
+namespace {
+
+// The step's chunks: chunk c is query rows [row_start[c], row_start[c + 1]) over keys
+// [key_start[c], key_start[c + 1]) of `slot` (rows of k and v; nullptr: keys 0 .. L - 1 of
+// one chunk), query row i seeing its first L - n + i + 1 keys (bottom-right causal).
+struct Chunks {
+  int64_t count;
+  const int64_t* row_start;
+  const int64_t* key_start;
+  const int64_t* slot;
+};
+
+// Packs every distinct key block of the chunks once per KV head (K as [block][d / 2 pairs][32
+// keys] of bf16 pairs, V as [block][16 key pairs][d] pairs, zero past the last key) and runs
+// the tasks: 4 query rows of one head of one chunk each. Two chunks' blocks are one when they
+// hold the same cache slots (the same tokens at the same positions: a shared prefix), so a
+// prefix is packed once for all the chunks that read it; each row's arithmetic is the one a
+// chunk alone gets.
+void attend_chunks(uint16_t* oraw, int64_t os0, int64_t os1, const uint16_t* qraw, int64_t qs0, int64_t qs1,
+                   int64_t H, int64_t d, const uint16_t* kraw, int64_t ks0, int64_t ks1, const uint16_t* vraw,
+                   int64_t vs0, int64_t vs1, int64_t KVH, const Chunks& chunks, float scale,
+                   const at::TensorOptions& options) {
+  const int64_t pairs = d / 2;
+  // Each chunk's key blocks -> packed block index; a block's keys: (first key in `slot`, count).
+  std::vector<int64_t> table_start(chunks.count + 1, 0);
+  for (int64_t c = 0; c < chunks.count; ++c) {
+    const int64_t L = chunks.key_start[c + 1] - chunks.key_start[c];
+    table_start[c + 1] = table_start[c] + (L + kKeys - 1) / kKeys;
+  }
+  std::vector<int32_t> table(table_start[chunks.count]);
+  std::vector<std::pair<int64_t, int64_t>> unique;  // (first key, keys)
+  std::unordered_map<int64_t, std::vector<int32_t>> by_first_slot;
+  for (int64_t c = 0; c < chunks.count; ++c) {
+    const int64_t k0 = chunks.key_start[c], L = chunks.key_start[c + 1] - k0;
+    for (int64_t b = 0; b * kKeys < L; ++b) {
+      const int64_t first = k0 + b * kKeys, keys = std::min(kKeys, L - b * kKeys);
+      int32_t found = -1;
+      if (chunks.slot != nullptr) {
+        auto& same_start = by_first_slot[chunks.slot[first]];
+        for (int32_t u : same_start)
+          if (unique[u].second == keys &&
+              std::memcmp(chunks.slot + unique[u].first, chunks.slot + first, keys * sizeof(int64_t)) == 0) {
+            found = u;
+            break;
+          }
+        if (found < 0) same_start.push_back(static_cast<int32_t>(unique.size()));
+      }
+      if (found < 0) {
+        found = static_cast<int32_t>(unique.size());
+        unique.emplace_back(first, keys);
+      }
+      table[table_start[c] + b] = found;
+    }
+  }
+  const int64_t U = static_cast<int64_t>(unique.size());
+  at::Tensor kp = at::empty({KVH, U * pairs * kKeys}, options.dtype(at::kInt));
+  at::Tensor vp = at::empty({KVH, U * (kKeys / 2) * d}, options.dtype(at::kInt));
+  uint32_t* kpp = reinterpret_cast<uint32_t*>(kp.data_ptr<int32_t>());
+  uint32_t* vpp = reinterpret_cast<uint32_t*>(vp.data_ptr<int32_t>());
+  const int64_t* slot = chunks.slot;
+  auto row_of = [slot](int64_t key) { return slot ? slot[key] : key; };
+  at::parallel_for(0, KVH * U, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t g = t / U, u = t % U, first = unique[u].first, keys = unique[u].second;
+      uint32_t* kdst = kpp + (g * U + u) * pairs * kKeys;
+      for (int64_t p = 0; p < pairs; ++p)
+        for (int64_t j = 0; j < kKeys; ++j)
+          kdst[p * kKeys + j] = j < keys ? pair_at(kraw + row_of(first + j) * ks0 + g * ks1, 2 * p) : 0u;
+      uint32_t* vdst = vpp + (g * U + u) * (kKeys / 2) * d;
+      for (int64_t mp = 0; mp < kKeys / 2; ++mp) {
+        const int64_t j = 2 * mp;
+        if (j >= keys) {  // past the last key: zeros (their probabilities are 0; 0 x garbage could be NaN)
+          std::memset(vdst + mp * d, 0, (kKeys / 2 - mp) * d * sizeof(uint32_t));
+          break;
+        }
+        const uint16_t* lo = vraw + row_of(first + j) * vs0 + g * vs1;
+        const uint16_t* hi = j + 1 < keys ? vraw + row_of(first + j + 1) * vs0 + g * vs1 : nullptr;
+        for (int64_t c = 0; c < d; ++c) vdst[mp * d + c] = uint32_t(lo[c]) | (hi ? uint32_t(hi[c]) << 16 : 0u);
+      }
+    }
+  });
+  // Tasks: chunk by chunk, head by head, 4 rows at a time.
+  std::vector<int64_t> task_start(chunks.count + 1, 0);
+  for (int64_t c = 0; c < chunks.count; ++c) {
+    const int64_t n = chunks.row_start[c + 1] - chunks.row_start[c];
+    task_start[c + 1] = task_start[c] + H * ((n + kRows - 1) / kRows);
+  }
+  const AttendFn fn = attend_fn(d);
+  const int64_t group = H / KVH;
+  // Taken one at a time from a shared counter: the tasks' costs differ (a chunk's rows see
+  // from 1 to L keys), and an even split of them left one thread a fifth more work.
+  const int64_t total = task_start[chunks.count];
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), total), 1, [&](int64_t, int64_t) {
+    for (int64_t t = next.fetch_add(1); t < total; t = next.fetch_add(1)) {
+      const int64_t c = std::upper_bound(task_start.begin(), task_start.end(), t) - task_start.begin() - 1;
+      const int64_t row0 = chunks.row_start[c], n = chunks.row_start[c + 1] - row0;
+      const int64_t L = chunks.key_start[c + 1] - chunks.key_start[c], row_blocks = (n + kRows - 1) / kRows;
+      const int64_t local = t - task_start[c], h = local / row_blocks, rb = local % row_blocks, g = h / group;
+      const int64_t r0 = rb * kRows, nr = std::min(kRows, n - r0);
+      fn(qraw + row0 * qs0 + h * qs1, qs0, r0, nr, L - n, kpp + g * U * pairs * kKeys, vpp + g * U * (kKeys / 2) * d,
+         table.data() + table_start[c], scale, oraw + row0 * os0 + h * os1, os0);
+    }
+  });
+}
+
+void check_bf16_rows(std::initializer_list<const at::Tensor*> tensors) {
+  for (const at::Tensor* t : tensors)
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->dim() == 3 && t->stride(2) == 1,
+                "bf16 tensors [rows, heads, d] with contiguous rows");
+}
+
+}  // namespace
+#endif
 
 // out [n, H, d] bf16 = attention of q [n, H, d] over k, v [L, KVH, d] (all bf16, rows of d
 // contiguous, any token/head strides), query row i seeing keys 0 .. L - n + i. With
@@ -194,51 +318,55 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
   TORCH_CHECK(k.sizes() == v.sizes() && k.size(2) == d && H % KVH == 0 && L >= n, "shapes do not match");
   TORCH_CHECK(has_prefill_attention(d), "prefill_attention: needs AVX-512 BF16 and head_dim 32, 64, 96 or 128");
 #if defined(TM_PREFILL_BF16)
-  const int64_t blocks = (L + kKeys - 1) / kKeys, pairs = d / 2;
-  // Packed K and V per KV head (zero-padded to whole key blocks).
-  at::Tensor kp = at::empty({KVH, blocks * pairs * kKeys}, q.options().dtype(at::kInt));
-  at::Tensor vp = at::zeros({KVH, blocks * (kKeys / 2) * d}, q.options().dtype(at::kInt));
-  const uint16_t* kraw = reinterpret_cast<const uint16_t*>(k.data_ptr<c10::BFloat16>());
-  const uint16_t* vraw = reinterpret_cast<const uint16_t*>(v.data_ptr<c10::BFloat16>());
-  uint32_t* kpp = reinterpret_cast<uint32_t*>(kp.data_ptr<int32_t>());
-  uint32_t* vpp = reinterpret_cast<uint32_t*>(vp.data_ptr<int32_t>());
-  const int64_t ks0 = k.stride(0), ks1 = k.stride(1), vs0 = v.stride(0), vs1 = v.stride(1);
-  auto row_of = [slot](int64_t key) { return slot ? slot[key] : key; };
-  at::parallel_for(0, KVH * blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t g = t / blocks, b = t % blocks;
-      uint32_t* kdst = kpp + g * blocks * pairs * kKeys + b * pairs * kKeys;
-      for (int64_t p = 0; p < pairs; ++p)
-        for (int64_t j = 0; j < kKeys; ++j) {
-          const int64_t key = b * kKeys + j;
-          kdst[p * kKeys + j] = key < L ? pair_at(kraw + row_of(key) * ks0 + g * ks1, 2 * p) : 0u;
-        }
-      uint32_t* vdst = vpp + g * blocks * (kKeys / 2) * d + b * (kKeys / 2) * d;
-      for (int64_t mp = 0; mp < kKeys / 2; ++mp) {
-        const int64_t k0 = b * kKeys + 2 * mp;
-        if (k0 >= L) break;
-        const uint16_t* lo = vraw + row_of(k0) * vs0 + g * vs1;
-        const uint16_t* hi = k0 + 1 < L ? vraw + row_of(k0 + 1) * vs0 + g * vs1 : nullptr;
-        for (int64_t c = 0; c < d; ++c) vdst[mp * d + c] = uint32_t(lo[c]) | (hi ? uint32_t(hi[c]) << 16 : 0u);
-      }
-    }
-  });
-  const AttendFn fn = attend_fn(d);
-  const int64_t row_blocks = (n + kRows - 1) / kRows, group = H / KVH;
-  const uint16_t* qraw = reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>());
-  uint16_t* oraw = reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>());
-  const int64_t qs0 = q.stride(0), qs1 = q.stride(1), os0 = out.stride(0), os1 = out.stride(1);
-  at::parallel_for(0, H * row_blocks, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const int64_t h = t / row_blocks, rb = t % row_blocks, g = h / group;
-      const int64_t r0 = rb * kRows, nr = std::min(kRows, n - r0);
-      fn(qraw + h * qs1, qs0, r0, nr, L - n, kpp + g * blocks * pairs * kKeys, vpp + g * blocks * (kKeys / 2) * d,
-         static_cast<float>(scale), oraw + h * os1, os0);
-    }
-  });
+  const int64_t rows[2] = {0, n}, keys[2] = {0, L};
+  attend_chunks(reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), out.stride(0), out.stride(1),
+                reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>()), q.stride(0), q.stride(1), H, d,
+                reinterpret_cast<const uint16_t*>(k.data_ptr<c10::BFloat16>()), k.stride(0), k.stride(1),
+                reinterpret_cast<const uint16_t*>(v.data_ptr<c10::BFloat16>()), v.stride(0), v.stride(1), KVH,
+                Chunks{1, rows, keys, slot}, static_cast<float>(scale), q.options());
 #else
   (void)scale;
-  (void)slot;
+#endif
+}
+
+// Every prompt chunk of a step in one call: chunk c is rows [row_starts[c], row_starts[c + 1])
+// of q and out [N, H, d], over the keys in cache rows key_slots[key_starts[c] ..
+// key_starts[c + 1]) of k, v [slots, KVH, d] (its context and itself, in position order).
+// Each row gets the bits `prefill_attention` gives its chunk alone; a key block that several
+// chunks hold in the same slots (a shared prefix) is packed once for all of them.
+void prefill_attention_chunks(at::Tensor out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+                              double scale, const at::Tensor& row_starts, const at::Tensor& key_slots,
+                              const at::Tensor& key_starts) {
+  for (const at::Tensor* t : {&row_starts, &key_slots, &key_starts})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->is_contiguous(), "row_starts, key_slots, "
+                "key_starts: contiguous int64 vectors");
+  const int64_t count = row_starts.size(0) - 1;
+  TORCH_CHECK(count >= 0 && key_starts.size(0) == count + 1, "row_starts and key_starts: one more than the chunks");
+  TORCH_CHECK(out.sizes() == q.sizes() && k.sizes() == v.sizes() && k.size(2) == q.size(2) &&
+              q.size(1) % k.size(1) == 0, "q, out [N, heads, d]; k, v [slots, kv_heads, d]");
+  const int64_t N = q.size(0), H = q.size(1), d = q.size(2), KVH = k.size(1), slots = k.size(0);
+  TORCH_CHECK(has_prefill_attention(d), "prefill_attention: needs AVX-512 BF16 and head_dim 32, 64, 96 or 128");
+  const int64_t* rs = row_starts.data_ptr<int64_t>();
+  const int64_t* ks = key_starts.data_ptr<int64_t>();
+  const int64_t* slot = key_slots.data_ptr<int64_t>();
+  TORCH_CHECK(rs[0] >= 0 && rs[count] <= N && ks[0] == 0 && ks[count] == key_slots.size(0), "starts out of range");
+  for (int64_t c = 0; c < count; ++c)
+    TORCH_CHECK(rs[c + 1] >= rs[c] && ks[c + 1] - ks[c] >= rs[c + 1] - rs[c],
+                "chunk ", c, ": its keys must include its own rows");
+  for (int64_t j = 0; j < key_slots.size(0); ++j)
+    TORCH_CHECK(slot[j] >= 0 && slot[j] < slots, "key_slots[", j, "] = ", slot[j], " is outside the cache's ",
+                slots, " slots");
+#if defined(TM_PREFILL_BF16)
+  check_bf16_rows({&out, &q, &k, &v});
+  attend_chunks(reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), out.stride(0), out.stride(1),
+                reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>()), q.stride(0), q.stride(1), H, d,
+                reinterpret_cast<const uint16_t*>(k.data_ptr<c10::BFloat16>()), k.stride(0), k.stride(1),
+                reinterpret_cast<const uint16_t*>(v.data_ptr<c10::BFloat16>()), v.stride(0), v.stride(1), KVH,
+                Chunks{count, rs, ks, slot}, static_cast<float>(scale), q.options());
+#else
+  (void)scale;
+  (void)H;
+  (void)KVH;
 #endif
 }
 
@@ -246,7 +374,12 @@ void prefill_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k,
 
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("prefill_attention(Tensor(a!) out, Tensor q, Tensor k, Tensor v, float scale, Tensor? key_slots=None) -> ()");
+  m.def("prefill_attention_chunks(Tensor(a!) out, Tensor q, Tensor k, Tensor v, float scale, Tensor row_starts, "
+        "Tensor key_slots, Tensor key_starts) -> ()");
   m.def("has_prefill_attention(int head_dim) -> bool", &tokenmill::has_prefill_attention);
 }
 
-TORCH_LIBRARY_IMPL(tokenmill, CPU, m) { m.impl("prefill_attention", &tokenmill::prefill_attention); }
+TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
+  m.impl("prefill_attention", &tokenmill::prefill_attention);
+  m.impl("prefill_attention_chunks", &tokenmill::prefill_attention_chunks);
+}
