@@ -51,6 +51,10 @@ class DraftSequence:
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 
+    @property
+    def reads_prefix_cache(self) -> bool:  # as its request's does (Request.reads_prefix_cache)
+        return self.params.prompt_logprobs is None
+
 
 @dataclass
 class _Job:
