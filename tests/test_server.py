@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
+from pathlib import Path
 
 import httpx
 import pytest
@@ -25,6 +27,16 @@ def test_health_is_503_while_loading_and_200_once_loaded(server):
     assert server.saw_loading_503
     response = httpx.get(server.url + "/health")
     assert response.status_code == 200
+
+
+def test_the_server_freezes_its_start_up_heap(server):
+    """After the engine loads, the server moves what start-up left alive into the garbage
+    collector's permanent generation (vLLM's freeze_gc_heap), so no full collection walks the
+    model again mid-request; the log says how many objects."""
+    log = Path(server.log.name).read_text(errors="replace")
+    frozen = re.search(r"garbage collector: froze (\d+) objects alive after start-up \(server\)", log)
+    assert frozen is not None, log[-2000:]
+    assert int(frozen.group(1)) > 10_000  # the model's modules, the tokenizer, the libraries
 
 
 def test_models_lists_the_served_model(server, client):

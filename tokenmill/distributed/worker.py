@@ -48,13 +48,14 @@ def worker_main(config: EngineConfig, rank: int, num_threads: int, parent_pid: i
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
     from tokenmill.parallel.channel import STOP, ChannelClosed, StepClient
     from tokenmill.parallel.group import DistributedContext
-    from tokenmill.runner.worker import build_rank, rank_setup
+    from tokenmill.runner.worker import build_rank, freeze_startup_heap, rank_setup
 
     ctx = client = None
     try:
         ctx = DistributedContext(config, rank)
         built = build_rank(config, rank_setup(ctx, config, num_threads))
         runner = built.runner
+        freeze_startup_heap(f"rank {rank}")
         client = StepClient(ctx.store, rank)
         sends_output = rank == ctx.place.output_rank
         logger.info("rank %d (pid %d) ready: %s", rank, os.getpid(), _describe(ctx))

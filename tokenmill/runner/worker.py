@@ -16,6 +16,7 @@ plain step types and the ground floor; never spec_decode/, distributed/ or build
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import math
 import os
@@ -110,6 +111,23 @@ def rank_setup(ctx, config: EngineConfig, num_threads: int) -> RankSetup:
         microbatches = parallel.pipeline_microbatches or parallel.pipeline_parallel_size
         return RankSetup(ctx.model_parallel, ctx.max_kv_bytes_per_token, num_threads, PipelineRunner, microbatches)
     return RankSetup(ctx.model_parallel, ctx.max_kv_bytes_per_token, num_threads)
+
+
+def freeze_startup_heap(context: str) -> int:
+    """Move every object alive after start-up (the model's modules and parameters, the
+    tokenizer's tables, the imported libraries) into the garbage collector's permanent
+    generation, which no collection walks again; returns how many. vLLM does the same after
+    its warm-up (`freeze_gc_heap`), SGLang offers it (`freeze_gc`). With the default model
+    loaded a full collection took ~90 ms (0.0 ms frozen), a stall in whichever step it lands:
+    a tail of the served TTFT. Only for a process that keeps one engine for its life (the
+    server, a tensor-parallel worker): a frozen cycle is never collected, so a process that
+    builds and drops engines (tests, `LLM` in a notebook) would keep them."""
+    gc.collect()
+    before = gc.get_freeze_count()
+    gc.freeze()
+    frozen = gc.get_freeze_count() - before
+    logger.info("garbage collector: froze %d objects alive after start-up (%s)", frozen, context)
+    return frozen
 
 
 def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltRank:

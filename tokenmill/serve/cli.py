@@ -271,6 +271,7 @@ def serve(settings: argparse.Namespace, planner: Callable[[], Any] | None = None
 
     from tokenmill.builder import build_engine
     from tokenmill.config import config_from_args
+    from tokenmill.runner.worker import freeze_startup_heap
     from tokenmill.serve.api_server import ConnectionAbortMiddleware, CORSSettings, ServerSettings, create_server
     from tokenmill.serve.draining import DrainingServer
     from tokenmill.serve.http_protocol import header_timeout_protocol
@@ -300,8 +301,13 @@ def serve(settings: argparse.Namespace, planner: Callable[[], Any] | None = None
         if uvicorn_server is not None and not settings.keep_alive_on_engine_death:
             uvicorn_server.should_exit = True  # read by uvicorn's main loop each tick
 
+    def build_for_life():  # this process serves one engine until it exits
+        engine = build_engine(engine_config)
+        freeze_startup_heap("server")
+        return engine
+
     server = create_server(
-        lambda: build_engine(engine_config),
+        build_for_life,
         ServerSettings(
             served_model_names=settings.served_model_name, api_key=settings.api_key,
             protect_health_and_metrics=settings.protect_health_and_metrics,
