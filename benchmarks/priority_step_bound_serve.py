@@ -6,8 +6,11 @@ Reports the high-priority TTFT (p50 / p99 / max) against their unloaded TTFT (th
 of request, one at a time on the idle server, measured first on each server), and the
 low-priority prompt tokens completed per second. Prompts are random token ids (no prefix
 cache hits), streamed /v1/completions, TTFT = the first streamed chunk. Not CI (minutes).
+`--interrupt off on` runs each fraction without and with `--priority-interrupt` (a
+high-priority arrival cuts the low-priority step in flight), alternated.
 
     .venv/bin/python benchmarks/priority_step_bound_serve.py --fractions 0 0.25 --repeat 2
+    .venv/bin/python benchmarks/priority_step_bound_serve.py --fractions 0.25 --interrupt off on
 """
 
 from __future__ import annotations
@@ -87,7 +90,10 @@ async def measure(url: str, a: argparse.Namespace, seed: int) -> dict:
         for task in lows:
             task.cancel()
         await asyncio.gather(*lows, return_exceptions=True)
-    return {"unloaded": unloaded, "high": high, "low_tok_s": low_done * a.low_len / elapsed}
+        metrics = (await client.get("/metrics")).text
+    interrupted = sum(float(line.split()[-1]) for line in metrics.splitlines()
+                      if line.startswith("tokenmill:num_interrupted_steps_total"))
+    return {"unloaded": unloaded, "high": high, "low_tok_s": low_done * a.low_len / elapsed, "interrupted": interrupted}
 
 
 def main() -> None:
@@ -102,10 +108,13 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=8)
     p.add_argument("--unloaded", type=int, default=10)
     p.add_argument("--serve-args", default="--max-model-len 1024")
+    p.add_argument("--interrupt", nargs="+", choices=["off", "on"], default=["off"],
+                   help="run each fraction without and/or with --priority-interrupt")
     a = p.parse_args()
     for rep in range(a.repeat):
-        for f in a.fractions:  # alternate the settings
-            server = LocalServer(["--scheduling-policy", "priority", "--priority-step-fraction", str(f),
+        for f, interrupt in [(f, i) for f in a.fractions for i in a.interrupt]:  # alternate the settings
+            extra = ["--priority-interrupt"] if interrupt == "on" else []
+            server = LocalServer(["--scheduling-policy", "priority", "--priority-step-fraction", str(f), *extra,
                                   "--disable-access-log", *a.serve_args.split()]).start()
             try:
                 r = asyncio.run(measure(server.url, a, seed=rep))
@@ -113,10 +122,11 @@ def main() -> None:
                 server.stop()
             un = statistics.median(r["unloaded"])
             h = r["high"]
-            print(f"F={f} run {rep}: unloaded TTFT median {un * 1e3:.0f} ms (min {min(r['unloaded']) * 1e3:.0f}, "
+            print(f"F={f} interrupt {interrupt} run {rep}: unloaded TTFT median {un * 1e3:.0f} ms (min {min(r['unloaded']) * 1e3:.0f}, "
                   f"max {max(r['unloaded']) * 1e3:.0f}); under load n={len(h)} p50 {pct(h, .5) * 1e3:.0f} "
                   f"p99 {pct(h, .99) * 1e3:.0f} max {max(h) * 1e3:.0f} ms -> p99 {pct(h, .99) / un:.2f}x, "
-                  f"p50 {pct(h, .5) / un:.2f}x unloaded; low-priority prompt tok/s {r['low_tok_s']:.0f}",
+                  f"p50 {pct(h, .5) / un:.2f}x unloaded; low-priority prompt tok/s {r['low_tok_s']:.0f}; "
+                  f"interrupted steps {r['interrupted']:.0f}",
                   flush=True)
 
 

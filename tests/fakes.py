@@ -149,6 +149,16 @@ class FakeRunner:
                 sampled[item.request_id] = self._verify(item, tokens[:known])
         return RunnerOutput(sampled_token_ids=sampled)
 
+    def execute_interrupted(self, batch: SchedulerOutput) -> None:
+        """A step cut short part-way through its forward (--priority-interrupt): the table
+        takes the step in, and every slot the step was to write holds garbage (some layers
+        wrote it, others not); nothing is sampled."""
+        self.num_executes += 1
+        for item in self.requests.apply(batch):
+            for offset in range(item.num_tokens):
+                block, slot = self._slot(item.block_ids, item.start_pos + offset)
+                self.memory[block][slot] = ("garbage", item.start_pos + offset)
+
     def _verify(self, item: StepRequest, context: list[int]) -> list[int]:
         """The model's token after `context`; with proposals, greedy verification: each
         proposal the model agrees with is accepted, then the model's own next token."""
@@ -360,6 +370,22 @@ class Harness:
             assert request.num_computed_tokens == 0
             assert kv.get_block_ids(request.request_id) == []
         assert set(kv.req_blocks) <= {r.request_id for r in sched.running}
+
+    def interrupted_step(self) -> SchedulerOutput:
+        """A step scheduled, cut short in the runner, and put back by the scheduler."""
+        out = self.schedule()
+        self.runner.execute_interrupted(out)
+        self.sched.put_back(out)
+        self.kv.check_integrity()
+        self.check_queues()
+        for item in out.scheduled:
+            request = self.sched.requests.get(item.request_id)
+            if item.new is None:
+                assert request.num_computed_tokens == item.start_pos, "a put-back request kept the step's tokens"
+            else:  # admitted in the cut step: back in the queue, holding nothing
+                assert request.status == RequestStatus.WAITING and not self.kv.get_block_ids(item.request_id)
+                self.high_water.pop(item.request_id, None)
+        return out
 
     def run(self, max_steps: int = 10_000) -> int:
         """Step until no request is left; returns the number of steps."""

@@ -1358,3 +1358,57 @@ def test_slo_predictions_count_only_what_the_prefix_cache_does_not_hold() -> Non
     assert [r.request_id for r in h.sched.waiting] == ["fresh"]
     h.run()
     h.assert_idle()
+
+
+# ----- an interrupted step (--priority-interrupt) ---------------------------------------------
+
+
+def test_an_interrupted_step_leaves_no_half_written_block_in_the_prefix_cache() -> None:
+    """A and B share four blocks of prompt. A's first chunk computes three of them. In the
+    next step A's second chunk is scheduled (its full blocks are offered to the prefix cache
+    at allocation, as vLLM's) and B is admitted behind it with all four shared blocks as
+    hits, the fourth being one this step writes. The step is cut part-way (the fake runner
+    leaves garbage in every slot it was to write) and put back: A computes from 12 again, B
+    is back in the queue holding nothing, and only the three computed blocks stay cached.
+    A is then aborted, so nothing rewrites its blocks: B and a later C with the same prefix
+    must compute the fourth block themselves (the fake runner checks every KV read), and
+    give what the fake model gives without a scheduler."""
+    h = Harness(num_blocks=32, block_size=4, max_num_batched_tokens=12, max_model_len=64,
+                scheduling_policy="priority")
+    shared = tokens(0, 16)
+    h.add("A", shared + tokens(100, 6), priority=1, max_tokens=3)
+    assert trace(h.step()) == [("A", 0, 12, False)]
+    h.add("B", shared + tokens(200, 5), priority=1, max_tokens=3)
+    cut = h.interrupted_step()
+    assert [(r, start, n) for r, start, n, _ in trace(cut)] == [("A", 12, 10), ("B", 16, 2)]  # B hit block 3
+    assert sorted(h.kv.cached_blocks.values()) == h.kv.get_block_ids("A")[:3], (
+        "a block the cut step was to write is still offered to other requests")
+    assert [r.request_id for r in h.sched.running] == ["A"] and [r.request_id for r in h.sched.waiting] == ["B"]
+    h.abort("A")
+    h.add("C", shared + tokens(300, 3), priority=1, max_tokens=2)
+    h.run()
+    assert h.finished["B"].output_token_ids == reference_outputs(shared + tokens(200, 5), 3)
+    assert h.finished["C"].output_token_ids == reference_outputs(shared + tokens(300, 3), 2)
+    h.assert_idle()
+
+
+@pytest.mark.parametrize("cut_at", [0, 1, 3, 6])
+def test_an_interrupted_step_is_computed_again_and_changes_no_output(cut_at: int) -> None:
+    """Three priority-1 requests (chunked prompts, then decodes) with one step cut and put
+    back at step `cut_at`: the step after it schedules the same tokens again, and every
+    output is the fake model's own, as without the cut."""
+    h = Harness(num_blocks=40, block_size=4, max_num_batched_tokens=16, max_model_len=64,
+                scheduling_policy="priority")
+    prompts = {"P": tokens(0, 20), "Q": tokens(0, 8) + tokens(50, 9), "R": tokens(70, 5)}
+    for rid, prompt in prompts.items():
+        h.add(rid, prompt, priority=1, max_tokens=4, ignore_eos=True)
+    for _ in range(cut_at):
+        h.step()
+    cut = h.interrupted_step()
+    again = h.step()  # the same requests from the same positions (the ones admitted in it, admitted again)
+    assert [(r, start) for r, start, _, _ in trace(again)][: len(cut.scheduled)] == \
+        [(r, start) for r, start, _, _ in trace(cut)]
+    h.run()
+    for rid, prompt in prompts.items():
+        assert h.finished[rid].output_token_ids == reference_outputs(prompt, 4), rid
+    h.assert_idle()

@@ -439,8 +439,9 @@ class SchedulingConfig:
                                                 "(its priority - the best priority) x SECONDS after it. "
                                                 "Default: strict priority, as vLLM")
     priority_step_fraction: float = setting(0.0, metavar="F",
-                                            help="with --scheduling-policy priority: a running step cannot be "
-                                                 "interrupted, so while requests of a better priority wait, prefill "
+                                            help="with --scheduling-policy priority: a better-priority arrival "
+                                                 "waits for the step in flight (see also --priority-interrupt), so "
+                                                 "while requests of a better priority wait, prefill "
                                                  "or arrived lately, a worse-priority prompt's prefill chunk is cut so "
                                                  "the step's predicted time (the learned step cost) stays within F x "
                                                  "that priority's unloaded TTFT (its recent prompts' prefill step "
@@ -448,6 +449,14 @@ class SchedulingConfig:
                                                  "better-priority prompt takes no worse-priority prefill beside it. "
                                                  "Costs the worse priorities throughput (docs/scheduling.md); "
                                                  "e.g. 0.25. Default 0: off (vLLM's behaviour)")
+    priority_interrupt: bool = setting(False,
+                                       help="with --scheduling-policy priority: a request that arrives while a step "
+                                            "of only worse-ranked work runs cuts that step short between two "
+                                            "decoder layers instead of waiting for it; the step's work is done "
+                                            "again after the newcomer's first step (docs/scheduling.md). Steps "
+                                            "with speculative proposals, structured outputs or KV tier copies run "
+                                            "to the end. Default: off, every step runs to the end (vLLM's "
+                                            "behaviour)")
     slo_ttft_ms: float | None = setting(None, metavar="MS",
                                         help="SLO mode: a time-to-first-token target for every request (a request's "
                                              "own slo_ttft_ms field wins). Under fcfs, requests that can still "
@@ -478,6 +487,8 @@ class SchedulingConfig:
                 raise ValueError(f"priority_aging must be a positive number of seconds, got {self.priority_aging}")
             if self.scheduling_policy != "priority":
                 raise ValueError("priority_aging applies to --scheduling-policy priority only")
+        if self.priority_interrupt and self.scheduling_policy != "priority":
+            raise ValueError("priority_interrupt applies to --scheduling-policy priority only")
         if not 0 <= self.priority_step_fraction < float("inf"):
             raise ValueError(f"priority_step_fraction must be a number >= 0, got {self.priority_step_fraction}")
         for name in ("slo_ttft_ms", "slo_tpot_ms"):

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.attention.kv_cache import LayerKVCache, PagedKVCache
+from tokenmill.engine.interrupt import StepInterrupt
 
 
 @dataclass
@@ -148,6 +149,8 @@ class ForwardContext:
     # decoder layers' activations in this dtype, the residual stream in the model's; None:
     # the model's dtype throughout.
     activation_dtype: torch.dtype | None = None
+    # --priority-interrupt: the forward stops between layers once it is `requested`.
+    interrupt: StepInterrupt | None = None
 
     @classmethod
     def for_step(cls, kind: StepKind, backend: AttentionBackend, layout: BatchLayout,

@@ -274,6 +274,31 @@ class KVBlockManager:
         producer, copied in before the next forward): its full blocks join the prefix cache."""
         self._hash_full_blocks(request, num_tokens)
 
+    def unhash_from(self, request: Request, num_tokens: int) -> None:
+        """The step that was to write the request's KV from token `num_tokens` on was cut
+        short (engine/interrupt.py): the blocks `allocate_slots` offered to other requests
+        for it leave the prefix cache again (their KV is not all there). Earlier blocks
+        were computed by earlier steps and stay."""
+        rid = request.request_id
+        keep = num_tokens // self.block_size
+        hashed = self.req_num_hashed_blocks.get(rid, 0)
+        removed = []
+        for block_id in self.req_blocks.get(rid, [])[keep:hashed]:
+            if self._is_null(block_id):
+                continue
+            block = self.blocks[block_id]
+            if block.block_hash is not None and self.cached_blocks.get(block.block_hash) == block_id:
+                del self.cached_blocks[block.block_hash]
+                removed.append(block.block_hash)
+            block.block_hash = None
+        if rid in self.req_num_hashed_blocks:
+            self.req_num_hashed_blocks[rid] = min(hashed, keep)
+        if self.events is not None and removed:
+            self.events.removed(removed, MEDIUM_POOL)
+            for block_hash in removed:
+                if not self._held_anywhere(block_hash):
+                    self.events.forget(block_hash)
+
     def can_allocate(self, request: Request, num_new_tokens: int, computed_blocks: list[int] | None = None) -> bool:
         """Whether allocate_slots would succeed (it changes nothing)."""
         computed_blocks = [] if computed_blocks is None else computed_blocks

@@ -24,6 +24,7 @@ from tokenmill.config import EngineConfig, EngineFacts
 from tokenmill.engine.batch import RunnerOutput, SchedulerOutput
 from tokenmill.engine.block_manager import HybridKVBlockManager, KVBlockManager
 from tokenmill.engine.input_processor import AdmissionLimits, InputProcessor, ProcessedRequest
+from tokenmill.engine.interrupt import StepInterrupt, StepInterrupted
 from tokenmill.engine.kv_events import KVEvent, KVEventLog
 from tokenmill.engine.kv_transfer import KVConnector, KVTransferParamsError, RemotePrefill, wants_remote_decode
 from tokenmill.engine.kv_tiers import DiskTier, HostTier, kv_fingerprint
@@ -120,6 +121,7 @@ class EngineStats(SchedulerStats):
     num_prompt_tokens: int = 0  # computed prompt tokens (prefill work), cumulative
     num_generation_tokens: int = 0  # sampled tokens, cumulative
     num_steps: int = 0
+    num_interrupted_steps: int = 0  # cut short by a better-priority arrival (--priority-interrupt)
     spec_decode: SpecDecodeStats = field(default_factory=SpecDecodeStats)  # cumulative
 
 
@@ -237,8 +239,15 @@ class LLMEngine:
         self.num_prompt_tokens = 0
         self.num_generation_tokens = 0
         self.num_steps = 0
+        self.num_interrupted_steps = 0
         self.spec_decode_stats = SpecDecodeStats()
         self._ids = itertools.count()
+        # --priority-interrupt: the flag a better-ranked arrival raises and the forward reads.
+        self.interrupt: StepInterrupt | None = StepInterrupt() if sched.priority_interrupt else None
+        if self.interrupt is not None:
+            self._check_interruptible()
+        if hasattr(executor, "interrupt"):  # the runner's forward reads this engine's flag (None: off)
+            executor.interrupt = self.interrupt
 
     @property
     def model_name(self) -> str:
@@ -271,6 +280,36 @@ class LLMEngine:
         elif proposer is None and config.speculative.speculative_config is not None:
             raise ValueError("a sibling engine with another speculative_config needs its proposer (proposer=...)")
         return LLMEngine(config, self.executor, self.tokenizer, facts, self.clock, proposer)
+
+    def _check_interruptible(self) -> None:
+        """--priority-interrupt puts an interrupted step back; what it cannot put back yet is
+        refused here, with the flag to drop."""
+        if not self.scheduler.config.by_priority:
+            raise ValueError("priority_interrupt: it cuts steps for better-priority arrivals; it needs "
+                             "--scheduling-policy priority")
+        if not hasattr(self.executor, "interrupt"):
+            raise ValueError("priority_interrupt: interrupting a step is built for the model in this process only, "
+                             "not for tensor/pipeline-parallel workers or the simulator; drop --priority-interrupt")
+        if self.proposer is not None:
+            raise ValueError("priority_interrupt does not take speculative decoding yet (a cut step's proposals "
+                             "are not put back); drop --speculative-config or --priority-interrupt")
+        if not isinstance(self.scheduler.kv, KVBlockManager) or self.scheduler.kv.host_tier is not None:
+            raise ValueError("priority_interrupt does not take a hybrid KV cache or a host KV tier yet (a cut step's "
+                             "block copies are not put back); drop --priority-interrupt, or add "
+                             "--disable-hybrid-kv-cache-manager / drop --kv-offloading-size")
+
+    def offer_interrupt(self, priority: int, arrival_time: float) -> bool:
+        """A request of this priority was queued from another thread (the server's event
+        loop): with --priority-interrupt, cut the running step if everything in it ranks
+        worse. Thread-safe; returns whether it asked for the cut."""
+        interrupt = self.interrupt
+        return interrupt is not None and interrupt.offer(self.scheduler.rank_of(priority, arrival_time))
+
+    def offers_taken_in(self) -> None:
+        """The requests offered so far are queued in this engine (the server drained its
+        commands): their offers no longer cut the steps the engine schedules."""
+        if self.interrupt is not None:
+            self.interrupt.taken_in()
 
     # ----- requests ------------------------------------------------------------------
 
@@ -320,6 +359,9 @@ class LLMEngine:
         if isinstance(self.scheduler.kv, HybridKVBlockManager):
             raise ValueError("kv_transfer_config: disaggregation does not take a hybrid KV cache (sliding-window "
                              "layers) yet; add --disable-hybrid-kv-cache-manager")
+        if self.interrupt is not None:
+            raise ValueError("kv_transfer_config: disaggregation does not take --priority-interrupt yet (a cut "
+                             "step's pulls are not put back); drop one of them")
         self.scheduler.connector = connector
 
     def check_kv_transfer_params(self, params: dict, num_samples: int = 1) -> RemotePrefill | None:
@@ -416,7 +458,17 @@ class LLMEngine:
             return []
         scheduled = self.clock()
         num_prefill, context, pairs = self._step_shape(batch)
-        runner_output = self.executor.execute(batch)
+        armed = self._arm_interrupt(batch)
+        try:
+            runner_output = self.executor.execute(batch)
+        except StepInterrupted:
+            self.scheduler.put_back(batch)
+            self.num_interrupted_steps += 1
+            self._publish_kv_events()
+            return []
+        finally:
+            if armed:
+                self.interrupt.disarm()
         executed = self.clock()
         updated = self.scheduler.update_from_output(batch, runner_output)
         outputs, stopped = self.output_processor.process(updated, runner_output)
@@ -442,6 +494,7 @@ class LLMEngine:
             num_prompt_tokens=self.num_prompt_tokens,
             num_generation_tokens=self.num_generation_tokens,
             num_steps=self.num_steps,
+            num_interrupted_steps=self.num_interrupted_steps,
             spec_decode=dataclasses.replace(self.spec_decode_stats,
                                             accepted_per_position=list(self.spec_decode_stats.accepted_per_position)),
         )
@@ -452,6 +505,22 @@ class LLMEngine:
         events = self.scheduler.kv.take_events()
         if events and self.kv_event_sink is not None:
             self.kv_event_sink(events)
+
+    def _arm_interrupt(self, batch: SchedulerOutput) -> bool:
+        """With --priority-interrupt, let a better-ranked arrival cut this step, unless it
+        holds what a cut could not put back: host-tier copies, proposals, grammar state,
+        a pooling request's chunks."""
+        if self.interrupt is None or batch.kv_transfers or not batch.scheduled:
+            return False
+        ranks = []
+        for item in batch.scheduled:
+            request = self.scheduler.requests.get(item.request_id)
+            if (request is None or item.spec_token_ids or request.pooling_params is not None
+                    or request.params.structured_outputs is not None):
+                return False
+            ranks.append(self.scheduler.rank(request))
+        self.interrupt.arm(min(ranks))
+        return True
 
     def _step_shape(self, batch: SchedulerOutput) -> tuple[int, int, int]:
         """(prefill tokens, decode context tokens, prefill attention pairs): chunks that

@@ -20,11 +20,12 @@ priority x priority_aging` (waiting earns rank, which bounds starvation). Runnin
 waiting requests are both kept in rank order and one step visits them merged in that
 order: a running request gets its next tokens, a waiting one is admitted. Whoever needs
 a sequence slot or KV memory preempts the worst-ranked running request, if that one
-ranks strictly worse (docs/scheduling.md). A running step cannot be interrupted, so with
-`priority_step_fraction` a worse-priority prefill chunk is cut, while a better priority is
-waiting or arrived lately, to keep the step within that fraction of the better priority's
-unloaded TTFT (at least one KV block), and a step that prefills a better priority takes no
-worse-priority prefill.
+ranks strictly worse (docs/scheduling.md). A better-ranked arrival waits for the step in
+flight, so with `priority_step_fraction` a worse-priority prefill chunk is cut, while a
+better priority is waiting or arrived lately, to keep the step within that fraction of the
+better priority's unloaded TTFT (at least one KV block), and a step that prefills a better
+priority takes no worse-priority prefill. With the engine's --priority-interrupt the step in
+flight is cut short instead, and `put_back` returns its requests to where they were.
 
 SLO mode (`slo_ttft` / `slo_tpot`, or a request's own targets, docs/scheduling.md): with
 a TPOT target, while streams are decoding each step's prefill tokens are capped so the
@@ -183,10 +184,14 @@ class Scheduler:
         """The priority policy's order, smaller first: (priority, arrival), or with aging
         the arrival time pushed back by priority x aging seconds. Both terms are fixed at
         arrival, so the queues' order never changes while requests wait."""
+        return self.rank_of(request.priority, request.arrival_time)
+
+    def rank_of(self, priority: int, arrival_time: float) -> tuple[float, float]:
+        """`rank` of a request with this priority and arrival time (one not queued yet)."""
         aging = self.config.priority_aging
         if aging is None:
-            return (request.priority, request.arrival_time)
-        return (request.arrival_time + request.priority * aging, request.arrival_time)
+            return (priority, arrival_time)
+        return (arrival_time + priority * aging, arrival_time)
 
     # ----- one step ------------------------------------------------------------------
 
@@ -750,6 +755,31 @@ class Scheduler:
                     break
             updated.append(request)
         return updated
+
+    def put_back(self, output: SchedulerOutput) -> None:
+        """The step `output` was cut short before anything it computed counted
+        (engine/interrupt.py): its requests are as they were before it was scheduled, so
+        the next step computes the same tokens again. Blocks it offered to the prefix
+        cache leave it (their KV is not all written). The requests it admitted go back to
+        the queue at their rank, their blocks freed: a prefix hit one took may be a block
+        this very step was to write. Requests it preempted stay preempted."""
+        items = [(request, item) for item in output.scheduled
+                 if (request := self.requests.get(item.request_id)) is not None
+                 and request.status == RequestStatus.RUNNING]
+        for request, item in items:
+            self.kv.unhash_from(request, item.start_pos)
+            request.num_computed_tokens = item.start_pos
+        for request, item in items:
+            if item.new is None:
+                continue
+            self.running.remove(request)
+            self.kv.free(request)
+            self._sent.pop(request.request_id, None)
+            request.status = RequestStatus.WAITING
+            request.num_computed_tokens = 0
+            if request.num_preemptions == 0:
+                request.first_scheduled_time = None  # it is first scheduled when it runs
+            self._enqueue(request, front=True)
 
     def finish_requests(self, request_ids: list[str], status: RequestStatus) -> None:
         """Stop requests from outside the step (abort, stop string). Unknown or

@@ -24,6 +24,7 @@ from torch import nn
 from tokenmill import kernels
 from tokenmill.attention.backend import PagedDecode, get_forward_context
 from tokenmill.attention.kv_cache import LayerKVCache
+from tokenmill.engine.interrupt import StepInterrupt, StepInterrupted
 from tokenmill.kernels.fused_layer import FusedLayerOperands, LayerFeatures
 from tokenmill.kernels.ops import TorchOps
 from tokenmill.model.layers import Experts, GatedMLP, Linear, RMSNorm, RotaryEmbedding
@@ -298,15 +299,18 @@ class LlamaForCausalLM(nn.Module):
             h, residual = parallel.recv_hidden(input_ids.shape[0], self.cfg.hidden_size, self.dtype)
         tables = {id(r): r.table(positions) for r in self.rotaries}  # looked up once per step
         ctx = get_forward_context()
+        interrupt = None if ctx is None else ctx.interrupt
         if ctx is not None and ctx.kind.fused:  # as the plan named this step (runner/plan.py)
             if residual is None:
                 residual, h = h, torch.zeros_like(h)  # the first layer adds nothing to the embeddings
             for layer, operands, kv_cache in zip(self.layers, self.fused_layers, ctx.kv_cache, strict=True):
+                _stop_if_interrupted(interrupt)
                 rope = tables[id(layer.self_attn.rotary)]
                 h = layer.fused_decode(operands, rope, h, residual, kv_cache, ctx.decode)
         else:
             activation_dtype = None if ctx is None else ctx.activation_dtype
             for layer in self.layers:
+                _stop_if_interrupted(interrupt)
                 h, residual = layer(tables[id(layer.self_attn.rotary)], h, residual, activation_dtype)
         if residual is not None and h.dtype != residual.dtype:  # the bf16 activation path's last MLP output
             if not parallel.layout.last_stage:  # a later stage receives the model's dtype
@@ -599,3 +603,10 @@ def _copy(dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
 
 def _nonzero(tensor: torch.Tensor | QuantizedTensor) -> bool:
     return isinstance(tensor, QuantizedTensor) or bool(tensor.any())
+
+
+def _stop_if_interrupted(interrupt: StepInterrupt | None) -> None:
+    """Between two decoder layers: a better-ranked request arrived (--priority-interrupt),
+    so the step stops here; the scheduler puts it back and it is computed again."""
+    if interrupt is not None and interrupt.requested:
+        raise StepInterrupted("a better-ranked request arrived during the step")

@@ -16,6 +16,7 @@ import torch
 from tokenmill.attention.backend import AttentionBackend, BatchLayout, ForwardContext, forward_context
 from tokenmill.attention.kv_cache import KVCacheSpec, PagedKVCache
 from tokenmill.engine.batch import PromptLogprobsChunk, RequestTable, RunnerOutput, SchedulerOutput, StepRequest
+from tokenmill.engine.interrupt import StepInterrupt
 from tokenmill.kv_transfer.shared_memory import PeerRegion, SharedRegion
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.pooling import Pooler
@@ -68,6 +69,8 @@ class ModelRunner:
         self._pool_bytes: list[torch.Tensor] | None = None  # the pool's tensors as bytes (pulled KV is written there)
         self._copy_in_staging: torch.Tensor | None = None  # pulled blocks staged for the copy into the pool
         self.shared_kv_region: SharedRegion | None = None  # a disaggregated producer's pool lives there (worker.py)
+        # --priority-interrupt: the engine's flag, armed for steps a better-ranked arrival may cut.
+        self.interrupt: StepInterrupt | None = None
 
     @torch.inference_mode()
     def execute(self, batch: SchedulerOutput) -> RunnerOutput:
@@ -160,6 +163,7 @@ class ModelRunner:
         kind = self.plan.step_kind(len(layout.query_lens), layout.all_decode)  # the step's one decision
         ctx = ForwardContext.for_step(kind, self.backend, layout, self.kv_cache, self.device)
         ctx.activation_dtype = self.plan.activation_dtype(kind, len(input_ids))
+        ctx.interrupt = self.interrupt
         if self.kv_cache.num_sliding_blocks:  # a hybrid cache: the sliding layers' own tables and slots
             sliding = self._layout(items, sliding=True)
             ctx.sliding_metadata = self.backend.build_metadata(sliding, self.device)

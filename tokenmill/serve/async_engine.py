@@ -375,6 +375,7 @@ class AsyncEngine:
             if self._stop_requested:
                 return None
             commands, self._commands = self._commands, []
+            self.engine.offers_taken_in()  # (under the queue's lock: see engine/interrupt.py)
         return commands
 
     def _check_executor(self) -> None:
@@ -543,6 +544,9 @@ class AsyncEngine:
                     _set_future(command.done, EngineUnavailableError("the engine has died"))
                 return
             self._commands.append(command)
+            if isinstance(command, _Add) and self.engine is not None:  # --priority-interrupt: cut a worse step
+                for request in command.requests:
+                    self.engine.offer_interrupt(request.priority, request.arrival_time)
             self._cond.notify()
 
     def _has_work(self) -> bool:

@@ -180,6 +180,8 @@ class _EngineStatsCollector(Collector):
         ("prompt_tokens_computed", "num_prompt_tokens",
          "Prompt tokens computed (prefill work: prefix-cache hits excluded, recomputation after preemption included)."),
         ("generation_tokens", "num_generation_tokens", "Tokens generated."),
+        ("num_interrupted_steps", "num_interrupted_steps",
+         "Steps cut short by a better-priority arrival (--priority-interrupt); their work is computed again."),
     ]
 
     def __init__(self, stats: Callable[[], EngineStats | None], model_name: Callable[[], str],
