@@ -15,6 +15,7 @@ import pytest
 from fakes import EOS, Harness, make_request, reference_outputs
 
 from tokenmill.config import SchedulingConfig  # its default: off
+from tokenmill.engine.kv_events import BlockRemoved, BlockStored, KVEventLog
 from tokenmill.engine.request import RequestStatus
 from tokenmill.engine.scheduler import PRIORITY_GUARD_SECONDS
 from tokenmill.engine.step_cost import ForecastError, StepCostEstimator
@@ -1375,14 +1376,19 @@ def test_an_interrupted_step_leaves_no_half_written_block_in_the_prefix_cache() 
     give what the fake model gives without a scheduler."""
     h = Harness(num_blocks=32, block_size=4, max_num_batched_tokens=12, max_model_len=64,
                 scheduling_policy="priority")
+    h.kv.events = KVEventLog(4)
     shared = tokens(0, 16)
     h.add("A", shared + tokens(100, 6), priority=1, max_tokens=3)
     assert trace(h.step()) == [("A", 0, 12, False)]
     h.add("B", shared + tokens(200, 5), priority=1, max_tokens=3)
+    h.kv.take_events()
     cut = h.interrupted_step()
     assert [(r, start, n) for r, start, n, _ in trace(cut)] == [("A", 12, 10), ("B", 16, 2)]  # B hit block 3
     assert sorted(h.kv.cached_blocks.values()) == h.kv.get_block_ids("A")[:3], (
         "a block the cut step was to write is still offered to other requests")
+    stored, removed = h.kv.take_events()  # a KV-aware router hears of both
+    assert isinstance(stored, BlockStored) and isinstance(removed, BlockRemoved)
+    assert removed.block_hashes == stored.block_hashes and len(stored.block_hashes) == 2  # A's blocks 3 and 4
     assert [r.request_id for r in h.sched.running] == ["A"] and [r.request_id for r in h.sched.waiting] == ["B"]
     h.abort("A")
     h.add("C", shared + tokens(300, 3), priority=1, max_tokens=2)

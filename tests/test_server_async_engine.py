@@ -69,6 +69,12 @@ class FakeEngine:
     def poll_kv_transfers(self):  # no disaggregation here: nothing held, nothing pulled
         return False
 
+    def offer_interrupt(self, priority, arrival_time):  # no --priority-interrupt here: no step is cut
+        return False
+
+    def offers_taken_in(self):
+        pass
+
     def step(self):
         self.thread_ids.add(threading.get_ident())
         self.steps += 1
