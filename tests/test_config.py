@@ -87,11 +87,14 @@ def test_scheduling_policy_flags_and_checks() -> None:
     for bad in (-0.1, float("inf"), float("nan")):
         with pytest.raises(ValueError, match="priority_step_fraction must be a number >= 0"):
             EngineConfig.from_kwargs(scheduling_policy="priority", priority_step_fraction=bad)
-    cut = config_from_args(parser().parse_args(["--scheduling-policy", "priority", "--priority-interrupt"]))
+    cut = config_from_args(parser().parse_args(["--scheduling-policy", "priority", "--priority-step-fraction", "0.25",
+                                                "--priority-interrupt"]))
     assert cut.scheduler.priority_interrupt and not EngineConfig().scheduler.priority_interrupt
     assert "--priority-interrupt" in engine_args(cut)
     with pytest.raises(ValueError, match="priority_interrupt applies to --scheduling-policy priority only"):
         config_from_args(parser().parse_args(["--priority-interrupt"]))
+    with pytest.raises(ValueError, match="priority_interrupt needs the step bound"):
+        config_from_args(parser().parse_args(["--scheduling-policy", "priority", "--priority-interrupt"]))
 
 
 def test_slo_targets_are_settings_of_either_policy() -> None:

@@ -43,17 +43,22 @@ def run(llm, cut_steps: set[int]) -> tuple[list[list[int]], int]:
     layer.fused_decode = fused_then_arrive
     try:
         outputs = llm.generate(PROMPTS, SamplingParams(max_tokens=12, temperature=0, ignore_eos=True),
-                               priority=[1, 1, 2])
+                               priority=[1, 1, 1])
     finally:
         hook.remove()
         del layer.fused_decode
     assert forwards[0] > max(cut_steps, default=0), "fewer forwards than the steps to cut"
-    return [o.outputs[0].token_ids for o in outputs], engine.stats().num_interrupted_steps
+    stats = engine.stats()
+    assert stats.prefix_cache_queries == sum(len(o.prompt_token_ids) for o in outputs)  # a cut admission is not counted twice
+    return [o.outputs[0].token_ids for o in outputs], stats.num_interrupted_steps
 
 
 @pytest.mark.parametrize("cut_steps", [{0}, {1, 2, 5, 9, 10}])
 def test_a_cut_step_is_computed_again_and_changes_no_output(llm_f32, cut_steps: set[int]) -> None:
-    settings = dict(scheduling_policy="priority", max_num_batched_tokens=16, enable_prefix_caching=True)
+    # One priority level: the step bound has no better level to make room for, so both runs
+    # chunk the prompts alike (16 tokens a step) whatever step costs they learn.
+    settings = dict(scheduling_policy="priority", priority_step_fraction=0.25, max_num_batched_tokens=16,
+                    enable_prefix_caching=True)
     expected, none = run(sibling(llm_f32, **settings), set())
     assert none == 0
     cut = sibling(llm_f32, priority_interrupt=True, **settings)
@@ -66,7 +71,9 @@ def test_a_cut_step_is_computed_again_and_changes_no_output(llm_f32, cut_steps: 
 def test_interrupts_refuse_what_they_cannot_put_back(llm_f32) -> None:
     with pytest.raises(ValueError, match="scheduling-policy priority"):
         sibling(llm_f32, priority_interrupt=True)
+    with pytest.raises(ValueError, match="priority-step-fraction"):
+        sibling(llm_f32, scheduling_policy="priority", priority_interrupt=True)
     with pytest.raises(ValueError, match="speculative decoding"):
         llm_f32.engine.sibling(proposer=NgramProposer(2, 1, 3), scheduling_policy="priority",
-                               priority_interrupt=True,
+                               priority_interrupt=True, priority_step_fraction=0.25,
                                speculative_config={"method": "ngram", "num_speculative_tokens": 2})

@@ -40,6 +40,7 @@ class FakeEngine:
         self.steps = 0
         self.thread_ids: set[int] = set()
         self.observers: list[StepObserver] = []
+        self.offers: list[tuple[int, float]] = []  # --priority-interrupt's offers, as the server made them
 
     def add_observer(self, observer: StepObserver) -> None:
         self.observers.append(observer)
@@ -69,7 +70,8 @@ class FakeEngine:
     def poll_kv_transfers(self):  # no disaggregation here: nothing held, nothing pulled
         return False
 
-    def offer_interrupt(self, priority, arrival_time):  # no --priority-interrupt here: no step is cut
+    def offer_interrupt(self, priority, arrival_time):  # recorded; no step is cut here
+        self.offers.append((priority, arrival_time))
         return False
 
     def offers_taken_in(self):
@@ -223,8 +225,10 @@ def test_a_full_waiting_queue_refuses_new_requests():
         streams = [await engine.add_requests([NewRequest("run", [1], params(1000))])]
         await wait_for(lambda: engine.stats is not None and engine.stats.num_running == 1)
         streams.append(await engine.add_requests([NewRequest("wait", [1], params(1000))]))
+        await wait_for(lambda: engine.stats.num_waiting == 1)
         with pytest.raises(QueueFullError):
             await engine.add_requests([NewRequest("refused", [1], params(1000))])
+        assert len(fake.offers) == 2, "a request refused for a full queue offered to cut the step in flight"
         for stream in streams:
             stream.abort()
         await wait_for(lambda: not fake.requests)

@@ -23,7 +23,11 @@ INTERRUPTS = "tokenmill:num_interrupted_steps_total"
 
 @pytest.fixture(scope="module")
 def server():
-    process = ServerProcess("--scheduling-policy", "priority", "--max-num-seqs", "1", "--priority-interrupt").start()
+    # A step bound so loose (100x the better priority's TTFT) that it never chunks a prompt
+    # here: the interrupt needs it on, and the cut prompt's answer is compared with its
+    # answer alone, computed in one step too.
+    process = ServerProcess("--scheduling-policy", "priority", "--max-num-seqs", "1", "--priority-step-fraction", "100",
+                            "--priority-interrupt").start()
     yield process
     assert process.stop() == 0, process.log_tail()
 

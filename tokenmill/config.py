@@ -455,8 +455,8 @@ class SchedulingConfig:
                                             "decoder layers instead of waiting for it; the step's work is done "
                                             "again after the newcomer's first step (docs/scheduling.md). Steps "
                                             "with speculative proposals, structured outputs or KV tier copies run "
-                                            "to the end. Default: off, every step runs to the end (vLLM's "
-                                            "behaviour)")
+                                            "to the end. Needs --priority-step-fraction (e.g. 0.25). Default: "
+                                            "off, every step runs to the end (vLLM's behaviour)")
     slo_ttft_ms: float | None = setting(None, metavar="MS",
                                         help="SLO mode: a time-to-first-token target for every request (a request's "
                                              "own slo_ttft_ms field wins). Under fcfs, requests that can still "
@@ -489,6 +489,10 @@ class SchedulingConfig:
                 raise ValueError("priority_aging applies to --scheduling-policy priority only")
         if self.priority_interrupt and self.scheduling_policy != "priority":
             raise ValueError("priority_interrupt applies to --scheduling-policy priority only")
+        if self.priority_interrupt and not self.priority_step_fraction > 0:
+            raise ValueError("priority_interrupt needs the step bound (--priority-step-fraction F > 0, e.g. 0.25): "
+                             "without it the newcomer's own step is filled with worse-priority work, and a long "
+                             "worse-priority chunk could be cut again at every arrival (docs/scheduling.md)")
         if not 0 <= self.priority_step_fraction < float("inf"):
             raise ValueError(f"priority_step_fraction must be a number >= 0, got {self.priority_step_fraction}")
         for name in ("slo_ttft_ms", "slo_tpot_ms"):

@@ -274,6 +274,13 @@ class KVBlockManager:
         producer, copied in before the next forward): its full blocks join the prefix cache."""
         self._hash_full_blocks(request, num_tokens)
 
+    def uncount_admission(self, request: Request, num_hit_tokens: int) -> None:
+        """Take back what admitting `request` (with `num_hit_tokens` served by the pool)
+        added to the prefix-cache counters: a cut step's admission is undone, and the
+        request is counted when it is admitted again."""
+        self.stats.queries -= request.num_tokens
+        self.stats.hits -= num_hit_tokens
+
     def unhash_from(self, request: Request, num_tokens: int) -> None:
         """The step that was to write the request's KV from token `num_tokens` on was cut
         short (engine/interrupt.py): the blocks `allocate_slots` offered to other requests

@@ -246,8 +246,8 @@ class LLMEngine:
         self.interrupt: StepInterrupt | None = StepInterrupt() if sched.priority_interrupt else None
         if self.interrupt is not None:
             self._check_interruptible()
-        if hasattr(executor, "interrupt"):  # the runner's forward reads this engine's flag (None: off)
-            executor.interrupt = self.interrupt
+        # Preemptions made by cut steps, reported with the next step that runs to its end.
+        self._unreported_preemptions: list[str] = []
 
     @property
     def model_name(self) -> str:
@@ -464,6 +464,7 @@ class LLMEngine:
         except StepInterrupted:
             self.scheduler.put_back(batch)
             self.num_interrupted_steps += 1
+            self._unreported_preemptions += batch.preempted_ids
             self._publish_kv_events()
             return []
         finally:
@@ -519,6 +520,7 @@ class LLMEngine:
                     or request.params.structured_outputs is not None):
                 return False
             ranks.append(self.scheduler.rank(request))
+        self.executor.interrupt = self.interrupt  # (a sibling engine on the same runner may have set its own)
         self.interrupt.arm(min(ranks))
         return True
 
@@ -565,6 +567,7 @@ class LLMEngine:
     def _report(self, batch: SchedulerOutput, started: float, scheduled: float, executed: float, processed: float,
                 shape: tuple[int, int, int], num_generated: int, updated: list[Request],
                 outputs: list[RequestOutput], spec: SpecDecodeStats | None) -> None:
+        cut_preemptions, self._unreported_preemptions = self._unreported_preemptions, []
         if not self.observers:
             return
         stats = self.scheduler.stats()
@@ -574,7 +577,7 @@ class LLMEngine:
             process_s=processed - executed, propose_s=self.clock() - processed, spec_decode=spec,
             num_prefill_tokens=num_prefill,
             num_decode_tokens=batch.num_batched_tokens - num_prefill, num_scheduled=len(batch.scheduled),
-            num_generated=num_generated, preempted_ids=list(batch.preempted_ids),
+            num_generated=num_generated, preempted_ids=[*cut_preemptions, *batch.preempted_ids],
             finished_ids=[r.request_id for r in updated if r.is_finished],
             num_running=stats.num_running, num_waiting=stats.num_waiting, kv_usage=stats.kv_usage,
             num_decode_context_tokens=context, num_prefill_attention_pairs=pairs,

@@ -555,7 +555,8 @@ class Scheduler:
             slots = min(slots, max(int((tpot - b0) / b2) if b2 > 0 else slots, 1))
         decode_step = cost.predict(0, max(rows, 1))
         remaining = sorted(r.max_tokens - r.num_output_tokens for r in running)
-        # The step running now is not interrupted: as long as the last one, say.
+        # The step running now runs to its end (a cut is for better-ranked arrivals, not
+        # for this forecast): as long as the last one, say.
         current = ((cost.last_seconds or overhead) if running else 0.0) if in_flight else 0.0
 
         def first_token_in(tokens: int, queued_ahead: int) -> float:
@@ -773,6 +774,7 @@ class Scheduler:
             if item.new is None:
                 continue
             self.running.remove(request)
+            self.kv.uncount_admission(request, item.start_pos)  # counted again when it is admitted again
             self.kv.free(request)
             self._sent.pop(request.request_id, None)
             request.status = RequestStatus.WAITING

@@ -436,6 +436,14 @@ class AsyncEngine:
         if not _set_future(command.done, None):
             self._abort_in_thread(added)  # the handler gave up while we were adding
 
+    def _likely_queued(self, requests: list[NewRequest]) -> bool:
+        """Whether the engine thread will find room for these in the waiting queue, by the
+        last stats it published (read on the event loop): one refused with a 429 must not
+        cut the step in flight."""
+        if self._max_queued is None or self.stats is None:
+            return True
+        return self.stats.num_waiting + sum(r.params.n for r in requests) <= self._max_queued
+
     def _check_queue_room(self, requests: list[NewRequest]) -> None:
         if self._max_queued is None:
             return
@@ -544,8 +552,8 @@ class AsyncEngine:
                     _set_future(command.done, EngineUnavailableError("the engine has died"))
                 return
             self._commands.append(command)
-            if isinstance(command, _Add) and self.engine is not None:  # --priority-interrupt: cut a worse step
-                for request in command.requests:
+            if isinstance(command, _Add) and self.engine is not None and self._likely_queued(command.requests):
+                for request in command.requests:  # --priority-interrupt: a worse-ranked step in flight is cut
                     self.engine.offer_interrupt(request.priority, request.arrival_time)
             self._cond.notify()
 
