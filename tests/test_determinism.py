@@ -234,6 +234,42 @@ def test_the_default_plan_gives_a_request_the_same_bits_where_its_kernels_allow(
     _assert_same(reference, got, "default plan, preempted and recomputed")
 
 
+def test_the_default_plan_gives_a_second_turn_the_bits_of_a_cold_prompt() -> None:
+    """A multi-turn conversation without the flag: the second turn's prompt holds the first
+    turn's generated tokens, whose KV the prefix cache keeps from when they were decoded. On a
+    packed bf16 cache a decode token attends by the prefill kernel's arithmetic, so those blocks
+    hold what a cold prompt computes: the second turn's tokens and logprobs (greedy and seeded)
+    are bit for bit those of the same prompt sent cold (prefix caching off). Before the packed
+    cache, decoded tokens attended through the paged kernel and the second turn differed (the
+    case docs/determinism.md listed as not covered by default). Elsewhere (no integer GEMM, no
+    prefill kernel: no packed cache) the plan must not claim it."""
+    llm = _default_plan_llm(kv_cache_memory="128MiB", enable_prefix_caching=False)
+    plan, facts = llm.engine.executor.plan, llm.engine.facts
+    if not _default_invariance_claimed(plan):
+        assert "packed" not in facts.kv_cache_format or plan.prompts_as_chunks, facts.kv_cache_format
+        return
+    assert "packed for the prefill kernel" in facts.kv_cache_format, facts.kv_cache_format
+    first_turns = _chat_prompts(llm, 6)
+    first_params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    first = llm.generate(first_turns, first_params, use_tqdm=False)
+    follow_up = llm.tokenizer.encode("\nThank you. Say it again in other words.", add_special_tokens=False)
+    second_turns = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) + follow_up for o in first]
+    params = _params(len(second_turns), max_tokens=24)
+    reference = _one_at_a_time(llm, second_turns, params)  # cold: nothing cached
+    # (A sibling shares the runner's KV memory: it runs after the cold reference, not between
+    # cached runs, so nothing overwrites the blocks its prefix cache holds.)
+    cached = LLM.from_engine(llm.engine.sibling(enable_prefix_caching=True))
+    again = cached.generate(first_turns, first_params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
+    hits = [cached.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(second_turns, params)]
+    # the first turn's generated tokens came from the cache (all but the last, partial block)
+    assert all(h.num_cached_tokens >= len(o.prompt_token_ids) + 24 for h, o in zip(hits, first)), \
+        [h.num_cached_tokens for h in hits]
+    _assert_same(reference, [(h.outputs[0].token_ids, [{t: lp.logprob for t, lp in pos.items()}
+                                                         for pos in h.outputs[0].logprobs]) for h in hits],
+                 "default plan, a second turn over the first turn's cached, generated tokens")
+
+
 @pytest.mark.parametrize("mode", ["deterministic", "default"])
 def test_server_gives_one_answer_alone_and_under_load(mode: str) -> None:
     """The issue's report, against a real server with the flag, and without it where the

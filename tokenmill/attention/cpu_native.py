@@ -96,7 +96,8 @@ class CPUNativeBackend(AttentionBackend):
     def forward(self, q, k, v, kv_cache, metadata: NativeMetadata, scale: float,
                 window: int | None = None) -> torch.Tensor:
         metadata = metadata.for_window(window, q.device)
-        native = kv_cache.quantized and q.dtype == torch.float32
+        # A packed cache (float32 or bf16 rows) and an 8-bit one (float32 rows) by the native write.
+        native = kv_cache.packed or (kv_cache.quantized and q.dtype == torch.float32)
         if not native:
             q, k, v = kv_cache.rotate_in(q, k, v)
             write_kv(k, v, kv_cache, metadata.slot_mapping)
@@ -132,10 +133,13 @@ class CPUNativeBackend(AttentionBackend):
             q16, out16 = q.to(bf16), torch.empty(q.shape, dtype=bf16)
         k16 = v16 = None
         chunks = metadata.prefill_chunks() if in_place else None
-        if chunks is not None:  # every chunk in one call, reading its keys where the cache holds them
+        if kv_cache.packed:  # read where the cache holds it, nothing packed (a chunk per call if their rows are apart)
+            for each in [chunks] if chunks is not None else [_one_chunk(span, metadata) for span in metadata.prefills]:
+                prefill_attention_chunks(out16, q16, kv_cache.k, kv_cache.v, scale, *each)
+        elif chunks is not None:  # every chunk in one call, reading its keys where the cache holds them
             cache_k, cache_v = kv_cache.k.view(-1, *kv_cache.k.shape[2:]), kv_cache.v.view(-1, *kv_cache.v.shape[2:])
             prefill_attention_chunks(out16, q16, cache_k, cache_v, scale, *chunks)
-        for span in metadata.prefills if chunks is None else ():
+        for span in metadata.prefills if chunks is None and not kv_cache.packed else ():
             rows = slice(span.start, span.end)
             key_slots = None
             if span.context_gather is not None and in_place:  # earlier context: the cache's rows, the chunk's last
@@ -166,6 +170,13 @@ class CPUNativeBackend(AttentionBackend):
         paged_decode_attention(od, qd, k_cache, v_cache, native.block_tables, native.context_lens, scale,
                                kv_cache.scales, native.window)
         out[native.rows] = od
+
+
+def _one_chunk(span: PrefillSpan, metadata: NativeMetadata) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One prompt chunk as `prefill_attention_chunks` takes a step's chunks."""
+    keys = span.context_gather if span.context_gather is not None else metadata.slot_mapping[span.start : span.end]
+    return (torch.tensor([span.start, span.end], dtype=torch.long), keys.to(torch.long).contiguous(),
+            torch.tensor([0, len(keys)], dtype=torch.long))
 
 
 def _row_runs(spans: list) -> list[tuple[int, int]]:

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from tokenmill.attention import kv_quant
-from tokenmill.attention.kv_cache import KVCacheSpec, LayerKVCache, PagedKVCache
+from tokenmill.attention.kv_cache import KVCacheSpec, LayerKVCache, PagedKVCache, packed_as_tokens, tokens_as_packed
 from tokenmill.engine.batch import KVTransfers
 from tokenmill.engine.kv_tiers import encode_block_file, write_block_file
 
@@ -311,6 +311,7 @@ class HostKVBuffer:
         for layer in self.kv_cache:
             for cache in (layer.k, layer.v):
                 x = cache.index_select(0, blocks)  # [n, block_size, heads, head_dim]
+                x = packed_as_tokens(x) if layer.packed else x
                 if self.host_spec.rotation:
                     x = kv_quant.rotate(x.float(), self.host_spec.rotation)
                 codes, scales = kv_quant.quantize(x, self.host_spec.dtype)  # scales [n, block_size, heads]
@@ -332,6 +333,7 @@ class HostKVBuffer:
                 x = kv_quant.dequantize(codes, scales)
                 if self.host_spec.rotation:
                     x = kv_quant.rotate(x, self.host_spec.rotation)  # H is its own inverse
+                x = tokens_as_packed(x, cache) if layer.packed else x
                 cache.index_copy_(0, blocks, x.to(cache.dtype))
                 i += 2
 

@@ -107,8 +107,10 @@ class ExecutionPlan:
     # (AttentionBackend.chunk_invariant): a prompt then computes alike cold, chunked or after
     # a prefix-cache hit. Set by the worker once the backend is known.
     prompts_as_chunks: bool = False
-    # Deterministic inference (batch_invariant_plan): every token of every chunk attends as a
-    # one-token row and every linear runs one row-invariant kernel at any row count.
+    # Deterministic inference (batch_invariant_plan): every linear runs one row-invariant
+    # kernel at any row count, and every token of every chunk attends as a one-token row of the
+    # paged kernel, unless prompts attend as chunks (`prompts_as_chunks`: the prefill kernel
+    # gives a row the same bits in any chunk and any batch).
     batch_invariant: bool = False
     # The bf16 activation path (module doc): per-op steps of more tokens than this run their
     # activations in bf16, the residual stream in float32. None: never.
@@ -143,8 +145,9 @@ class ExecutionPlan:
             parts.append("every prompt chunk through the prefill attention kernel (a prompt's attention the same "
                          "bits cold, chunked or after a prefix-cache hit)")
         if self.batch_invariant:
-            parts.append("batch-invariant (deterministic inference): one kernel per op at every row count, every "
-                         "prompt token attends as a row of the paged kernel")
+            attention = ("" if self.prompts_as_chunks else
+                         ", every prompt token attends as a row of the paged kernel")
+            parts.append(f"batch-invariant (deterministic inference): one kernel per op at every row count{attention}")
         return "; ".join(parts)
 
     def activation_dtype(self, kind: StepKind, num_tokens: int) -> torch.dtype | None:
@@ -177,7 +180,7 @@ class ExecutionPlan:
         generated ones (decodes, verifications, their recomputation after a preemption) as
         rows (the paged kernel), so a request computes alike cold, chunked, after a prefix-cache
         hit or after a preemption. Otherwise by the chunk's length (`chunk_as_rows`)."""
-        if self.prompts_as_chunks and not self.batch_invariant:
+        if self.prompts_as_chunks:
             in_prompt = min(max(prompt_len - start_pos, 0), num_tokens)
             spans = [AttentionSpan(start_pos, in_prompt, as_rows=False)] if in_prompt else []
             if num_tokens > in_prompt:
@@ -296,7 +299,10 @@ def batch_invariant_plan(plan: ExecutionPlan) -> ExecutionPlan:
     decode layer only up to the rows at which its own built-in switch still picks those same
     kernels (it then gives the per-op path's bits: tests/test_determinism.py); attention runs
     every token as a row of the paged kernel (`chunk_as_rows`), whose reduction over keys is
-    per row and in position order. Slower on prompts (docs/determinism.md)."""
+    per row and in position order, except where the worker finds the prefill kernel
+    chunk-invariant (`prompts_as_chunks`: each row computed alone, over keys in fixed blocks
+    from position 0, whatever the chunk and batch): prompts then attend as chunks, as in the
+    default plan, so the prefill dtype stays the plan's. Slower on prompts (docs/determinism.md)."""
     from tokenmill.quantization.formats import QuantizedFormat
 
     def dense_rowwise(fmt: DenseFormat) -> DenseFormat:
@@ -312,6 +318,6 @@ def batch_invariant_plan(plan: ExecutionPlan) -> ExecutionPlan:
         fmt = dense_rowwise(fmt)
     else:
         raise ValueError(f"deterministic inference does not cover the weight format {fmt.describe()}")
-    return dataclasses.replace(plan, weight_format=fmt, prefill_attention_dtype=None, batch_invariant=True,
+    return dataclasses.replace(plan, weight_format=fmt, batch_invariant=True,
                                bf16_activation_rows=None,
                                fused_decode_max_rows=min(plan.fused_decode_max_rows, min(ROWS.quant_integer_rows.values())))

@@ -29,7 +29,7 @@ import torch
 from tokenmill import kernels
 from tokenmill.attention import kv_quant
 from tokenmill.attention.backend import AttentionBackend
-from tokenmill.attention.kv_cache import KVCacheSpec, PagedKVCache
+from tokenmill.attention.kv_cache import KVCacheSpec, PagedKVCache, can_pack
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
 from tokenmill.config import EngineConfig, EngineFacts, PoolingFacts, SpeculativeConfig
 from tokenmill.config import default_kv_cache_memory as default_kv_cache_memory_bytes
@@ -153,9 +153,13 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltRank
     speculative = config.speculative.speculative_config
     draft = load_draft(config, device, loaded, max_model_len, kernels_ok, backend) if _has_draft(speculative) else None
     layout = loaded.model.parallel.layout
-    spec = kv_cache_spec(config, layout.layers.size, layout.kv_heads.size, loaded.arch.head_dim, dtype)
-    if not loaded.arch.sliding_window and backend.chunk_invariant(loaded.arch.head_dim):
+    prompts_as_chunks = not loaded.arch.sliding_window and backend.chunk_invariant(loaded.arch.head_dim)
+    if prompts_as_chunks:
         plan = dataclasses.replace(plan, prompts_as_chunks=True)
+    # Where prompts attend through the prefill kernel, a bf16 cache keeps its blocks in that
+    # kernel's layout: no packing per step, and decodes attend by the same arithmetic.
+    spec = kv_cache_spec(config, layout.layers.size, layout.kv_heads.size, loaded.arch.head_dim, dtype,
+                         packed=prompts_as_chunks)
     memory = config.cache.kv_cache_memory or default_kv_cache_memory(device)
     # A draft keeps the KV of the same tokens: the memory is split so both hold as many.
     bytes_per_block = spec.bytes_per_block + (draft.kv_spec.bytes_per_block if draft else 0)
@@ -475,16 +479,19 @@ def shared_kv_region(config: EngineConfig, spec: KVCacheSpec, num_blocks: int,
 
 
 def kv_cache_spec(config: EngineConfig, num_layers: int, num_kv_heads: int, head_dim: int,
-                  dtype: DtypePlan) -> KVCacheSpec:
-    """The cache's layout: its dtype, and for an 8-bit one the Hadamard rotation the config
-    asks for (when head_dim has a power-of-two factor of at least 16)."""
+                  dtype: DtypePlan, packed: bool = False) -> KVCacheSpec:
+    """The cache's layout: its dtype, for an 8-bit one the Hadamard rotation the config asks
+    for (when head_dim has a power-of-two factor of at least 16), and whether a bf16 one is
+    packed for the prefill kernel (`packed`: where its prompts attend through that kernel;
+    kv_cache.py's packed layout, for block sizes that are multiples of 16)."""
     kv_dtype = torch_dtype(dtype.kv_cache)
     rotate = kv_quant.is_quantized(kv_dtype) and config.cache.kv_cache_rotation
     rotation = kv_quant.rotation_block(head_dim) if rotate else 0
     if rotate and not rotation:
         logger.info("head_dim %d has no power-of-two factor >= 16: the %s KV cache is not rotated", head_dim,
                     dtype.kv_cache)
-    return KVCacheSpec(num_layers, num_kv_heads, head_dim, config.cache.block_size, kv_dtype, rotation)
+    packed = packed and can_pack(kv_dtype, config.cache.block_size, head_dim)
+    return KVCacheSpec(num_layers, num_kv_heads, head_dim, config.cache.block_size, kv_dtype, rotation, packed)
 
 
 def choose_plan(config: EngineConfig, device: torch.device, dtype: DtypePlan, kernels_ok: bool,

@@ -764,9 +764,49 @@ void hadamard_rows_(float* x, int64_t rows, int64_t row_stride, int64_t dim, int
     for (int64_t b0 = 0; b0 < dim; b0 += block) hadamard_block(x + r * row_stride + b0, block, norm);
 }
 
+namespace {
+
+// K and V rows (float32, rounded to bf16 as a cast rounds them, or bf16) into a packed bf16 cache
+// (kv_cache.py's packed layout): per block and head, column c of key j in K at group j / 16, pair
+// c / 2, lane j % 16, half c % 2; in V at key pair j / 2, column c, half j % 2.
+template <typename src_t>
+void write_packed_rows(const src_t* k, const src_t* v, int64_t tokens, const int64_t k_strides[2],
+                       const int64_t v_strides[2], at::Tensor& k_cache, at::Tensor& v_cache, const int64_t* slots) {
+  const tokenmill::PackedCacheShape shape = tokenmill::packed_cache_shape(k_cache, v_cache);
+  const int64_t bs = shape.block_size, d = shape.d, heads = shape.kv_heads;
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < shape.blocks * bs, "KV slot out of range");
+  auto* kc = k_cache.data_ptr<at::BFloat16>();
+  auto* vc = v_cache.data_ptr<at::BFloat16>();
+  // Tokens split over threads (a prompt chunk's thousands; each token's values land in their own bytes).
+  at::parallel_for(0, tokens, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const int64_t block = slots[t] / bs, j = slots[t] % bs;
+      for (int64_t h = 0; h < heads; ++h) {
+        const int64_t head = (block * heads + h) * bs * d;
+        const src_t* kr = k + t * k_strides[0] + h * k_strides[1];
+        const src_t* vr = v + t * v_strides[0] + h * v_strides[1];
+        at::BFloat16* kd = kc + head + (j / 16) * 16 * d + (j % 16) * 2;
+        at::BFloat16* vd = vc + head + (j / 2) * 2 * d + j % 2;
+        for (int64_t c = 0; c < d; ++c) {
+          kd[(c / 2) * 32 + c % 2] = static_cast<at::BFloat16>(kr[c]);
+          vd[c * 2] = static_cast<at::BFloat16>(vr[c]);
+        }
+      }
+    }
+  });
+}
+
+}  // namespace
+
 void write_kv_rows(const float* k, const float* v, int64_t tokens, const int64_t k_strides[2],
                    const int64_t v_strides[2], at::Tensor& k_cache, at::Tensor& v_cache, const c10::optional<at::Tensor>& k_scale,
                    const c10::optional<at::Tensor>& v_scale, const int64_t* slots) {
+  if (k_cache.dim() == 6) {
+    TORCH_CHECK(!k_scale.has_value() && !v_scale.has_value(), "a packed KV cache is bf16, without scales");
+    write_packed_rows(k, v, tokens, k_strides, v_strides, k_cache, v_cache, slots);
+    return;
+  }
   const int64_t heads = k_cache.size(2), dim = k_cache.size(3);
   const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
   for (int64_t t = 0; t < tokens; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "KV slot out of range");
@@ -810,15 +850,29 @@ void hadamard_(at::Tensor x, int64_t block) {
 void write_kv_cache(const at::Tensor& k, const at::Tensor& v, at::Tensor k_cache, at::Tensor v_cache,
                     const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
                     const at::Tensor& slots) {
-  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "k and v rows must be float32");
   TORCH_CHECK(k.dim() == 3 && k.sizes() == v.sizes() && k.stride(2) == 1 && v.stride(2) == 1,
               "k and v: [tokens, kv_heads, head_dim] with contiguous rows");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
-              "k/v cache must be [blocks, block_size, kv_heads, head_dim] of one dtype");
-  TORCH_CHECK(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3), "k/v rows do not match the cache's heads");
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == k.size(0),
               "slots: int64, one per token");
   const int64_t k_strides[2] = {k.stride(0), k.stride(1)}, v_strides[2] = {v.stride(0), v.stride(1)};
+  if (k_cache.dim() == 6) {  // a packed bf16 cache: float32 or bf16 rows
+    const tokenmill::PackedCacheShape shape = packed_cache_shape(k_cache, v_cache);
+    TORCH_CHECK(!k_scale.has_value() && !v_scale.has_value(), "a packed KV cache is bf16, without scales");
+    TORCH_CHECK(k.size(1) == shape.kv_heads && k.size(2) == shape.d, "k/v rows do not match the cache's heads");
+    TORCH_CHECK(k.scalar_type() == v.scalar_type() && (k.scalar_type() == at::kFloat || k.scalar_type() == at::kBFloat16),
+                "k and v rows must be float32 or bf16 of one dtype");
+    if (k.scalar_type() == at::kFloat)
+      write_packed_rows(k.data_ptr<float>(), v.data_ptr<float>(), k.size(0), k_strides, v_strides, k_cache, v_cache,
+                        slots.data_ptr<int64_t>());
+    else
+      write_packed_rows(k.data_ptr<at::BFloat16>(), v.data_ptr<at::BFloat16>(), k.size(0), k_strides, v_strides,
+                        k_cache, v_cache, slots.data_ptr<int64_t>());
+    return;
+  }
+  TORCH_CHECK(k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat, "k and v rows must be float32");
+  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.scalar_type() == v_cache.scalar_type(),
+              "k/v cache must be [blocks, block_size, kv_heads, head_dim] of one dtype");
+  TORCH_CHECK(k.size(1) == k_cache.size(2) && k.size(2) == k_cache.size(3), "k/v rows do not match the cache's heads");
   write_kv_rows(k.data_ptr<float>(), v.data_ptr<float>(), k.size(0), k_strides, v_strides, k_cache, v_cache, k_scale,
                 v_scale, slots.data_ptr<int64_t>());
 }
@@ -829,6 +883,16 @@ void paged_decode_attention(
     const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale, int64_t window) {
   TORCH_CHECK(window >= 0, "window must be 0 (the whole context) or positive");
   TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes(), "q and out must be [num_seqs, num_heads, head_dim]");
+  TORCH_CHECK(block_tables.scalar_type() == at::kInt && block_tables.is_contiguous() && block_tables.dim() == 2,
+              "block_tables: contiguous int32 [num_seqs, max_blocks]");
+  TORCH_CHECK(context_lens.scalar_type() == at::kInt && context_lens.is_contiguous(), "context_lens: contiguous int32");
+  TORCH_CHECK(block_tables.size(0) == q.size(0) && context_lens.size(0) == q.size(0), "one block table and length per sequence");
+  if (k_cache.dim() == 6) {  // a packed bf16 cache: the prefill kernel's arithmetic (cpu_prefill_attention.cpp)
+    TORCH_CHECK(window == 0, "a packed KV cache has no sliding-window attention");
+    TORCH_CHECK(!k_scale.has_value() && !v_scale.has_value(), "a packed KV cache is bf16, without scales");
+    packed_decode_attention(out, q, k_cache, v_cache, block_tables, context_lens, scale);
+    return;
+  }
   TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(), "k/v cache must be [blocks, block_size, kv_heads, head_dim]");
   TORCH_CHECK(k_cache.stride(3) == 1 && v_cache.strides() == k_cache.strides(), "cache rows must be contiguous");
   TORCH_CHECK(v_cache.scalar_type() == k_cache.scalar_type(), "k and v caches must have one dtype");

@@ -89,9 +89,14 @@ at::Tensor llama_decode_layer(
     int64_t kv_rotation, at::IntArrayRef parts) {
   const int64_t tokens = h.size(0), hidden = h.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
-                  k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(2) * k_cache.size(3) == kv_size,
-              "k/v cache: contiguous [blocks, block_size, kv_heads, head_dim] of one dtype");
+  if (k_cache.dim() == 6) {  // a packed bf16 cache (kv_cache.py)
+    const PackedCacheShape shape = packed_cache_shape(k_cache, v_cache);
+    TORCH_CHECK(shape.kv_heads * shape.d == kv_size, "the packed KV cache's heads do not match the layer's");
+  } else {
+    TORCH_CHECK(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && v_cache.scalar_type() == k_cache.scalar_type() &&
+                    k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(2) * k_cache.size(3) == kv_size,
+                "k/v cache: contiguous [blocks, block_size, kv_heads, head_dim] of one dtype");
+  }
   TORCH_CHECK(slots.scalar_type() == at::kLong && slots.is_contiguous() && slots.size(0) == tokens,
               "slots: int64, one per token");
   TORCH_CHECK(parts.empty() || parts.size() == 4, "parts: empty or one count per linear");

@@ -71,6 +71,17 @@ void paged_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tenso
 void write_kv_rows(const float* k, const float* v, int64_t tokens, const int64_t k_strides[2],
                    const int64_t v_strides[2], at::Tensor& k_cache, at::Tensor& v_cache, const c10::optional<at::Tensor>& k_scale,
                    const c10::optional<at::Tensor>& v_scale, const int64_t* slots);
+// cpu_prefill_attention.cpp. A bf16 KV cache in LayerKVCache's packed layout (kv_cache.py):
+// K [blocks, kv_heads, block_size / 16, head_dim / 2, 16, 2], V [blocks, kv_heads, block_size / 2,
+// head_dim, 2]; packed_cache_shape checks the two tensors and reads their shape.
+struct PackedCacheShape {
+  int64_t blocks, kv_heads, block_size, d;
+};
+PackedCacheShape packed_cache_shape(const at::Tensor& k, const at::Tensor& v);
+// Decode rows (q [decodes, heads, d], float32 or bf16; out alike) over a packed cache, each with
+// the bits the prefill kernel gives the same token as the last row of a prompt chunk.
+void packed_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale);
 // x <- x H for `rows` rows of `dim` floats, H block-diagonal orthonormal Sylvester-Hadamard.
 void hadamard_rows_(float* x, int64_t rows, int64_t row_stride, int64_t dim, int64_t block);
 

@@ -28,9 +28,12 @@
 #include <cmath>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <unordered_map>
 #include <utility>
 #include <vector>
+
+#include "cpu_kernels.h"
 
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
 #include <immintrin.h>
@@ -67,13 +70,25 @@ inline uint32_t pair_at(const uint16_t* row, int64_t c) {
   return v;
 }
 
-// One task: query rows [r0, r0 + nr) (nr <= 4) of one head. ND = head_dim / 16; a key block
-// is KV vectors of 16 keys.
-// `blocks`: the packed index of each key block of the chunk (its keys 32 kb .. 32 kb + 31),
-// so chunks that share a block (a prefix held by the same cache slots) read one copy.
-template <int ND>
-void attend_rows(const uint16_t* q, int64_t q_row, int64_t r0, int64_t nr, int64_t offset, const uint32_t* kp,
-                 const uint32_t* vp, const int32_t* blocks, float scale, uint16_t* out, int64_t out_row) {
+// A key block (32 keys) as attend_rows reads it, in two halves of 16 keys: half x's K pair p
+// (its 16 keys' bf16 pairs 2p, 2p + 1: one vector) at k[x] + 16 p, its V key pair m (keys 2m,
+// 2m + 1 of the half, each column's two values a u32) at v[x] + m d. The layout of a packed
+// block (pack_block) and of a bf16 cache kept packed (LayerKVCache's packed layout) alike.
+struct KeyBlock {
+  const uint32_t* k[2];
+  const uint32_t* v[2];
+};
+
+// One task: query rows [r0, r0 + nr) (nr <= 4) of one head, row r seeing keys 0 .. offset + r
+// x row_step (1: a chunk's rows, bottom-right causal; 0: rows that all see the same keys, a
+// decode token's heads of one KV head). ND = head_dim / 16; a key block is KV vectors of 16 keys.
+// `blocks(kb)`: key block kb (its keys 32 kb .. 32 kb + 31), from the step's packed blocks
+// (PackedBlocks) or read where a packed cache holds it (CacheGroups).
+// Each row's arithmetic is its own: the same bits whatever rows share the task, and whichever
+// source holds the same K and V. The output rows are bf16, or (out_t float) the bf16 widened.
+template <int ND, typename Blocks, typename out_t = uint16_t>
+void attend_rows(const uint16_t* q, int64_t q_row, int64_t r0, int64_t nr, int64_t offset, int64_t row_step,
+                 const Blocks& blocks, float scale, out_t* out, int64_t out_row) {
   constexpr int64_t d = ND * 16, pairs = d / 2, KV = kKeys / 16;
   __m512 acc[kRows][ND];
   float m[kRows], l[kRows];
@@ -82,7 +97,7 @@ void attend_rows(const uint16_t* q, int64_t q_row, int64_t r0, int64_t nr, int64
     m[r] = -std::numeric_limits<float>::infinity();
     l[r] = 0.f;
   }
-  const int64_t last = offset + r0 + nr - 1;  // the last row's last key
+  const int64_t last = offset + (r0 + nr - 1) * row_step;  // the last row's last key
   const __m512 vscale = _mm512_set1_ps(scale);
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   alignas(64) uint16_t pb[kRows][kKeys];
@@ -90,10 +105,10 @@ void attend_rows(const uint16_t* q, int64_t q_row, int64_t r0, int64_t nr, int64
     __m512 s[kRows][KV];
     for (int64_t r = 0; r < kRows; ++r)
       for (int64_t x = 0; x < KV; ++x) s[r][x] = _mm512_setzero_ps();
-    const uint32_t* kblock = kp + blocks[kb] * pairs * kKeys;
+    const KeyBlock block = blocks(kb);
     for (int64_t p = 0; p < pairs; ++p) {
       __m512bh kv[KV];
-      for (int64_t x = 0; x < KV; ++x) kv[x] = (__m512bh)_mm512_loadu_si512(kblock + p * kKeys + x * 16);
+      for (int64_t x = 0; x < KV; ++x) kv[x] = (__m512bh)_mm512_loadu_si512(block.k[x] + p * 16);
       for (int64_t r = 0; r < kRows; ++r) {
         if (r < nr) {
           const __m512bh qv = (__m512bh)_mm512_set1_epi32(pair_at(q + (r0 + r) * q_row, 2 * p));
@@ -106,7 +121,7 @@ void attend_rows(const uint16_t* q, int64_t q_row, int64_t r0, int64_t nr, int64
       __mmask16 valid[KV];
       float bm = -std::numeric_limits<float>::infinity();
       for (int64_t x = 0; x < KV; ++x) {
-        const int64_t limit = offset + r0 + r - kb * kKeys - x * 16;  // lanes 0..limit are visible
+        const int64_t limit = offset + (r0 + r) * row_step - kb * kKeys - x * 16;  // lanes 0..limit are visible
         valid[x] = limit >= 15 ? __mmask16(0xFFFF) : limit < 0 ? __mmask16(0) : __mmask16((1u << (limit + 1)) - 1);
         sc[x] = _mm512_mask_mov_ps(minus_inf, valid[x], _mm512_mul_ps(s[r][x], vscale));
         if (valid[x]) bm = std::max(bm, _mm512_reduce_max_ps(sc[x]));
@@ -131,21 +146,26 @@ void attend_rows(const uint16_t* q, int64_t q_row, int64_t r0, int64_t nr, int64
       }
     }
     for (int64_t r = nr; r < kRows; ++r) std::memset(pb[r], 0, sizeof(pb[r]));
-    const uint32_t* vblock = vp + blocks[kb] * (kKeys / 2) * d;
     for (int64_t mp = 0; mp < kKeys / 2; ++mp) {
       __m512bh pv[kRows];
       for (int64_t r = 0; r < kRows; ++r) pv[r] = (__m512bh)_mm512_set1_epi32(pair_at(pb[r], 2 * mp));
+      const uint32_t* vrow = block.v[mp / 8] + (mp % 8) * d;
       for (int j = 0; j < ND; ++j) {
-        const __m512bh vv = (__m512bh)_mm512_loadu_si512(vblock + mp * d + j * 16);
+        const __m512bh vv = (__m512bh)_mm512_loadu_si512(vrow + j * 16);
         for (int64_t r = 0; r < kRows; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], vv, pv[r]);
       }
     }
   }
   for (int64_t r = 0; r < nr; ++r) {
     const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
-    uint16_t* o = out + (r0 + r) * out_row;
-    for (int j = 0; j < ND; ++j)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][j], inv)));
+    out_t* o = out + (r0 + r) * out_row;
+    for (int j = 0; j < ND; ++j) {
+      const __m256i bf = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][j], inv));
+      if constexpr (std::is_same_v<out_t, float>)
+        _mm512_storeu_ps(o + j * 16, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(bf), 16)));
+      else
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j * 16), bf);
+    }
   }
 }
 
@@ -177,8 +197,8 @@ inline void transpose16(__m512i r[16]) {
   }
 }
 
-// Packs one block of `keys` <= 32 keys as attend_rows reads them: K as [d / 2 pairs][32 keys]
-// of bf16 pairs, V as [16 key pairs][d] of (v[2m][c], v[2m + 1][c]) pairs, zeros past the last
+// Packs one block of `keys` <= 32 keys as attend_rows reads them: K as [2 halves][d / 2 pairs][16
+// keys] of bf16 pairs, V as [16 key pairs][d] of (v[2m][c], v[2m + 1][c]) pairs, zeros past the last
 // key; key j's K and V rows (d bf16 each) at k_row(j) and v_row(j). K by 16 x 16 transposes of
 // pairs, V by interleaving two rows' words: data movement only, the bytes of the scalar copy it
 // replaced (a single-row chunk over 640 keys: 82-114 -> 53-58 us, one layer of 9 heads).
@@ -193,7 +213,7 @@ void pack_block(uint32_t* kdst, uint32_t* vdst, int64_t d, int64_t keys, KRow k_
         r[j] = key < keys ? _mm512_loadu_si512(k_row(key) + 2 * c) : _mm512_setzero_si512();
       }
       transpose16(r);
-      for (int64_t p = 0; p < 16; ++p) _mm512_storeu_si512(kdst + (c + p) * kKeys + x * 16, r[p]);
+      for (int64_t p = 0; p < 16; ++p) _mm512_storeu_si512(kdst + (x * pairs + c + p) * 16, r[p]);
     }
   const __m512i lo_words = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
                                             6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
@@ -214,16 +234,85 @@ void pack_block(uint32_t* kdst, uint32_t* vdst, int64_t d, int64_t keys, KRow k_
   }
 }
 
-using AttendFn = void (*)(const uint16_t*, int64_t, int64_t, int64_t, int64_t, const uint32_t*, const uint32_t*,
-                          const int32_t*, float, uint16_t*, int64_t);
+// A chunk's key blocks among the step's packed ones: chunks that share a block (a prefix held
+// by the same cache slots) read one copy.
+struct PackedBlocks {
+  const uint32_t* kp;
+  const uint32_t* vp;
+  const int32_t* table;  // the chunk's block kb is packed block table[kb]
+  int64_t d;
+  KeyBlock operator()(int64_t kb) const {
+    const uint32_t* k = kp + table[kb] * (d / 2) * kKeys;
+    const uint32_t* v = vp + table[kb] * (kKeys / 2) * d;
+    return {{k, k + (d / 2) * 16}, {v, v + 8 * d}};
+  }
+};
 
-AttendFn attend_fn(int64_t d) {
+alignas(64) const uint32_t kZeros[8 * 128] = {};  // a half block past the last key (d <= 128)
+
+// Key blocks read where a packed bf16 cache holds them (LayerKVCache's packed layout: per cache
+// block and KV head, K as [block_size / 16 groups][d / 2 pairs][16 keys] of bf16 pairs, V as
+// [block_size / 2 key pairs][d] pairs): a half block is one group of a cache block, read in
+// place, no packing. Key j is at position j; `slot_of(j)` its cache slot (a multiple of 16 at
+// each group's first key). The last group's V past the last key is staged as zeros (a probability
+// of 0 times a stale value could be NaN); its K lanes past the key are masked out anyway.
+template <typename SlotOf>
+struct CacheGroups {
+  const uint32_t* kc;
+  const uint32_t* vc;
+  int64_t block_size, block_words, head_words, d, keys;  // block_words: a cache block's, all heads
+  SlotOf slot_of;
+  uint32_t* vstage;  // 8 d words
+
+  KeyBlock operator()(int64_t kb) const {
+    KeyBlock block;
+    for (int x = 0; x < 2; ++x) {
+      const int64_t first = kb * kKeys + x * 16;
+      if (first >= keys) {
+        block.k[x] = block.v[x] = kZeros;
+        continue;
+      }
+      const int64_t slot = slot_of(first);
+      const int64_t at = (slot / block_size) * block_words + head_words + (slot % block_size) / 16 * 8 * d;
+      block.k[x] = kc + at;
+      block.v[x] = vc + at;
+      const int64_t n = keys - first;
+      if (n >= 16) continue;
+      for (int64_t m = 0; m < 8; ++m) {
+        const uint32_t keep = 2 * m + 1 < n ? 0xFFFFFFFFu : 2 * m < n ? 0x0000FFFFu : 0u;
+        for (int64_t c = 0; c < d; ++c) vstage[m * d + c] = vc[at + m * d + c] & keep;
+      }
+      block.v[x] = vstage;
+    }
+    return block;
+  }
+};
+
+template <typename Blocks, typename out_t = uint16_t>
+using AttendFn = void (*)(const uint16_t*, int64_t, int64_t, int64_t, int64_t, int64_t, const Blocks&, float,
+                          out_t*, int64_t);
+
+template <typename Blocks, typename out_t = uint16_t>
+AttendFn<Blocks, out_t> attend_fn(int64_t d) {
   switch (d) {
-    case 32: return attend_rows<2>;
-    case 64: return attend_rows<4>;
-    case 96: return attend_rows<6>;
-    case 128: return attend_rows<8>;
+    case 32: return attend_rows<2, Blocks, out_t>;
+    case 64: return attend_rows<4, Blocks, out_t>;
+    case 96: return attend_rows<6, Blocks, out_t>;
+    case 128: return attend_rows<8, Blocks, out_t>;
     default: return nullptr;
+  }
+}
+
+// n floats -> bf16 as torch's .to(torch.bfloat16) rounds them: to nearest even, NaN to 0x7FC0,
+// denormals kept (vcvtneps2bf16 would flush them). n a multiple of 16.
+inline void floats_to_bf16(const float* x, int64_t n, uint16_t* y) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __m512 v = _mm512_loadu_ps(x + i);
+    const __m512i u = _mm512_castps_si512(v);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+    r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(y + i), _mm512_cvtepi32_epi16(r));
   }
 }
 #endif
@@ -234,7 +323,7 @@ namespace tokenmill {
 
 bool has_prefill_attention(int64_t head_dim) {
 #if defined(TM_PREFILL_BF16)
-  return attend_fn(head_dim) != nullptr;
+  return attend_fn<PackedBlocks>(head_dim) != nullptr;
 #else
   (void)head_dim;
   return false;
@@ -253,6 +342,37 @@ struct Chunks {
   const int64_t* key_start;
   const int64_t* slot;
 };
+
+// Runs the chunks' tasks: 4 query rows of one head of one chunk each, chunk c's key blocks of KV
+// head g from make_blocks(c, g, stage) (stage: 8 * 128 words the thread may lend the source).
+template <typename MakeBlocks>
+void run_chunk_tasks(uint16_t* oraw, int64_t os0, int64_t os1, const uint16_t* qraw, int64_t qs0, int64_t qs1,
+                     int64_t H, int64_t d, int64_t KVH, const Chunks& chunks, float scale, MakeBlocks make_blocks) {
+  using Blocks = decltype(make_blocks(0, 0, nullptr));
+  std::vector<int64_t> task_start(chunks.count + 1, 0);
+  for (int64_t c = 0; c < chunks.count; ++c) {
+    const int64_t n = chunks.row_start[c + 1] - chunks.row_start[c];
+    task_start[c + 1] = task_start[c] + H * ((n + kRows - 1) / kRows);
+  }
+  const AttendFn<Blocks> fn = attend_fn<Blocks>(d);
+  const int64_t group = H / KVH;
+  // Taken one at a time from a shared counter: the tasks' costs differ (a chunk's rows see
+  // from 1 to L keys), and an even split of them left one thread a fifth more work.
+  const int64_t total = task_start[chunks.count];
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), total), 1, [&](int64_t, int64_t) {
+    alignas(64) uint32_t stage[8 * 128];
+    for (int64_t t = next.fetch_add(1); t < total; t = next.fetch_add(1)) {
+      const int64_t c = std::upper_bound(task_start.begin(), task_start.end(), t) - task_start.begin() - 1;
+      const int64_t row0 = chunks.row_start[c], n = chunks.row_start[c + 1] - row0;
+      const int64_t L = chunks.key_start[c + 1] - chunks.key_start[c], row_blocks = (n + kRows - 1) / kRows;
+      const int64_t local = t - task_start[c], h = local / row_blocks, rb = local % row_blocks, g = h / group;
+      const int64_t r0 = rb * kRows, nr = std::min(kRows, n - r0);
+      const Blocks blocks = make_blocks(c, g, stage);
+      fn(qraw + row0 * qs0 + h * qs1, qs0, r0, nr, L - n, 1, blocks, scale, oraw + row0 * os0 + h * os1, os0);
+    }
+  });
+}
 
 // Packs every distinct key block of the chunks once per KV head (K as [block][d / 2 pairs][32
 // keys] of bf16 pairs, V as [block][16 key pairs][d] pairs, zero past the last key) and runs
@@ -311,27 +431,59 @@ void attend_chunks(uint16_t* oraw, int64_t os0, int64_t os1, const uint16_t* qra
                  [&](int64_t j) { return vraw + row_of(first + j) * vs0 + g * vs1; });
     }
   });
-  // Tasks: chunk by chunk, head by head, 4 rows at a time.
-  std::vector<int64_t> task_start(chunks.count + 1, 0);
-  for (int64_t c = 0; c < chunks.count; ++c) {
-    const int64_t n = chunks.row_start[c + 1] - chunks.row_start[c];
-    task_start[c + 1] = task_start[c] + H * ((n + kRows - 1) / kRows);
-  }
-  const AttendFn fn = attend_fn(d);
-  const int64_t group = H / KVH;
-  // Taken one at a time from a shared counter: the tasks' costs differ (a chunk's rows see
-  // from 1 to L keys), and an even split of them left one thread a fifth more work.
-  const int64_t total = task_start[chunks.count];
+  run_chunk_tasks(oraw, os0, os1, qraw, qs0, qs1, H, d, KVH, chunks, scale, [&](int64_t c, int64_t g, uint32_t*) {
+    return PackedBlocks{kpp + g * U * pairs * kKeys, vpp + g * U * (kKeys / 2) * d, table.data() + table_start[c], d};
+  });
+}
+
+// The step's chunks over a packed bf16 cache (k, v: the cache as words [blocks, KVH, block_size
+// d / 2]): each key block read where the cache holds it, nothing packed.
+void attend_chunks_in_cache(uint16_t* oraw, int64_t os0, int64_t os1, const uint16_t* qraw, int64_t qs0, int64_t qs1,
+                            int64_t H, int64_t d, const uint32_t* kc, const uint32_t* vc, int64_t KVH,
+                            int64_t block_size, const Chunks& chunks, float scale) {
+  const int64_t head_words = block_size * d / 2;
+  run_chunk_tasks(oraw, os0, os1, qraw, qs0, qs1, H, d, KVH, chunks, scale, [&](int64_t c, int64_t g, uint32_t* stage) {
+    const int64_t* slots = chunks.slot + chunks.key_start[c];
+    auto slot_of = [slots](int64_t key) { return slots[key]; };
+    return CacheGroups<decltype(slot_of)>{kc, vc, block_size, KVH * head_words, g * head_words, d,
+                                          chunks.key_start[c + 1] - chunks.key_start[c], slot_of, stage};
+  });
+}
+
+// Decode rows over a packed bf16 cache with the bits the prefill kernel gives the same token as
+// the last row of a chunk: a task is one sequence's KV head, the group's query heads its rows
+// (all seeing every key, row_step 0), each key block read in place. q and out are bf16
+// (uint16_t), or float32: q rounded to bf16 here as torch rounds it, out the bf16 results
+// widened (the bits of casting around a bf16 call, without the casts' tensors).
+template <typename io_t>
+void decode_in_cache(io_t* oraw, int64_t os0, int64_t os1, const io_t* qraw, int64_t qs0, int64_t qs1, int64_t B,
+                     int64_t H, int64_t d, const uint32_t* kc, const uint32_t* vc, int64_t KVH, int64_t block_size,
+                     const int32_t* tables, int64_t max_blocks, const int32_t* lens, float scale) {
+  const int64_t group = H / KVH, total = B * KVH, head_words = block_size * d / 2;
   std::atomic<int64_t> next{0};
   at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), total), 1, [&](int64_t, int64_t) {
+    alignas(64) uint32_t stage[8 * 128];
+    std::vector<uint16_t> qb(std::is_same_v<io_t, float> ? group * d : 0);  // the group's q rows in bf16
     for (int64_t t = next.fetch_add(1); t < total; t = next.fetch_add(1)) {
-      const int64_t c = std::upper_bound(task_start.begin(), task_start.end(), t) - task_start.begin() - 1;
-      const int64_t row0 = chunks.row_start[c], n = chunks.row_start[c + 1] - row0;
-      const int64_t L = chunks.key_start[c + 1] - chunks.key_start[c], row_blocks = (n + kRows - 1) / kRows;
-      const int64_t local = t - task_start[c], h = local / row_blocks, rb = local % row_blocks, g = h / group;
-      const int64_t r0 = rb * kRows, nr = std::min(kRows, n - r0);
-      fn(qraw + row0 * qs0 + h * qs1, qs0, r0, nr, L - n, kpp + g * U * pairs * kKeys, vpp + g * U * (kKeys / 2) * d,
-         table.data() + table_start[c], scale, oraw + row0 * os0 + h * os1, os0);
+      const int64_t s = t / KVH, g = t % KVH;
+      const int32_t* table = tables + s * max_blocks;
+      auto slot_of = [table, block_size](int64_t key) {
+        return static_cast<int64_t>(table[key / block_size]) * block_size + key % block_size;
+      };
+      using Blocks = CacheGroups<decltype(slot_of)>;
+      const Blocks blocks{kc, vc, block_size, KVH * head_words, g * head_words, d, lens[s], slot_of, stage};
+      const uint16_t* qg;
+      int64_t q_row;
+      if constexpr (std::is_same_v<io_t, float>) {
+        for (int64_t r = 0; r < group; ++r) floats_to_bf16(qraw + s * qs0 + (g * group + r) * qs1, d, qb.data() + r * d);
+        qg = qb.data(), q_row = d;
+      } else {
+        qg = qraw + s * qs0 + g * group * qs1, q_row = qs1;
+      }
+      const AttendFn<Blocks, io_t> fn = attend_fn<Blocks, io_t>(d);
+      for (int64_t h0 = 0; h0 < group; h0 += kRows)
+        fn(qg + h0 * q_row, q_row, 0, std::min(kRows, group - h0), lens[s] - 1, 0, blocks, scale,
+           oraw + s * os0 + (g * group + h0) * os1, os1);
     }
   });
 }
@@ -344,6 +496,54 @@ void check_bf16_rows(std::initializer_list<const at::Tensor*> tensors) {
 
 }  // namespace
 #endif
+
+PackedCacheShape packed_cache_shape(const at::Tensor& k, const at::Tensor& v) {
+  TORCH_CHECK(k.dim() == 6 && v.dim() == 5 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16 &&
+                  k.is_contiguous() && v.is_contiguous(),
+              "a packed KV cache is contiguous bf16: K [blocks, kv_heads, block_size / 16, head_dim / 2, 16, 2], "
+              "V [blocks, kv_heads, block_size / 2, head_dim, 2]");
+  const PackedCacheShape shape{k.size(0), k.size(1), k.size(2) * 16, k.size(3) * 2};
+  TORCH_CHECK(k.size(4) == 16 && k.size(5) == 2 && v.size(0) == shape.blocks && v.size(1) == shape.kv_heads &&
+                  v.size(2) * 2 == shape.block_size && v.size(3) == shape.d && v.size(4) == 2,
+              "the packed K and V caches' shapes do not match");
+  return shape;
+}
+
+void packed_decode_attention(at::Tensor out, const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                             const at::Tensor& block_tables, const at::Tensor& context_lens, double scale) {
+  const PackedCacheShape shape = packed_cache_shape(k_cache, v_cache);
+  TORCH_CHECK(q.dim() == 3 && out.sizes() == q.sizes() && q.size(2) == shape.d && q.size(1) % shape.kv_heads == 0,
+              "q, out [decodes, heads, head_dim] matching the cache");
+  TORCH_CHECK(q.scalar_type() == out.scalar_type() && (q.scalar_type() == at::kFloat || q.scalar_type() == at::kBFloat16) &&
+                  q.stride(2) == 1 && out.stride(2) == 1,
+              "q and out: float32 or bf16 of one dtype, rows contiguous");
+  TORCH_CHECK(has_prefill_attention(shape.d), "a packed KV cache needs AVX-512 BF16 and head_dim 32, 64, 96 or 128");
+  const int64_t B = q.size(0), max_blocks = block_tables.size(1);
+  const int32_t* tables = block_tables.data_ptr<int32_t>();
+  const int32_t* lens = context_lens.data_ptr<int32_t>();
+  for (int64_t s = 0; s < B; ++s) {
+    TORCH_CHECK(lens[s] >= 1 && lens[s] <= max_blocks * shape.block_size, "context_lens[", s, "] = ", lens[s],
+                " does not fit its block table");
+    for (int64_t b = 0; b * shape.block_size < lens[s]; ++b)
+      TORCH_CHECK(tables[s * max_blocks + b] >= 0 && tables[s * max_blocks + b] < shape.blocks, "block_tables[", s,
+                  "][", b, "] is outside the cache");
+  }
+#if defined(TM_PREFILL_BF16)
+  const auto* kc = reinterpret_cast<const uint32_t*>(k_cache.data_ptr<c10::BFloat16>());
+  const auto* vc = reinterpret_cast<const uint32_t*>(v_cache.data_ptr<c10::BFloat16>());
+  if (q.scalar_type() == at::kFloat)
+    decode_in_cache<float>(out.data_ptr<float>(), out.stride(0), out.stride(1), q.data_ptr<float>(), q.stride(0),
+                           q.stride(1), B, q.size(1), shape.d, kc, vc, shape.kv_heads, shape.block_size, tables,
+                           max_blocks, lens, static_cast<float>(scale));
+  else
+    decode_in_cache<uint16_t>(reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), out.stride(0), out.stride(1),
+                              reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>()), q.stride(0), q.stride(1),
+                              B, q.size(1), shape.d, kc, vc, shape.kv_heads, shape.block_size, tables, max_blocks, lens,
+                              static_cast<float>(scale));
+#else
+  (void)scale;
+#endif
+}
 
 // out [n, H, d] bf16 = attention of q [n, H, d] over k, v [L, KVH, d] (all bf16, rows of d
 // contiguous, any token/head strides), query row i seeing keys 0 .. L - n + i. With
@@ -395,9 +595,11 @@ void prefill_attention_chunks(at::Tensor out, const at::Tensor& q, const at::Ten
                 "key_starts: contiguous int64 vectors");
   const int64_t count = row_starts.size(0) - 1;
   TORCH_CHECK(count >= 0 && key_starts.size(0) == count + 1, "row_starts and key_starts: one more than the chunks");
-  TORCH_CHECK(out.sizes() == q.sizes() && k.sizes() == v.sizes() && k.size(2) == q.size(2) &&
-              q.size(1) % k.size(1) == 0, "q, out [N, heads, d]; k, v [slots, kv_heads, d]");
-  const int64_t N = q.size(0), H = q.size(1), d = q.size(2), KVH = k.size(1), slots = k.size(0);
+  const bool packed = k.dim() == 6;  // a bf16 cache in the packed layout (kv_cache.py)
+  const PackedCacheShape shape = packed ? packed_cache_shape(k, v) : PackedCacheShape{k.size(0), k.size(1), 1, k.size(2)};
+  TORCH_CHECK(out.sizes() == q.sizes() && (packed || k.sizes() == v.sizes()) && shape.d == q.size(2) &&
+              q.size(1) % shape.kv_heads == 0, "q, out [N, heads, d]; k, v [slots, kv_heads, d] or a packed cache");
+  const int64_t N = q.size(0), H = q.size(1), d = q.size(2), KVH = shape.kv_heads, slots = shape.blocks * shape.block_size;
   TORCH_CHECK(has_prefill_attention(d), "prefill_attention: needs AVX-512 BF16 and head_dim 32, 64, 96 or 128");
   const int64_t* rs = row_starts.data_ptr<int64_t>();
   const int64_t* ks = key_starts.data_ptr<int64_t>();
@@ -409,7 +611,23 @@ void prefill_attention_chunks(at::Tensor out, const at::Tensor& q, const at::Ten
   for (int64_t j = 0; j < key_slots.size(0); ++j)
     TORCH_CHECK(slot[j] >= 0 && slot[j] < slots, "key_slots[", j, "] = ", slot[j], " is outside the cache's ",
                 slots, " slots");
+  for (int64_t c = 0; c < count && packed; ++c)  // each 16 keys from position 0 one group of a cache block
+    for (int64_t j = ks[c]; j < ks[c + 1]; ++j) {
+      const int64_t first = ks[c] + (j - ks[c]) / 16 * 16;
+      TORCH_CHECK(slot[first] % 16 == 0 && slot[j] == slot[first] + (j - first), "chunk ", c,
+                  ": a packed cache's keys must be in position order from position 0 (key_slots[", j, "] = ", slot[j],
+                  ")");
+    }
 #if defined(TM_PREFILL_BF16)
+  if (packed) {
+    check_bf16_rows({&out, &q});
+    attend_chunks_in_cache(reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), out.stride(0), out.stride(1),
+                           reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>()), q.stride(0), q.stride(1), H,
+                           d, reinterpret_cast<const uint32_t*>(k.data_ptr<c10::BFloat16>()),
+                           reinterpret_cast<const uint32_t*>(v.data_ptr<c10::BFloat16>()), KVH, shape.block_size,
+                           Chunks{count, rs, ks, slot}, static_cast<float>(scale));
+    return;
+  }
   check_bf16_rows({&out, &q, &k, &v});
   attend_chunks(reinterpret_cast<uint16_t*>(out.data_ptr<c10::BFloat16>()), out.stride(0), out.stride(1),
                 reinterpret_cast<const uint16_t*>(q.data_ptr<c10::BFloat16>()), q.stride(0), q.stride(1), H, d,
