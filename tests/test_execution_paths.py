@@ -295,8 +295,13 @@ def test_a_tokens_attention_follows_what_the_token_is_under_prompts_as_chunks() 
     assert plan.attention_spans(0, 30, prompt_len=19) == [AttentionSpan(0, 19, as_rows=False),  # recomputed
                                                           AttentionSpan(19, 11, as_rows=True)]
     assert before.attention_spans(0, 30, prompt_len=19) == [AttentionSpan(0, 30, as_rows=False)]
-    invariant = dataclasses.replace(plan, batch_invariant=True)  # deterministic inference: every token a row
-    assert invariant.attention_spans(0, 30, prompt_len=19) == [AttentionSpan(0, 30, as_rows=True)]
+    # deterministic inference: prompts as chunks where the prefill kernel is chunk-invariant, else every token a row
+    invariant = dataclasses.replace(plan, batch_invariant=True)
+    assert invariant.attention_spans(0, 30, prompt_len=19) == [AttentionSpan(0, 19, as_rows=False),
+                                                               AttentionSpan(19, 11, as_rows=True)]
+    rows = dataclasses.replace(before, batch_invariant=True)
+    assert rows.attention_spans(0, 30, prompt_len=19) == [AttentionSpan(0, 30, as_rows=True)]
+    assert rows.attention_spans(16, 3, prompt_len=19) == [AttentionSpan(16, 3, as_rows=True)]
 
     tables = [list(range(5)), list(range(5, 15))]  # 19 and 40 tokens in blocks of 4
     layout = BatchLayout([1, 1], [19, 40], tables, [4 * 4 + 2, 14 * 4 + 3], BLOCK_SIZE, frozenset({0}))

@@ -94,12 +94,12 @@ def test_a_high_priority_arrival_cuts_the_low_priority_step_in_flight(server):
     assert 600 < alone.usage.prompt_tokens < 1000
     before = server.wait_idle()
 
-    async def race() -> tuple[float, float, str]:
+    async def race(salt: str) -> tuple[float, float, str]:
         async with AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=300) as aclient:
             async def low() -> tuple[float, str]:
                 stream = await aclient.completions.create(
                     model=server.model, prompt=prompt, max_tokens=8, temperature=0, stream=True,
-                    extra_body={"priority": 5, "cache_salt": "race"})
+                    extra_body={"priority": 5, "cache_salt": salt})
                 first, text = None, ""
                 async for chunk in stream:
                     first = first or time.monotonic()
@@ -114,8 +114,14 @@ def test_a_high_priority_arrival_cuts_the_low_priority_step_in_flight(server):
             low_first, low_text = await low_task
             return high_done, low_first, low_text
 
-    high_done, low_first, low_text = asyncio.run(race())
-    after = server.wait_idle()
-    assert after[INTERRUPTS] - before.get(INTERRUPTS, 0) >= 1
+    # On a shared machine the low-priority step may not have started a quarter of a prefill in
+    # (or may have ended): the race is run again, up to three times, until an arrival cuts it.
+    for attempt in range(3):
+        high_done, low_first, low_text = asyncio.run(race(f"race-{attempt}"))
+        after = server.wait_idle()
+        assert low_text == alone.choices[0].text  # cut or not, the low-priority answer is its own
+        if after[INTERRUPTS] - before.get(INTERRUPTS, 0) >= 1:
+            break
+        before = after
+    assert after[INTERRUPTS] - before.get(INTERRUPTS, 0) >= 1, "no race of three cut the low-priority step"
     assert high_done < low_first, "the high-priority request waited for the low-priority step in flight"
-    assert low_text == alone.choices[0].text
