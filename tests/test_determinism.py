@@ -32,6 +32,12 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
+def tiny_llama_d32(tmp_path_factory) -> Path:
+    """The tiny Llama with heads of 32 (a size the native prefill kernel takes)."""
+    return write_tiny_llama(tmp_path_factory.mktemp("llama32"), hidden_size=192)
+
+
+@pytest.fixture(scope="module")
 def tiny_gemma3(tmp_path_factory) -> Path:
     return write_tiny_gemma3(tmp_path_factory.mktemp("gemma3"), window=16)
 
@@ -98,6 +104,34 @@ def test_batch_chunking_prefix_cache_and_threads_do_not_change_a_request(tiny_ll
     _assert_same(reference, _results(cached, prompts, params), "prefix-cache hits")
     one_thread = _deterministic(tiny_llama, **weights, num_threads=1)
     _assert_same(reference, _results(one_thread, prompts, params), "one thread")
+
+
+@pytest.mark.parametrize("kv", [dict(dtype="bfloat16", quantization="int8"),
+                                dict(dtype="bfloat16", quantization="int8", kv_cache_dtype="int8")],
+                         ids=["bf16-kv", "int8-kv"])
+def test_a_second_turn_over_generated_tokens_is_its_cold_self(tiny_llama_d32, kv) -> None:
+    """A conversation's next turn: the prompt holds the previous turn's generated tokens, read
+    back from the prefix cache where they were decoded. Bit for bit what the same prompt gives
+    cold, whether the cache is packed (bf16 where the native prefill kernel runs: prompts as
+    chunks, decodes by the prefill kernel's arithmetic) or not (int8: every token a row of the
+    paged kernel; prompts as chunks there would round a cold prompt otherwise than its decode)."""
+    first_turns, follow_up = _prompts(6, seed=3), [11, 12, 13, 14, 15]
+    cold = _deterministic(tiny_llama_d32, **kv, enable_prefix_caching=False)
+    plan, packed = cold.engine.executor.plan, "packed" in cold.engine.facts.kv_cache_format
+    assert plan.prompts_as_chunks == packed, (plan.describe(), cold.engine.facts.kv_cache_format)
+    assert packed == ("kv_cache_dtype" not in kv and native_prefill_attention(32)), cold.engine.facts.kv_cache_format
+    first_params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    first = cold.generate(first_turns, first_params, use_tqdm=False)
+    second_turns = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) + follow_up for o in first]
+    params = _params(len(second_turns))
+    reference = _one_at_a_time(cold, second_turns, params)
+    cached = _deterministic(tiny_llama_d32, **kv, enable_prefix_caching=True)
+    cached.generate(first_turns, first_params, use_tqdm=False)
+    hits = [cached.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(second_turns, params)]
+    assert all(h.num_cached_tokens >= len(o.prompt_token_ids) + 24 for h, o in zip(hits, first))
+    _assert_same(reference, [(h.outputs[0].token_ids, [{t: lp.logprob for t, lp in pos.items()}
+                                                         for pos in h.outputs[0].logprobs]) for h in hits],
+                 "a second turn over the first turn's cached, generated tokens")
 
 
 def test_preemption_does_not_change_a_request(tiny_llama) -> None:

@@ -257,23 +257,30 @@ def test_reset_prefix_cache_route_clears_both_tiers_and_publishes_it() -> None:
 # ----- an 8-bit host tier below a 16/32-bit pool (--kv-offloading-cache-dtype) -------------------
 
 
-@pytest.mark.parametrize("pool_dtype", ["float32", "bfloat16"])
-def test_an_8bit_host_tier_round_trips_as_an_8bit_cache_would(pool_dtype, tmp_path) -> None:
+@pytest.mark.parametrize("pool_dtype,packed", [("float32", False), ("bfloat16", False), ("bfloat16", True)])
+def test_an_8bit_host_tier_round_trips_as_an_8bit_cache_would(pool_dtype, packed, tmp_path) -> None:
     """A block stored in and loaded back from the int8 host tier equals what an int8 KV
     cache (rotated) would have given for the same K and V, bit for bit; a disk-tier file
-    written from the host slot equals one written from the pool block."""
+    written from the host slot equals one written from the pool block. A packed bf16 pool
+    (the prefill kernel's layout) goes through the tier in the token layout and back."""
     import dataclasses
 
     import torch
 
     from tokenmill.attention import kv_quant
-    from tokenmill.attention.kv_cache import KVCacheSpec, PagedKVCache
+    from tokenmill.attention.kv_cache import KVCacheSpec, PagedKVCache, packed_as_tokens
+    from tokenmill.config import EngineConfig
     from tokenmill.engine.kv_tiers import decode_block_file, kv_fingerprint
     from tokenmill.runner.kv_offload import HostKVBuffer
+    from tokenmill.runner.worker import offload_cache_spec
 
     dtype = getattr(torch, pool_dtype)
-    spec = KVCacheSpec(num_layers=2, num_kv_heads=3, head_dim=64, block_size=4, dtype=dtype)
-    host_spec = dataclasses.replace(spec, dtype=torch.int8, rotation=64)
+    block_size = 16 if packed else 4
+    spec = KVCacheSpec(num_layers=2, num_kv_heads=3, head_dim=64, block_size=block_size, dtype=dtype, packed=packed)
+    host_spec = dataclasses.replace(spec, dtype=torch.int8, rotation=64, packed=False)
+    config = EngineConfig.from_kwargs(kv_offloading_size=1, kv_offloading_cache_dtype="int8")
+    assert offload_cache_spec(config, spec, torch.device("cpu")) == host_spec  # what the worker builds from the pool's
+    tokens = packed_as_tokens if packed else (lambda x: x)
     pool = PagedKVCache(spec, 6, torch.device("cpu"))
     torch.manual_seed(0)
     for layer in pool:
@@ -293,14 +300,15 @@ def test_an_8bit_host_tier_round_trips_as_an_8bit_cache_would(pool_dtype, tmp_pa
     assert len(from_pool) == host_spec.bytes_per_block
     reference = PagedKVCache(host_spec, 1, torch.device("cpu"))
     for layer, (k, v), ref in zip(pool, original, reference):
+        k, v, got_k, got_v = tokens(k), tokens(v), tokens(layer.k), tokens(layer.v)
         for block, source in ((4, 0), (5, 1)):
-            slots = torch.arange(4)
+            slots = torch.arange(block_size)
             rows = [kv_quant.rotate(t[source].float(), 64) for t in (k, v)]
             ref.write(rows[0], rows[1], slots)
             expect = [kv_quant.rotate(t, 64).to(dtype) for t in ref.read(slots, torch.float32)]
-            assert torch.equal(layer.k[block], expect[0]) and torch.equal(layer.v[block], expect[1])
-            assert (layer.k[block].float() - k[source].float()).abs().max() < 0.05 * k[source].float().abs().max()
-        assert torch.equal(layer.k[:4], k[:4]) and torch.equal(layer.v[:4], v[:4])  # the sources are untouched
+            assert torch.equal(got_k[block], expect[0]) and torch.equal(got_v[block], expect[1])
+            assert (got_k[block].float() - k[source].float()).abs().max() < 0.05 * k[source].float().abs().max()
+        assert torch.equal(got_k[:4], k[:4]) and torch.equal(got_v[:4], v[:4])  # the sources are untouched
 
 
 def test_an_8bit_host_tier_holds_4x_the_blocks_and_keeps_greedy_output(llm_f32) -> None:

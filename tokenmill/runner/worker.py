@@ -153,13 +153,16 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltRank
     speculative = config.speculative.speculative_config
     draft = load_draft(config, device, loaded, max_model_len, kernels_ok, backend) if _has_draft(speculative) else None
     layout = loaded.model.parallel.layout
-    prompts_as_chunks = not loaded.arch.sliding_window and backend.chunk_invariant(loaded.arch.head_dim)
-    if prompts_as_chunks:
-        plan = dataclasses.replace(plan, prompts_as_chunks=True)
+    chunk_invariant = not loaded.arch.sliding_window and backend.chunk_invariant(loaded.arch.head_dim)
     # Where prompts attend through the prefill kernel, a bf16 cache keeps its blocks in that
     # kernel's layout: no packing per step, and decodes attend by the same arithmetic.
     spec = kv_cache_spec(config, layout.layers.size, layout.kv_heads.size, loaded.arch.head_dim, dtype,
-                         packed=prompts_as_chunks)
+                         packed=chunk_invariant)
+    # Deterministic inference lets prompts attend as chunks only where decodes then compute
+    # what prompt tokens compute (a packed cache); elsewhere every token stays a paged-kernel
+    # row, so that a generated prefix read from the cache is what a cold prompt computes.
+    if chunk_invariant and (spec.packed or not plan.batch_invariant):
+        plan = dataclasses.replace(plan, prompts_as_chunks=True)
     memory = config.cache.kv_cache_memory or default_kv_cache_memory(device)
     # A draft keeps the KV of the same tokens: the memory is split so both hold as many.
     bytes_per_block = spec.bytes_per_block + (draft.kv_spec.bytes_per_block if draft else 0)
@@ -445,7 +448,8 @@ def check_fp8_kv_cache(device: torch.device) -> None:
 
 def offload_cache_spec(config: EngineConfig, pool: KVCacheSpec, device: torch.device) -> KVCacheSpec | None:
     """The host tier's block format under --kv-offloading-cache-dtype (None: the pool's own
-    bytes): the pool's layout in an 8-bit dtype, rotated where head_dim allows."""
+    bytes): the pool's shape in an 8-bit dtype, rotated where head_dim allows, in the token
+    layout (a packed bf16 pool's blocks are converted on the way: kv_offload.py)."""
     name = config.cache.kv_offloading_cache_dtype
     if name == "auto" or config.cache.kv_offloading_size is None:
         return None
@@ -455,7 +459,8 @@ def offload_cache_spec(config: EngineConfig, pool: KVCacheSpec, device: torch.de
     name = kv_cache_dtype_name(name)
     if name == "fp8_e4m3":
         check_fp8_kv_cache(device)
-    return dataclasses.replace(pool, dtype=torch_dtype(name), rotation=kv_quant.rotation_block(pool.head_dim))
+    return dataclasses.replace(pool, dtype=torch_dtype(name), rotation=kv_quant.rotation_block(pool.head_dim),
+                               packed=False)
 
 
 def shared_kv_region(config: EngineConfig, spec: KVCacheSpec, num_blocks: int,
