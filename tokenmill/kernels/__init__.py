@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from tokenmill.kernels.fused_layer import FusedLayerOperands
+from tokenmill.kernels.fused_layer import PANEL_COLS, FusedLayerOperands
 
 logger = logging.getLogger(__name__)
 
@@ -34,7 +34,7 @@ _SOURCES = [
     _CSRC / name for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_ops.cpp", "cpu_decoder.cpp", "cpu_quant.cpp",
                               "cpu_prefill_attention.cpp")
 ]
-_OPS = ("paged_decode_attention", "skinny_linear", "grouped_skinny_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary_",
+_OPS = ("paged_decode_attention", "skinny_linear", "panel_linear", "grouped_skinny_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary_",
         "llama_decode_layer", "column_parts_linear", "write_kv_cache", "hadamard_", "quant_linear", "quant_dequantize",
         "quantize_activations_q8", "quant_isa", "prefill_attention", "prefill_attention_chunks",
         "has_prefill_attention")
@@ -196,6 +196,50 @@ def skinny_linear(x: torch.Tensor, tiled: torch.Tensor, n: int) -> torch.Tensor:
     """x [M, K] float32 (contiguous) @ W[n, K]^T with W given by tile_for_skinny (float32
     or bfloat16). Built for few rows; any M works."""
     return torch.ops.tokenmill.skinny_linear(x, tiled, n)
+
+
+def pack_panels(weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """weight [N, K] -> panel_linear's layout in `dtype`: panels of 64 outputs, k-major
+    (cpu_linear.cpp); float32 [ceil(N/64), K, 64], bf16 [ceil(N/64), K/2, 64, 2] (pairs of
+    consecutive k, as vdpbf16ps reads them). Rows past N are zero."""
+    n, k = weight.shape
+    if dtype == torch.bfloat16 and k % 2:
+        raise ValueError(f"bf16 panels need an even in_features, got {k}")
+    w = weight.detach().to(dtype)
+    pad = -n % PANEL_COLS
+    if pad:
+        w = torch.cat((w, w.new_zeros(pad, k)))
+    w = w.view(-1, PANEL_COLS, k)
+    if dtype == torch.bfloat16:
+        return w.view(w.shape[0], PANEL_COLS, k // 2, 2).permute(0, 2, 1, 3).contiguous()
+    return w.transpose(1, 2).contiguous()
+
+
+def unpack_panels(panels: torch.Tensor, n: int) -> torch.Tensor:
+    """The inverse of pack_panels: [N, K] (same dtype), a new tensor."""
+    if panels.dim() == 4:
+        return panels.permute(0, 2, 1, 3).reshape(panels.shape[0] * PANEL_COLS, -1)[:n]
+    return panels.transpose(1, 2).reshape(panels.shape[0] * PANEL_COLS, -1)[:n]
+
+
+def panel_rows(panels: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` of the weight held in panels: [len(ids), K] (same dtype)."""
+    ids = ids.reshape(-1)
+    picked = panels[ids // PANEL_COLS, :, ids % PANEL_COLS]  # [n, K] or [n, K/2, 2]
+    return picked.reshape(ids.shape[0], -1)
+
+
+def panel_linear(x: torch.Tensor, panels: torch.Tensor, n: int) -> torch.Tensor:
+    """x [M, K] float32 (contiguous) @ W[n, K]^T with W given by pack_panels: every output a
+    float32 sum over K in order (bf16 panels: x rounded to bf16, products of pairs), the
+    same bits for a row at any M and thread count."""
+    return torch.ops.tokenmill.panel_linear(x, panels, n)
+
+
+def panel_linear_built(dtype: torch.dtype) -> bool:
+    """Whether this build has panel_linear for `dtype` panels: AVX-512 (float32), AVX-512
+    BF16 (bf16)."""
+    return cpu_kernels_available() and torch.ops.tokenmill.panel_linear_built(dtype)
 
 
 def grouped_skinny_linear(x: torch.Tensor, offsets: Sequence[int], tiled: Sequence[torch.Tensor], n: int) -> torch.Tensor:

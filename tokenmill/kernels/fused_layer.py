@@ -37,8 +37,10 @@ COVERED: dict[str, bool] = {
     "mixture_of_experts": False,  # Qwen3-MoE / Mixtral / OLMoE: a router and experts in place of the MLP
 }
 
-# Weight operands the op multiplies (DecodeOperand kinds): skinny tiles, quantized streams.
-COVERED_WEIGHTS = ("tiled float32", "tiled bfloat16", "quantized")
+# Weight operands the op multiplies (DecodeOperand kinds): skinny tiles, panels, quantized streams.
+COVERED_WEIGHTS = ("tiled float32", "tiled bfloat16", "panels float32", "panels bfloat16", "quantized")
+
+PANEL_COLS = 64  # outputs per panel of the panel kernel's layout (kernels.pack_panels)
 
 # KV cache element types the op reads and writes (8-bit ones with scales, maybe rotated).
 COVERED_KV_DTYPES = ("float32", "bfloat16", "float16", "int8", "fp8_e4m3")
@@ -83,8 +85,9 @@ def uncovered(layers: Iterable[LayerFeatures], kv_cache_dtype: str | None = None
 
 @dataclass(frozen=True)
 class DecodeOperand:
-    """A weight as the native fused decode layer reads it: tiles for the skinny kernel
-    (`format` None) or a QuantizedTensor's packed stream, format row and permutation."""
+    """A weight as the native fused decode layer reads it: tiles for the skinny kernel or
+    panels for the panel kernel (`format` None; the op tells them by shape) or a
+    QuantizedTensor's packed stream, format row and permutation."""
 
     tensor: torch.Tensor
     out_features: int
@@ -102,7 +105,8 @@ class DecodeOperand:
             return self.column_parts[0].kind
         if self.format is not None:
             return "quantized"
-        return "tiled bfloat16" if self.tensor.dtype == torch.bfloat16 else "tiled float32"
+        layout = "panels" if self.tensor.dim() >= 3 and self.tensor.shape[2] == PANEL_COLS else "tiled"
+        return f"{layout} {'bfloat16' if self.tensor.dtype == torch.bfloat16 else 'float32'}"
 
     @property
     def pieces(self) -> tuple[DecodeOperand, ...]:

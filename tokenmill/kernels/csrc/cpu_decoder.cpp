@@ -10,8 +10,9 @@
 // Decode only (one query token per sequence), float32 activations, no biases. The KV
 // cache is float32, bfloat16 or float16, or int8/fp8 with its scales (then K and V may be
 // stored Hadamard-rotated: kv_rotation is the block, and Q and the attention output are
-// rotated to match). Each of the four weights is either tiled for skinny_linear (float32
-// or bfloat16; its format row starts with N and has bits 0) or a weight-only quantized
+// rotated to match). Each of the four weights is either tiled for skinny_linear or in
+// panels for panel_linear (float32 or bfloat16; its format row starts with N and has bits
+// 0; the two told apart by shape) or a weight-only quantized
 // QuantizedTensor for quant_linear (its `.format` row, and its act-order permutation).
 // `parts` (empty: one weight each) gives how many weights each of the four linears has:
 // a linear of several is the sum, in order, of each part times its own consecutive input
@@ -36,7 +37,8 @@ constexpr int64_t kFormatLen = 6;  // QuantizedTensor.format: N, K, bits, group,
 // what the fused layer runs).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef format,
                   const std::optional<at::Tensor>& perm, int64_t max_integer_rows = -1, bool integer_gemm = false) {
-  if (format[2] == 0) return skinny_linear(x, weight, format[0]);
+  if (format[2] == 0)  // dense: panels [P, K, 64] / [P, K/2, 64, 2], or skinny tiles [T, K/16, 4, 16]
+    return weight.size(2) == 64 ? panel_linear(x, weight, format[0]) : skinny_linear(x, weight, format[0]);
   return quant_linear(x, QuantWeight::from_format(weight, format, perm), max_integer_rows, -1, integer_gemm);
 }
 

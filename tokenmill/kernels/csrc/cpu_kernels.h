@@ -52,6 +52,9 @@ const char* quant_isa();
 // y = x . W^T with W tiled by tile_for_skinny (cpu_linear.cpp).
 at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& tiled, int64_t N);
 at::Tensor grouped_skinny_linear(const at::Tensor& x, at::IntArrayRef offsets, at::TensorList tiled, int64_t N);
+// y = x . W^T with W in panels by pack_panels, the same arithmetic at every row count.
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N);
+bool panel_linear_built(at::ScalarType dtype);
 
 // cpu_ops.cpp
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps,

@@ -174,12 +174,246 @@ at::Tensor grouped_skinny_linear(const at::Tensor& x, at::IntArrayRef offsets, a
 
 }  // namespace tokenmill
 
+// ---------------------------------------------------------------------------------------
+// Panel GEMM: y[M, N] = x[M, K] . W[N, K]^T computed the same way at every row count.
+//
+// Why: the skinny kernel above gives way to oneDNN past a few rows, and the two round a
+// row's outputs differently, so a token's logits depended on how many rows shared its
+// step (a batch, a chunked prompt, a prefix-cache hit: issue 24). This kernel is fast at
+// both ends and sums every output the same way whatever M, the thread split or the
+// position of the row in the step: one float32 accumulator per output, walked through K in
+// order (a sum over K in blocks goes through y between blocks, which is exact), never split
+// over threads. W is stored in panels of 64 outputs, k-major, so that one K step is four
+// vector loads shared by six activation rows (24 accumulators):
+//   float32 panels: [ceil(N/64), K, 64],     one FMA per (row, k);
+//   bf16 panels:    [ceil(N/64), K/2, 64, 2], one vdpbf16ps per (row, k pair), the
+//                   activations rounded to bf16 (to nearest even, as torch casts).
+// A decode row streams each panel once (memory order); many rows reuse a K block of a
+// panel from L2 across their micro-tiles. Outputs past N in the last panel are zero
+// weights and never stored.
+namespace {
+
+constexpr int64_t kPanelCols = 64;       // outputs per panel: four zmm of float32 accumulators
+constexpr int64_t kPanelTileRows = 6;    // activation rows per micro-tile
+constexpr int64_t kPanelRowBlock = 48;   // rows per work item (eight micro-tiles)
+constexpr int64_t kPanelKBlock = 1024;   // K per pass over a panel: 128 KiB of bf16, 256 KiB of float32
+
+#if defined(__AVX512F__)
+inline __mmask16 panel_mask(int64_t valid, int c) {
+  const int64_t n = std::clamp<int64_t>(valid - 16 * c, 0, 16);
+  return static_cast<__mmask16>((1u << n) - 1u);
+}
+
+// R rows x C vectors of 16 outputs (a whole panel: C = 4; half of one: C = 2) over K
+// elements [k0, k0 + kn): `w` and `y` point at the part's first column; acc starts at 0
+// (first block) or at what y holds, and is stored back to the `valid` outputs.
+template <int R, int C>
+inline void panel_tile_f32(const float* x, int64_t ldx, const float* w, int64_t kn, float* y, int64_t ldy,
+                           int64_t valid, bool first) {
+  __m512 acc[R][C];
+  for (int m = 0; m < R; ++m)
+    for (int c = 0; c < C; ++c)
+      acc[m][c] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(panel_mask(valid, c), y + m * ldy + 16 * c);
+  for (int64_t k = 0; k < kn; ++k, w += kPanelCols) {
+    __m512 wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = _mm512_loadu_ps(w + 16 * c);
+    for (int m = 0; m < R; ++m) {
+      const __m512 xv = _mm512_set1_ps(x[m * ldx + k]);
+      for (int c = 0; c < C; ++c) acc[m][c] = _mm512_fmadd_ps(wv[c], xv, acc[m][c]);
+    }
+  }
+  for (int m = 0; m < R; ++m)
+    for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(y + m * ldy + 16 * c, panel_mask(valid, c), acc[m][c]);
+}
+#endif
+
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+// As panel_tile_f32 over k pairs: x and w as bf16 pairs (one 32-bit lane each).
+template <int R, int C>
+inline void panel_tile_bf16(const uint32_t* x, int64_t ldx, const uint32_t* w, int64_t pairs, float* y, int64_t ldy,
+                            int64_t valid, bool first) {
+  __m512 acc[R][C];
+  for (int m = 0; m < R; ++m)
+    for (int c = 0; c < C; ++c)
+      acc[m][c] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(panel_mask(valid, c), y + m * ldy + 16 * c);
+  for (int64_t k = 0; k < pairs; ++k, w += kPanelCols) {
+    __m512bh wv[C];
+    for (int c = 0; c < C; ++c) wv[c] = (__m512bh)_mm512_loadu_si512(w + 16 * c);
+    for (int m = 0; m < R; ++m) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * ldx + k]));
+      for (int c = 0; c < C; ++c) acc[m][c] = _mm512_dpbf16_ps(acc[m][c], xv, wv[c]);
+    }
+  }
+  for (int m = 0; m < R; ++m)
+    for (int c = 0; c < C; ++c) _mm512_mask_storeu_ps(y + m * ldy + 16 * c, panel_mask(valid, c), acc[m][c]);
+}
+
+// float32 -> bf16, rounded to nearest even as torch's cast rounds (a NaN stays a NaN unless
+// only its low 16 mantissa bits are set; activations carry none).
+void round_rows_to_bf16(const float* x, int64_t count, uint16_t* out) {
+  at::parallel_for(0, count, 16384, [&](int64_t begin, int64_t end) {
+    int64_t i = begin;
+    for (; i + 16 <= end; i += 16) {
+      const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(x + i));
+      const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+      const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + i), _mm512_cvtepi32_epi16(rounded));
+    }
+    for (; i < end; ++i) out[i] = c10::BFloat16(x[i]).x;
+  });
+}
+#endif
+
+// Steps of up to this many rows (decodes, one block of rows) split the panels evenly over the
+// threads in half panels: whole panels, the 9 of a 576-wide matrix went 5:4 over two threads
+// (one thread idle for a ninth of the call). Each thread takes a run of halves, whole panels
+// where it has both halves, so only a panel on a boundary is read in two strided halves
+// (reading every panel in halves was 1.5x slower on a Zen 4 EPYC).
+constexpr int64_t kEvenSplitRows = 16;
+
+// Each output is computed by one thread, K blocks in order, so its sum is the same whatever
+// the split. `tile(rows, first row, panel, first column in it, columns, k0, kn, valid, first)`.
+template <typename Tile>
+void run_panels(int64_t M, int64_t N, int64_t K, int64_t panels, int64_t k_step, const Tile& tile) {
+  auto part = [&](int64_t r0, int64_t r1, int64_t p, int64_t col0, int64_t width) {
+    const int64_t valid = std::min(width, N - p * kPanelCols - col0);
+    if (valid <= 0) return;  // the last panel's second half, past N
+    for (int64_t k0 = 0; k0 < K; k0 += k_step)
+      for (int64_t m = r0; m < r1; m += kPanelTileRows)
+        tile(std::min(kPanelTileRows, r1 - m), m, p, col0, width, k0, std::min(k_step, K - k0), valid, k0 == 0);
+  };
+  const int64_t threads = at::get_num_threads();
+  if (M <= kEvenSplitRows && threads > 1) {
+    const int64_t halves = 2 * panels, half = kPanelCols / 2;
+    at::parallel_for(0, threads, 1, [&](int64_t begin, int64_t end) {
+      for (int64_t t = begin; t < end; ++t) {
+        const int64_t u1 = halves * (t + 1) / threads;
+        for (int64_t u = halves * t / threads; u < u1;) {
+          if (u % 2 == 0 && u + 1 < u1) {
+            part(0, M, u / 2, 0, kPanelCols);
+            u += 2;
+          } else {
+            part(0, M, u / 2, (u % 2) * half, half);
+            u += 1;
+          }
+        }
+      }
+    });
+    return;
+  }
+  const int64_t row_blocks = (M + kPanelRowBlock - 1) / kPanelRowBlock;
+  at::parallel_for(0, panels * row_blocks, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t item = begin; item < end; ++item) {
+      const int64_t r0 = (item % row_blocks) * kPanelRowBlock;
+      part(r0, std::min(M, r0 + kPanelRowBlock), item / row_blocks, 0, kPanelCols);
+    }
+  });
+}
+
+// F<R, C>::run(args...) for R rows (1-6) and C = columns / 16 (2 or 4).
+template <template <int, int> class F, typename... Args>
+inline void by_shape(int64_t rows, int64_t columns, Args... args) {
+  if (columns == kPanelCols) {
+    switch (rows) {
+      case 1: F<1, 4>::run(args...); break;
+      case 2: F<2, 4>::run(args...); break;
+      case 3: F<3, 4>::run(args...); break;
+      case 4: F<4, 4>::run(args...); break;
+      case 5: F<5, 4>::run(args...); break;
+      default: F<6, 4>::run(args...); break;
+    }
+  } else {
+    switch (rows) {
+      case 1: F<1, 2>::run(args...); break;
+      case 2: F<2, 2>::run(args...); break;
+      case 3: F<3, 2>::run(args...); break;
+      case 4: F<4, 2>::run(args...); break;
+      case 5: F<5, 2>::run(args...); break;
+      default: F<6, 2>::run(args...); break;
+    }
+  }
+}
+
+#if defined(__AVX512F__)
+template <int R, int C> struct PanelF32 {
+  template <typename... A> static void run(A... a) { panel_tile_f32<R, C>(a...); }
+};
+#endif
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+template <int R, int C> struct PanelBF16 {
+  template <typename... A> static void run(A... a) { panel_tile_bf16<R, C>(a...); }
+};
+#endif
+
+}  // namespace
+
+namespace tokenmill {
+
+bool panel_linear_built(at::ScalarType dtype) {
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if (dtype == at::kBFloat16) return true;
+#endif
+#if defined(__AVX512F__)
+  if (dtype == at::kFloat) return true;
+#endif
+  return false;
+}
+
+at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
+  const bool bf16 = panels.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(panels.is_contiguous() && panels.size(0) > 0 &&
+                  (bf16 ? panels.dim() == 4 && panels.size(2) == kPanelCols && panels.size(3) == 2
+                        : panels.dim() == 3 && panels.size(2) == kPanelCols && panels.scalar_type() == at::kFloat),
+              "weight: contiguous float32 [ceil(N/64), K, 64] or bf16 [ceil(N/64), K/2, 64, 2] (see pack_panels)");
+  TORCH_CHECK(panel_linear_built(panels.scalar_type()), "panel_linear needs an AVX-512 build (AVX-512 BF16 for bf16 "
+              "panels); use skinny_linear on this CPU");
+  const int64_t M = x.size(0), K = x.size(1), count = panels.size(0);
+  TORCH_CHECK((bf16 ? 2 * panels.size(1) : panels.size(1)) == K, "x and weight disagree on K");
+  TORCH_CHECK(N > (count - 1) * kPanelCols && N <= count * kPanelCols, "N does not match the number of panels");
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  if (K == 0) return y.zero_();
+  float* yp = y.data_ptr<float>();
+#if defined(__AVX512F__) && defined(__AVX512BF16__)
+  if (bf16) {
+    at::Tensor xb = at::empty({M, K}, x.options().dtype(at::kBFloat16));
+    round_rows_to_bf16(x.data_ptr<float>(), M * K, reinterpret_cast<uint16_t*>(xb.data_ptr()));
+    const uint32_t* xp = reinterpret_cast<const uint32_t*>(xb.data_ptr());
+    const uint32_t* wp = reinterpret_cast<const uint32_t*>(panels.data_ptr());
+    const int64_t pairs = K / 2;
+    run_panels(M, N, pairs, count, kPanelKBlock / 2, [&](int64_t rows, int64_t m, int64_t p, int64_t col0,
+                                                         int64_t columns, int64_t k0, int64_t kn, int64_t valid,
+                                                         bool first) {
+      by_shape<PanelBF16>(rows, columns, xp + m * pairs + k0, pairs, wp + (p * pairs + k0) * kPanelCols + col0, kn,
+                          yp + m * N + p * kPanelCols + col0, N, valid, first);
+    });
+    return y;
+  }
+#endif
+#if defined(__AVX512F__)
+  const float* xp = x.data_ptr<float>();
+  const float* wp = panels.data_ptr<float>();
+  run_panels(M, N, K, count, kPanelKBlock, [&](int64_t rows, int64_t m, int64_t p, int64_t col0, int64_t columns,
+                                               int64_t k0, int64_t kn, int64_t valid, bool first) {
+    by_shape<PanelF32>(rows, columns, xp + m * K + k0, K, wp + (p * K + k0) * kPanelCols + col0, kn,
+                       yp + m * N + p * kPanelCols + col0, N, valid, first);
+  });
+#endif
+  return y;
+}
+
+}  // namespace tokenmill
+
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def("skinny_linear(Tensor x, Tensor tiled, int n) -> Tensor");
   m.def("grouped_skinny_linear(Tensor x, int[] offsets, Tensor[] tiled, int n) -> Tensor");
+  m.def("panel_linear(Tensor x, Tensor panels, int n) -> Tensor");
+  m.def("panel_linear_built(ScalarType dtype) -> bool", &tokenmill::panel_linear_built);
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {
   m.impl("skinny_linear", &tokenmill::skinny_linear);
   m.impl("grouped_skinny_linear", &tokenmill::grouped_skinny_linear);
+  m.impl("panel_linear", &tokenmill::panel_linear);
 }
