@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import os
 import statistics
 import time
@@ -32,11 +33,19 @@ def machine() -> str:
     return f"{cpu_info().describe()}; load average {os.getloadavg()[0]:.1f}"
 
 
-def make_llm(mode: str, dtype: str, skinny_max_rows: int | None = None, **settings) -> LLM:
+def make_llm(mode: str, dtype: str, skinny_max_rows: int | None = None, quantization: str | None = None,
+             **settings) -> LLM:
     """`skinny_max_rows`: fixes the default plan's measured row split (runner/tune.py), whose
-    measurement a busy machine can spoil; deterministic inference has none."""
+    measurement a busy machine can spoil; deterministic inference has none. Mode
+    "default-split": the default plan with dense weights on the row split (skinny kernel,
+    then oneDNN), never the panel kernel. `quantization` "none" serves the default model's
+    GGUF dequantized to dense `dtype` weights."""
     if mode != "deterministic" and skinny_max_rows is not None:
         settings["skinny_max_rows"] = skinny_max_rows
+    if mode == "default-split":
+        settings["cpu_gemm"] = "onednn_bf16" if dtype == "bfloat16" else "onednn_f32"
+    if quantization is not None:
+        settings["quantization"] = quantization
     settings.setdefault("kv_cache_memory", "512MiB")
     llm = LLM(dtype=dtype, max_model_len=2048, seed=0, enable_deterministic_inference=mode == "deterministic",
               **settings)
@@ -67,10 +76,11 @@ def outputs(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tuple[l
 
 def run_matrix(mode: str, dtype: str, num_prompts: int, max_tokens: int,
                batch_sizes: tuple[int, ...] = (8, 64), chunks: tuple[int, ...] = (64, 512),
-               only: str | None = None) -> dict[str, tuple[int, int]]:
+               only: str | None = None, quantization: str | None = None) -> dict[str, tuple[int, int]]:
     """Condition -> (requests with the reference's tokens, with its tokens and logprobs), the
     reference being each prompt alone, unchunked (2048-token steps), cold, on two threads."""
-    llm = make_llm(mode, dtype, enable_prefix_caching=False)
+    make = functools.partial(make_llm, quantization=quantization)
+    llm = make(mode, dtype, enable_prefix_caching=False)
     prompts = [p for p, _ in prompts_of(llm, "W3", num_prompts)]
     reference = [outputs(llm, [p], max_tokens)[0] for p in prompts]
     sibling = lambda **s: LLM.from_engine(llm.engine.sibling(**s))  # noqa: E731
@@ -97,14 +107,14 @@ def run_matrix(mode: str, dtype: str, num_prompts: int, max_tokens: int,
     def preempted() -> list:  # KV for about two of the longest requests at a time
         facts = llm.engine.facts
         blocks = 2 * -(-(max(map(len, prompts)) + max_tokens) // facts.block_size)
-        small = make_llm(mode, dtype, enable_prefix_caching=False,
+        small = make(mode, dtype, enable_prefix_caching=False,
                          kv_cache_memory=blocks * facts.kv_bytes_per_token * facts.block_size)
         got = outputs(small, prompts, max_tokens)
         print(f"(preemptions: {small.engine.scheduler.num_preemptions})", flush=True)
         return got
 
     def tensor_parallel() -> list:  # two ranks on the two cores, 64 requests at a time
-        split = make_llm(mode, dtype, enable_prefix_caching=False, tensor_parallel_size=2, distributed_timeout=120.0)
+        split = make(mode, dtype, enable_prefix_caching=False, tensor_parallel_size=2, distributed_timeout=120.0)
         return [r for i in range(0, len(prompts), 64) for r in outputs(split, prompts[i:i + 64], max_tokens)]
 
     conditions = {f"batches of {b}": (lambda b=b: batched(b)) for b in batch_sizes}
@@ -114,7 +124,7 @@ def run_matrix(mode: str, dtype: str, num_prompts: int, max_tokens: int,
     conditions["batches of 64 + chunks of 64 + half the prompt cached"] = everything_at_once
     conditions["the same request again (prefix-cache hit but the last block)"] = again
     conditions["preempted and recomputed"] = preempted
-    conditions["one thread"] = lambda: outputs(make_llm(mode, dtype, num_threads=1), prompts, max_tokens)
+    conditions["one thread"] = lambda: outputs(make(mode, dtype, num_threads=1), prompts, max_tokens)
     conditions["tensor parallel 2, batches of 64"] = tensor_parallel
     results = {}
     for name, run in conditions.items():
@@ -128,9 +138,10 @@ def run_matrix(mode: str, dtype: str, num_prompts: int, max_tokens: int,
 
 def matrix(args: argparse.Namespace) -> None:
     print(f"CPU: {machine()}")
-    print(f"mode {args.mode}, dtype {args.dtype}, {args.prompts} W3 prompts, {args.max_tokens} greedy tokens")
+    print(f"mode {args.mode}, dtype {args.dtype}, quantization {args.quantization or 'as stored'}, {args.prompts} W3 "
+          f"prompts, {args.max_tokens} greedy tokens")
     print("| condition | same tokens | same tokens and logprobs |\n|---|---:|---:|")
-    run_matrix(args.mode, args.dtype, args.prompts, args.max_tokens, only=args.only)
+    run_matrix(args.mode, args.dtype, args.prompts, args.max_tokens, only=args.only, quantization=args.quantization)
 
 
 # ----- cost --------------------------------------------------------------------------------------
@@ -165,7 +176,7 @@ def measure(llm: LLM, cached: LLM) -> Figures:
 
 
 def cost(args: argparse.Namespace) -> None:
-    systems = {mode: make_llm(mode, args.dtype, args.skinny_max_rows, enable_prefix_caching=False)
+    systems = {mode: make_llm(mode, args.dtype, args.skinny_max_rows, args.quantization, enable_prefix_caching=False)
                for mode in args.modes.split(",")}
     first, second = systems
     runs: dict[str, list[Figures]] = {mode: [] for mode in systems}
@@ -176,7 +187,8 @@ def cost(args: argparse.Namespace) -> None:
             if r > 0:
                 runs[mode].append(figures)
             print(f"run {r} {mode}: {figures}", flush=True)
-    print(f"\nCPU: {machine()}; dtype {args.dtype}; medians of {args.runs} runs (min-max)")
+    print(f"\nCPU: {machine()}; dtype {args.dtype}; quantization {args.quantization or 'as stored'}; medians of "
+          f"{args.runs} runs (min-max)")
     for mode, llm in systems.items():
         print(f"{mode} plan: {llm.engine.executor.plan.describe()}")
     print(f"| | {first} | {second} | {second} / {first} |\n|---|---:|---:|---:|")
@@ -197,16 +209,21 @@ def main() -> None:
     m = sub.add_parser("matrix")
     m.add_argument("--prompts", type=int, default=16)
     m.add_argument("--max-tokens", type=int, default=32)
-    m.add_argument("--mode", choices=("default", "deterministic", "default-rows"), default="default")
+    m.add_argument("--mode", choices=("default", "deterministic", "default-rows", "default-split"), default="default")
     m.add_argument("--dtype", default="auto")
     m.add_argument("--only", default=None, help="run only the conditions whose name contains this")
     c = sub.add_parser("cost")
     c.add_argument("--runs", type=int, default=3)
     c.add_argument("--dtype", default="auto")
     c.add_argument("--modes", default="default,deterministic",
-                   help="the two plans compared: default, deterministic, default-rows (short prompt chunks as rows)")
+                   help="the two plans compared: default, deterministic, default-rows (short prompt chunks as rows), "
+                        "default-split (dense weights on the skinny kernel / oneDNN split, not the panel kernel)")
     c.add_argument("--skinny-max-rows", type=int, default=None,
-                   help="fix the default plan's skinny-kernel row limit instead of the measured one")
+                   help="fix the default plan's skinny-kernel row limit instead of the measured one (with the "
+                        "panel kernel: the fused decode layer's rows)")
+    for sub_parser in (m, c):
+        sub_parser.add_argument("--quantization", default=None,
+                                help="none: the default model's GGUF dequantized to dense --dtype weights")
     args = parser.parse_args()
     matrix(args) if args.command == "matrix" else cost(args)
 

@@ -134,6 +134,50 @@ def test_a_second_turn_over_generated_tokens_is_its_cold_self(tiny_llama_d32, kv
                  "a second turn over the first turn's cached, generated tokens")
 
 
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_the_default_plan_on_bf16_weights_in_panels_gives_a_request_the_same_bits(tiny_llama_d32,
+                                                                                  kv_cache_dtype) -> None:
+    """Dense bf16 weights without the flag. The panel kernel runs every row count with one
+    arithmetic (runner/tune.py picks it where it is about as fast as the split; forced here),
+    and prompts attend through the native prefill kernel: a request's tokens and logprobs
+    (greedy and seeded) are bit for bit the same in a batch of 16, chunked by 16 and by 64,
+    after a prefix-cache hit, on one thread, and preempted and recomputed, with a bf16 (packed)
+    and an int8 KV cache. With the split (the skinny kernel up to 16 rows, bf16 oneDNN
+    beyond) the same prompts kept 12, 3, 1, 6 and 1 of 16 in the first five conditions
+    (measured when this was written). Where the build has no panel kernel for bf16, `cpu_gemm
+    panels` is refused, naming the fix."""
+    settings = dict(model=str(tiny_llama_d32), dtype="bfloat16", cpu_gemm="panels", kv_cache_dtype=kv_cache_dtype,
+                    seed=0, max_model_len=512, kv_cache_memory=8 * 2**20, block_size=16, max_num_seqs=16,
+                    max_num_batched_tokens=256)
+    if not kernels.panel_linear_built(torch.bfloat16):
+        with pytest.raises(ValueError, match="cpu_gemm panels needs the native kernels built for AVX-512"):
+            LLM(**settings)
+        return
+    llm = LLM(**settings)
+    plan = llm.engine.executor.plan
+    assert "panel kernel at every row count" in plan.describe() and not plan.batch_invariant
+    if not plan.prompts_as_chunks:  # an AMX CPU: prompts attend through torch's flash kernel
+        assert not native_prefill_attention(32)
+        return
+    prompts, params = _prompts(16, seed=1), _params(16)
+    reference = _one_at_a_time(llm, prompts, params)
+    _assert_same(reference, _results(llm, prompts, params), "bf16 panels, a batch of 16")
+    for chunk in (16, 64):
+        chunked = LLM(**{**settings, "max_num_batched_tokens": chunk})
+        _assert_same(reference, _results(chunked, prompts, params), f"bf16 panels, chunks of {chunk}")
+    cached = LLM(**settings, enable_prefix_caching=True)
+    _results(cached, prompts[1:2], params[1:2])  # caches the shared prefix
+    hits = cached.generate(prompts, params, use_tqdm=False)
+    assert sum(o.num_cached_tokens for o in hits) >= 7 * 32
+    _assert_same(reference, _results(cached, prompts, params), "bf16 panels, prefix-cache hits")
+    one_thread = LLM(**{**settings, "num_threads": 1})
+    _assert_same(reference, _results(one_thread, prompts, params), "bf16 panels, one thread")
+    small = LLM(**{**settings, "kv_cache_memory": 12 * 16 * llm.engine.facts.kv_bytes_per_token})
+    got = _results(small, prompts, params)
+    assert small.engine.scheduler.num_preemptions > 0
+    _assert_same(reference, got, "bf16 panels, preempted and recomputed")
+
+
 def test_preemption_does_not_change_a_request(tiny_llama) -> None:
     """40 blocks of 4 tokens for 8 requests of up to 90 + 40 tokens: requests are preempted
     and recomputed, and still give the reference's tokens."""

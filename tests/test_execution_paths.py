@@ -39,10 +39,11 @@ from tokenmill.model.layers import Linear
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.quantization import QuantizedTensor
 from tokenmill.quantization.gguf_blocks import from_gguf_blocks
-from tokenmill.runner.plan import ExecutionPlan, apply_plan, cpu_native_plan, quantized_plan, reference_plan
+from tokenmill.quantization.dense import PANELS, CPUMatmulChoice
+from tokenmill.runner.plan import ROWS, ExecutionPlan, apply_plan, cpu_native_plan, quantized_plan, reference_plan
 
 TIERS = ("fused", "per-op", "reference")
-FORMATS = ("float32", "bfloat16", "Q4_1", "Q8_0", "int8")
+FORMATS = ("float32", "bfloat16", "float32-panels", "bfloat16-panels", "Q4_1", "Q8_0", "int8")
 KV_DTYPES = ("auto", "int8")
 LAYER = 1  # a layer with a residual stream coming in
 BLOCK_SIZE = 4
@@ -52,7 +53,10 @@ BLOCK_SIZE = 4
 # quantized weight's integer kernel rounds activations to int8 per 32 and its GEMM to bf16
 # (3.5e-2 measured with a bf16 cache, 3.7e-2 int8 at load with an int8 cache); a bf16 / int8
 # KV cache rounds K and V once (6.9e-3 / 1.2e-2 measured with float weights).
-WEIGHT_TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-4, "Q4_1": 4e-2, "Q8_0": 4e-2, "int8": 4e-2}
+# The panel kernel's bf16 panels round activations to bf16 (1.5e-2 measured on a prefill step, a bf16
+# cache's rounding included).
+WEIGHT_TOLERANCE = {"float32": 1e-4, "bfloat16": 1e-4, "float32-panels": 1e-4, "bfloat16-panels": 2e-2, "Q4_1": 4e-2,
+                    "Q8_0": 4e-2, "int8": 4e-2}
 KV_TOLERANCE = {torch.float32: 0.0, torch.bfloat16: 1e-2, torch.int8: 3e-2}
 
 
@@ -89,7 +93,8 @@ def _plan(tier: str, fmt: str) -> ExecutionPlan:
     weight_dtype = _weight_dtype(fmt)
     if tier == "reference":
         return reference_plan(weight_dtype)
-    dense = cpu_native_plan(weight_dtype, fused_decode=tier == "fused")
+    choice = CPUMatmulChoice(ROWS.skinny_max_rows, PANELS) if fmt.endswith("panels") else None
+    dense = cpu_native_plan(weight_dtype, fused_decode=tier == "fused", choice=choice)
     if fmt in ("Q4_1", "Q8_0"):
         return quantized_plan(dense, "stored")
     return quantized_plan(dense, "int8") if fmt == "int8" else dense
@@ -124,7 +129,7 @@ def _reference_layer(cfg: ModelArchConfig, model: LlamaForCausalLM):
 def _weight_dtype(fmt: str) -> torch.dtype:
     """How float weights are stored: bf16 but for float32 (the default model is a GGUF served
     with bf16 float tensors)."""
-    return torch.float32 if fmt == "float32" else torch.bfloat16
+    return torch.float32 if fmt.startswith("float32") else torch.bfloat16
 
 
 def _kv_torch_dtype(kv_dtype: str, fmt: str) -> torch.dtype:
@@ -161,9 +166,10 @@ def _layout(plan: ExecutionPlan, done: list[int], step: tuple[int, ...], tables:
     return BatchLayout(query_lens, context_lens, block_tables, slots, BLOCK_SIZE)
 
 
-# int8 at load runs on the native kernels only (runner/worker.py refuses it with the kernels
-# off), so the reference tier has no int8 path to compare.
-PATHS = [(tier, fmt) for tier in TIERS for fmt in FORMATS if not (tier == "reference" and fmt == "int8")]
+# int8 at load and the panel kernel run on the native kernels only (runner/worker.py refuses
+# int8 with the kernels off), so the reference tier has no such path to compare.
+PATHS = [(tier, fmt) for tier in TIERS for fmt in FORMATS
+         if not (tier == "reference" and (fmt == "int8" or fmt.endswith("panels")))]
 
 
 @pytest.mark.parametrize("kv_dtype", KV_DTYPES)
@@ -171,6 +177,10 @@ PATHS = [(tier, fmt) for tier in TIERS for fmt in FORMATS if not (tier == "refer
 @torch.inference_mode()
 def test_every_path_matches_the_reference_decoder_layer(tiny, tier: str, fmt: str, kv_dtype: str) -> None:
     cfg, tensors = tiny
+    if fmt.endswith("panels") and not kernels.panel_linear_built(_weight_dtype(fmt)):
+        with pytest.raises(RuntimeError, match="needs an AVX-512 build"):  # this build says so instead
+            kernels.panel_linear(torch.randn(2, 64), kernels.pack_panels(torch.randn(8, 64), _weight_dtype(fmt)), 8)
+        return
     kv_name = "int8" if kv_dtype == "int8" else str(_weight_dtype(fmt)).removeprefix("torch.")
     model, plan = _build(cfg, _checkpoint(tensors, fmt), _plan(tier, fmt), kv_name)
     assert plan.tier == {"fused": "fused decode layer", "per-op": "per-op native", "reference": "reference"}[tier]

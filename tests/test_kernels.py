@@ -275,6 +275,63 @@ def test_tiled_layout_round_trips_and_rejects_what_it_cannot_hold() -> None:
         skinny_linear(torch.randn(2, 32), tiled, 41)
 
 
+def _panels_or_refused(dtype: torch.dtype) -> bool:
+    """Whether this build has the panel kernel for `dtype`; where it does not, the op says so."""
+    if kernels.panel_linear_built(dtype):
+        return True
+    with pytest.raises(RuntimeError, match="needs an AVX-512 build"):
+        kernels.panel_linear(torch.randn(2, 64), kernels.pack_panels(torch.randn(8, 64), dtype), 8)
+    return False
+
+
+@pytest.mark.parametrize("n,k", [(70, 48), (64, 2050), (130, 1100), (5, 6)],
+                         ids=["ragged-panel", "k-blocks-bf16", "k-blocks-f32", "tiny"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_panel_linear_matches_a_float64_reference_and_gives_a_row_its_bits_at_any_row_count(n, k, dtype) -> None:
+    """The panel kernel computes x . W^T (bf16 panels: x rounded to bf16 as torch rounds it)
+    within float32 rounding of a float64 reference, and a row's outputs are bit for bit the
+    same alone, among 1-130 rows at any position, and on one thread (its sum over K is in
+    order, K blocks through y included, never split over threads)."""
+    if not _panels_or_refused(dtype):
+        return
+    gen = torch.Generator().manual_seed(n * 31 + k)
+    weight = torch.randn(n, k, generator=gen).to(dtype)
+    panels = kernels.pack_panels(weight, dtype)
+    x = torch.randn(130, k, generator=gen)
+    y = kernels.panel_linear(x, panels, n)
+    expected = x.to(dtype).double() @ weight.double().T
+    assert (y.double() - expected).abs().max() <= 1e-5 * k ** 0.5 * (1 + expected.abs().max())
+    for rows in (1, 2, 5, 6, 7, 13, 48, 49, 130):
+        for start in (0, 130 - rows):
+            part = kernels.panel_linear(x[start:start + rows].contiguous(), panels, n)
+            assert torch.equal(part, y[start:start + rows]), (rows, start)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        assert torch.equal(kernels.panel_linear(x, panels, n), y)
+    finally:
+        torch.set_num_threads(threads)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_panel_layout_round_trips_gives_rows_and_rejects_what_it_cannot_hold(dtype) -> None:
+    weight = torch.randn(70, 48).to(dtype)
+    panels = kernels.pack_panels(weight, dtype)
+    assert panels.shape == ((2, 48, 64) if dtype == torch.float32 else (2, 24, 64, 2))
+    assert torch.equal(kernels.unpack_panels(panels, 70), weight)
+    ids = torch.tensor([0, 69, 64, 3])
+    assert torch.equal(kernels.panel_rows(panels, ids), weight[ids])
+    if dtype == torch.bfloat16:
+        with pytest.raises(ValueError, match="even in_features"):
+            kernels.pack_panels(torch.randn(8, 7), dtype)
+    if not kernels.panel_linear_built(dtype):
+        return
+    with pytest.raises(RuntimeError, match="disagree on K"):
+        kernels.panel_linear(torch.randn(2, 50), panels, 70)
+    with pytest.raises(RuntimeError, match="number of panels"):
+        kernels.panel_linear(torch.randn(2, 48), panels, 129)
+
+
 @pytest.mark.parametrize("onednn", [True, False], ids=["onednn", "no-onednn"])
 @pytest.mark.parametrize("weight_dtype", [torch.float32, torch.bfloat16])
 def test_prepared_linear_matches_f_linear_for_every_row_count(onednn, weight_dtype) -> None:

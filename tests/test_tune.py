@@ -39,8 +39,42 @@ def test_the_gemm_fastest_for_prefill_wins_and_skinny_keeps_the_rows_it_does_not
 
 
 def test_float32_weights_never_get_bf16_inputs() -> None:
-    assert tune.candidate_gemms(torch.float32) == ("onednn_f32",)
-    assert set(tune.candidate_gemms(torch.bfloat16)) == {"onednn_f32", "onednn_bf16"}
+    from tokenmill import kernels
+
+    panels = {"panels"} if kernels.panel_linear_built(torch.float32) else set()
+    assert set(tune.candidate_gemms(torch.float32)) == {"onednn_f32", *panels}
+    panels = {"panels"} if kernels.panel_linear_built(torch.bfloat16) else set()
+    assert set(tune.candidate_gemms(torch.bfloat16)) == {"onednn_f32", "onednn_bf16", *panels}
+
+
+def test_the_panel_kernel_is_taken_unless_the_split_is_faster_by_the_margin_at_some_row_count() -> None:
+    """One arithmetic at every row count (a row's bits independent of its step) is worth up
+    to PANELS_MARGIN of time at any measured row count, against the split the timings decide
+    (skinny up to its rows, the GEMM beyond)."""
+    from tokenmill.runner.plan import ROWS
+
+    skinny = {1: 1.0, 2: 1.1, 4: 1.4, 8: 2.0, 16: 4.0}
+    gemm = {1: 2.0, 2: 2.0, 4: 2.1, 8: 2.5, 16: 3.1, 128: 14.0}  # the split: skinny up to 8 rows
+    close = tune.Timings(skinny, {"onednn_f32": gemm}, panels={1: 1.4, 2: 1.0, 4: 1.5, 8: 2.1, 16: 3.3, 128: 20.0})
+    assert tune.decide(close) == CPUMatmulChoice(ROWS.skinny_max_rows, "panels")
+    slow_prefill = tune.Timings(skinny, {"onednn_f32": gemm}, panels={**close.panels, 128: 21.5})  # > 1.5 x 14
+    assert tune.decide(slow_prefill) == CPUMatmulChoice(8, "onednn_f32")
+    slow_decode = tune.Timings(skinny, {"onednn_f32": gemm}, panels={**close.panels, 1: 1.6})  # > 1.5 x 1.0
+    assert tune.decide(slow_decode) == CPUMatmulChoice(8, "onednn_f32")
+    assert tune.decide(tune.Timings(skinny, {"onednn_f32": gemm})) == CPUMatmulChoice(8, "onednn_f32")  # not built
+    assert "panel kernel 2000000.00 ms at 1 rows vs 1000.00 ms at 2" == tune.disturbed(
+        tune.Timings(skinny, {"onednn_f32": gemm}, panels={**close.panels, 1: 2000.0}))
+
+
+def test_measure_times_the_panel_kernel_where_the_build_has_it() -> None:
+    from tokenmill import kernels
+
+    t = tune.measure([(64, 32), (32, 64)], torch.bfloat16, layers=1, reps=1)
+    if kernels.panel_linear_built(torch.bfloat16):
+        assert set(t.panels) == {*tune.DECODE_ROWS, tune.PREFILL_ROWS} and all(v > 0 for v in t.panels.values())
+        assert "panels" in tune.describe(t, tune.decide(t)).splitlines()[0]
+    else:
+        assert t.panels == {}
 
 
 def test_the_choice_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch) -> None:
@@ -48,7 +82,7 @@ def test_the_choice_is_measured_once_then_read_from_the_cache(tmp_path, monkeypa
 
     def fake_measure(shapes, tile_dtype, gemms):
         calls.append((tuple(shapes), tile_dtype, tuple(gemms)))
-        return timings({1: 1.0}, **{g: {1: 2.0, 128: 3.0} for g in gemms})
+        return timings({1: 1.0}, **{g: {1: 2.0, 128: 3.0} for g in gemms if g != "panels"})
 
     monkeypatch.setattr(tune, "measure", fake_measure)
     shapes = [(96, 32), (32, 32)]
@@ -121,7 +155,8 @@ def test_a_disturbed_measurement_is_not_cached_and_falls_back_to_the_default_spl
     results = [spoiled, spoiled, spoiled, spoiled, clean]
     monkeypatch.setattr(tune, "measure", lambda shapes, tile_dtype, gemms: results.pop(0))
     choice, _, source = tune.choose([(96, 32)], torch.float32, cache_dir=tmp_path)
-    assert choice == CPUMatmulChoice(ROWS.skinny_max_rows, "onednn_f32") and "not cached" in source
+    assert choice == tune.fallback_choice(tune.candidate_gemms(torch.float32), torch.float32) and "not cached" in source
+    assert choice in (CPUMatmulChoice(ROWS.skinny_max_rows, "onednn_f32"), CPUMatmulChoice(ROWS.skinny_max_rows, "panels"))
     assert not list(tmp_path.glob("dense-*.json")) and len(results) == 2  # three attempts
     # The next start measures again; a clean second attempt is decided and cached.
     choice, _, source = tune.choose([(96, 32)], torch.float32, cache_dir=tmp_path)
@@ -154,6 +189,26 @@ def test_an_untrusted_measurement_falls_back_to_the_gemm_the_cpu_features_name(m
     assert tune.fallback_gemm(("onednn_f32", "onednn_bf16")) == ("onednn_bf16" if native_bf16 else "onednn_f32")
     assert tune.fallback_gemm(("onednn_f32",)) == "onednn_f32"  # float32 weights: never bf16 inputs
     assert tune.fallback_gemm(("onednn_bf16",)) == "onednn_bf16"  # fixed by --cpu-gemm
+
+
+@pytest.mark.parametrize("amx", [True, False])
+def test_an_untrusted_measurement_takes_the_panel_kernel_where_built_and_no_amx(monkeypatch, amx) -> None:
+    from tokenmill import kernels
+    from tokenmill.runner.plan import ROWS
+
+    class CPU:
+        native_bf16 = True
+
+        def has(self, flag: str) -> bool:
+            return amx and flag == "amx_bf16"
+
+    monkeypatch.setattr(tune, "cpu_info", lambda: CPU())
+    gemms = ("onednn_f32", "onednn_bf16", "panels")
+    monkeypatch.setattr(kernels, "panel_linear_built", lambda dtype: True)
+    expected = "onednn_bf16" if amx else "panels"
+    assert tune.fallback_choice(gemms, torch.bfloat16) == CPUMatmulChoice(ROWS.skinny_max_rows, expected)
+    monkeypatch.setattr(kernels, "panel_linear_built", lambda dtype: False)
+    assert tune.fallback_choice(gemms, torch.bfloat16) == CPUMatmulChoice(ROWS.skinny_max_rows, "onednn_bf16")
 
 
 # ----- quantized weights: integer GEMM or bf16 GEMM past the integer rows ---------------------
@@ -214,3 +269,37 @@ def test_the_plan_carries_the_integer_gemm_and_deterministic_inference_drops_it(
     assert not quantized_plan(dense, "int4", native_bf16=True).weight_format.integer_gemm
     assert quantized_plan(dense, "int4", native_bf16=True).bf16_activation_rows is not None
     assert not batch_invariant_plan(plan).weight_format.integer_gemm
+
+
+def test_a_mixture_of_experts_keeps_the_split_and_panels_can_be_forced_or_refused(monkeypatch) -> None:
+    """An MoE model's experts run as one grouped call on skinny tiles, so its dense kernels are
+    chosen among the split's GEMMs only; `cpu_gemm panels` takes the panel kernel without a
+    measurement where the build has it, and is refused, naming the fix, where it has not."""
+    import dataclasses
+
+    from tokenmill import kernels
+    from tokenmill.config import EngineConfig
+    from tokenmill.model_arch import ModelArchConfig
+    from tokenmill.runner import worker
+
+    seen = []
+
+    def fake_choose(shapes, tile_dtype, *, allowed=None, **_):
+        seen.append(allowed)
+        return CPUMatmulChoice(4, "onednn_bf16"), None, "fake"
+
+    monkeypatch.setattr(tune, "choose", fake_choose)
+    dense = ModelArchConfig(architecture="llama", vocab_size=300, hidden_size=64, intermediate_size=96, num_layers=2,
+                            num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-5, rope_theta=10000.0,
+                            max_position_embeddings=128)
+    moe = dataclasses.replace(dense, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    worker.cpu_matmul_choice(EngineConfig(), torch.bfloat16, dense)
+    worker.cpu_matmul_choice(EngineConfig(), torch.bfloat16, moe)
+    assert seen[0] is None and "panels" not in seen[1] and "onednn_bf16" in seen[1]
+    forced = EngineConfig.from_kwargs(cpu_gemm="panels")
+    if kernels.panel_linear_built(torch.bfloat16):
+        assert worker.cpu_matmul_choice(forced, torch.bfloat16, dense) == CPUMatmulChoice(16, "panels")
+        assert len(seen) == 2  # nothing measured
+    else:
+        with pytest.raises(ValueError, match="cpu_gemm panels needs the native kernels built for AVX-512"):
+            worker.cpu_matmul_choice(forced, torch.bfloat16, dense)

@@ -203,15 +203,18 @@ class DeviceConfig:
                                      help="auto: the native CPU kernel on CPU when it builds, else torch_sdpa")
     native_kernels: bool = setting(True, env="TOKENMILL_KERNELS",
                                    help="use tokenmill's native CPU kernels (env TOKENMILL_KERNELS=0 turns them off)")
-    cpu_gemm: str = setting("auto", choices=("auto", "onednn_f32", "onednn_bf16"),
+    cpu_gemm: str = setting("auto", choices=("auto", "onednn_f32", "onednn_bf16", "panels"),
                             help="CPU matmul for many rows: auto = measured on this machine at the first load of "
-                                 "a model shape (cached); onednn_bf16 rounds the inputs to bf16 (bf16 weights only)")
+                                 "a model shape (cached); onednn_bf16 rounds the inputs to bf16 (bf16 weights only); "
+                                 "panels = tokenmill's panel kernel at every row count (AVX-512; bf16 weights: "
+                                 "AVX-512 BF16, inputs rounded to bf16), a row's bits independent of the step")
     quant_gemm: str = setting("auto", choices=("auto", "integer", "bf16"),
                               help="quantized weights' matmul past the integer kernel's rows (8-12): integer = "
                                    "int8 activations and whole-block integer sums (AVX512-VNNI), bf16 = the "
                                    "dequantized weight in a bf16 GEMM; auto = measured on this machine (cached)")
     skinny_max_rows: int | None = setting(None, help="rows up to which the skinny decode kernel (and the fused decode "
-                                                     "layer) runs; default: measured with cpu_gemm")
+                                                     "layer) runs; default: measured with cpu_gemm; with the panel "
+                                                     "kernel only the fused decode layer's rows")
     pack_weights: bool = setting(True, env="TOKENMILL_PACK_WEIGHTS",
                                  help="on CPU, also keep linear weights in oneDNN's packed layout for inputs of many "
                                       "rows (faster prefill, more memory; env TOKENMILL_PACK_WEIGHTS=0 turns it off)")
@@ -229,7 +232,7 @@ class DeviceConfig:
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         if self.num_threads is not None and self.num_threads < 1:
             raise ValueError(f"num_threads must be at least 1, got {self.num_threads}")
-        _check_choice("cpu_gemm", self.cpu_gemm, ("auto", "onednn_f32", "onednn_bf16"))
+        _check_choice("cpu_gemm", self.cpu_gemm, ("auto", "onednn_f32", "onednn_bf16", "panels"))
         _check_choice("quant_gemm", self.quant_gemm, ("auto", "integer", "bf16"))
         if self.skinny_max_rows is not None and not 0 <= self.skinny_max_rows <= 64:
             raise ValueError(f"skinny_max_rows must be between 0 and 64, got {self.skinny_max_rows}")

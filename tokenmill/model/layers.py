@@ -278,7 +278,7 @@ class Experts(nn.Module):
         if self.expert_weights is None or rows.dtype != torch.float32:
             return None
         pairs = [self.expert_weights[e] for e, _ in active]
-        if not all(isinstance(w, CPUDenseWeights) for pair in pairs for w in pair) \
+        if not all(isinstance(w, CPUDenseWeights) and w.tiled is not None for pair in pairs for w in pair) \
                 or max(n for _, n in active) > pairs[0][0].choice.skinny_max_rows:
             return None
         offsets = [0, *itertools.accumulate(n for _, n in active)]

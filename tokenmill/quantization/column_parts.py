@@ -80,7 +80,8 @@ class ColumnParts(LinearWeights):
         first = self.parts[0]
         if all(isinstance(p, QuantizedWeights) for p in self.parts):
             return first.integer_rows, first.integer_gemm
-        if all(isinstance(p, CPUDenseWeights) for p in self.parts) and x.shape[0] <= first.choice.skinny_max_rows:
+        if all(isinstance(p, CPUDenseWeights) for p in self.parts) and \
+                (first.panels is not None or x.shape[0] <= first.choice.skinny_max_rows):
             return -1, False
         return None
 

@@ -45,17 +45,30 @@ class CPUMatmulChoice:
     """Which kernel multiplies float32 activations by a CPU-tiled weight, by row count: the
     execution plan's data (runner/plan.py, measured per machine by runner/tune.py; on an
     AVX2 EPYC the skinny kernel won up to 16 rows and float32 oneDNN beyond; with AMX,
-    oneDNN's bf16 GEMM wins from a few rows on). No default here: the plan holds it."""
+    oneDNN's bf16 GEMM wins from a few rows on; on a Zen 4 EPYC the panel kernel matched or
+    beat both at every row count). No default here: the plan holds it.
+
+    `gemm` "panels": the panel kernel (kernels.panel_linear) at every row count, one
+    arithmetic whatever the rows of the step, so a row's outputs do not depend on what
+    shares its step (issue 24); `skinny_max_rows` is then only the rows up to which a pure
+    decode step runs the fused decode layer."""
 
     skinny_max_rows: int  # the skinny kernel up to here (0: never)
     gemm: str = "onednn_f32"  # beyond: "onednn_f32" (float32 copy), "onednn_bf16" (bf16 copy, bf16 inputs)
 
+    @property
+    def panels(self) -> bool:
+        return self.gemm == PANELS
+
     def describe(self) -> str:
+        if self.panels:
+            return "panel kernel at every row count (a row's bits do not depend on the step's rows)"
         gemm = {"onednn_f32": "float32 oneDNN", "onednn_bf16": "bf16 oneDNN (bf16 inputs)"}[self.gemm]
         return f"skinny kernel up to {self.skinny_max_rows} rows, {gemm} beyond"
 
 
 GEMM_KINDS = ("onednn_f32", "onednn_bf16")
+PANELS = "panels"  # not a oneDNN GEMM: the panel kernel at every row count
 
 
 class CPUDenseWeights(LinearWeights):
@@ -69,15 +82,24 @@ class CPUDenseWeights(LinearWeights):
       float32 (1.2-1.3x F.linear on the same weights) or, where the CPU computes bf16
       natively (AMX, AVX-512 BF16), bf16 with the inputs rounded to bf16 (4-5x float32);
     - without a packed copy, the skinny kernel a chunk of rows at a time (rebuilding the
-      weight for F.linear would rewrite all of it every call).
+      weight for F.linear would rewrite all of it every call);
+    - or, where `choice.panels`, neither: the weight in panels (`panels`) for the panel
+      kernel at every row count (bf16 weights: activations rounded to bf16), as fast as the
+      skinny kernel on decode rows and oneDNN on prompts where it was measured, and a row's
+      outputs the same bits whatever else the step holds.
     """
 
     def __init__(self, weight: torch.Tensor, tile_dtype: torch.dtype, choice: CPUMatmulChoice,
                  onednn: bool = True) -> None:
         self.out_features, self.in_features = weight.shape
         self.choice = choice
-        self.tiled = kernels.tile_for_skinny(weight, tile_dtype)
+        self.tiled: torch.Tensor | None = None
+        self.panels: torch.Tensor | None = None
         self.packed = None
+        if choice.panels:
+            self.panels = kernels.pack_panels(weight, tile_dtype)
+            return
+        self.tiled = kernels.tile_for_skinny(weight, tile_dtype)
         if onednn:
             gemm_dtype = torch.bfloat16 if self.choice.gemm == "onednn_bf16" else torch.float32
             # From the tiles' values: a bf16-tiled weight is the same matrix in both paths.
@@ -85,10 +107,21 @@ class CPUDenseWeights(LinearWeights):
 
     @property
     def format_name(self) -> str:
+        if self.panels is not None:
+            return f"{dtype_name(self.panels.dtype)}-panels"
         packed = "" if self.packed is None else f"+{dtype_name(self.packed.dtype)}-onednn"
         return f"{dtype_name(self.tiled.dtype)}-tiled{packed}"
 
+    @property
+    def _stored(self) -> torch.Tensor:
+        """The layout the kernels read: panels or skinny tiles."""
+        return self.panels if self.panels is not None else self.tiled
+
     def apply(self, x: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None and x.is_cpu:
+            if x.dtype == torch.float32:
+                return kernels.panel_linear(x.contiguous(), self.panels, self.out_features)
+            return self.apply(x.float()).to(x.dtype)
         if x.dtype == torch.bfloat16 and self.tiled.is_cpu:
             if self.packed is not None and self.packed.dtype == torch.bfloat16 \
                     and x.shape[0] > self.choice.skinny_max_rows:
@@ -116,25 +149,32 @@ class CPUDenseWeights(LinearWeights):
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.packed, None, "none", [], "")[:rows]
 
     def dequantize(self) -> torch.Tensor:
+        if self.panels is not None:
+            return kernels.unpack_panels(self.panels, self.out_features).float()
         return kernels.untile_skinny(self.tiled, self.out_features).float()
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.panels is not None:
+            return kernels.panel_rows(self.panels, ids).float()
         return kernels.tiled_rows(self.tiled, ids).float()
 
     @property
     def nbytes(self) -> int:
         packed = 0 if self.packed is None else self.out_features * self.in_features * self.packed.element_size()
-        return self.tiled.numel() * self.tiled.element_size() + packed
+        return self.decode_nbytes + packed
 
     @property
     def decode_nbytes(self) -> int:
-        return self.tiled.numel() * self.tiled.element_size()
+        return self._stored.numel() * self._stored.element_size()
 
     def move_streamed(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
-        self.tiled = place(self.tiled)
+        if self.panels is not None:
+            self.panels = place(self.panels)
+        else:
+            self.tiled = place(self.tiled)
 
     def fused_decode_operand(self) -> DecodeOperand:
-        return DecodeOperand(self.tiled, self.out_features, in_features=self.in_features)
+        return DecodeOperand(self._stored, self.out_features, in_features=self.in_features)
 
 
 # oneDNN compiles a primitive (JIT code and buffers, ~0.6 MB each for the default model's
@@ -200,6 +240,9 @@ class DenseFormat(WeightFormat):
     def describe(self) -> str:
         if not self.cpu_layout:
             return self.name
+        if self.choice.panels:
+            inputs = ", inputs rounded to bf16" if self.weight_dtype == torch.bfloat16 else ""
+            return f"{self.name} in panels{inputs}; {self.choice.describe()}"
         if not self.onednn:
             return f"{self.name} tiled, skinny kernel up to {self.choice.skinny_max_rows} rows, F.linear beyond"
         return f"{self.name} tiled; {self.choice.describe()}"

@@ -44,15 +44,16 @@ from dataclasses import dataclass, field
 import torch
 
 from tokenmill.attention.backend import StepKind
+from tokenmill import kernels
 from tokenmill.kernels import fused_layer, huge_pages
 from tokenmill.kernels.ops import NATIVE_OPS, REFERENCE_OPS, TorchOps
 from tokenmill.model.layers import place_weights_on_huge_pages, set_weight_format
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.quantization import DenseFormat, WeightFormat
-from tokenmill.quantization.dense import CPUMatmulChoice
+from tokenmill.quantization.dense import PANELS, CPUMatmulChoice
 
 __all__ = ["ExecutionPlan", "RowThresholds", "StepKind", "apply_plan", "batch_invariant_plan",
-           "bf16_activations_uncovered", "cpu_native_plan", "quantized_plan", "reference_plan"]
+           "bf16_activations_uncovered", "cpu_native_plan", "invariant_dense_choice", "quantized_plan", "reference_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -224,15 +225,18 @@ def cpu_native_plan(weight_dtype: torch.dtype = torch.float32, onednn: bool = Tr
     oneDNN beyond); the native element-wise ops; and the fused decode layer (when
     attention reads the cache natively) for the row counts the skinny kernel takes. Where
     the GEMMs are bf16 (`choice.gemm` onednn_bf16: measured faster), prefill attention is
-    bf16 and steps past the skinny kernel's rows run the bf16 activation path."""
+    bf16 and steps past the skinny kernel's rows run the bf16 activation path. With the
+    panel kernel (`choice.panels`: every row count, one arithmetic) activations stay float32
+    between the linears; its bf16 panels compute in bf16, so prefill attention is bf16 there."""
     choice = choice or CPUMatmulChoice(rows.skinny_max_rows)
     embedding_dtype = weight_dtype if weight_dtype != torch.float32 else None
-    fmt = DenseFormat(weight_dtype, cpu_layout=True, onednn=onednn, choice=choice)
+    fmt = DenseFormat(weight_dtype, cpu_layout=True, onednn=onednn and not choice.panels, choice=choice)
     bf16_gemm = choice.gemm == "onednn_bf16"
+    bf16_compute = bf16_gemm or (choice.panels and weight_dtype == torch.bfloat16)
     return ExecutionPlan(fmt, embedding_dtype,
                          native_ops=True, fused_decode=fused_decode and choice.skinny_max_rows > 0,
                          fused_decode_max_rows=choice.skinny_max_rows,
-                         prefill_attention_dtype=torch.bfloat16 if bf16_gemm else None,
+                         prefill_attention_dtype=torch.bfloat16 if bf16_compute else None,
                          short_chunk_tokens=rows.short_chunk_tokens,
                          bf16_activation_rows=choice.skinny_max_rows if bf16_gemm and fmt.onednn else None)
 
@@ -288,6 +292,14 @@ def bf16_activations_uncovered(layers: list[fused_layer.LayerFeatures], kv_cache
 EVERY_ROW = 2**31 - 1
 
 
+def invariant_dense_choice(weight_dtype: torch.dtype) -> CPUMatmulChoice:
+    """One dense kernel at every row count: the panel kernel where this build has it for
+    the dtype (as fast as the split where measured), else the skinny kernel."""
+    if kernels.panel_linear_built(weight_dtype):
+        return CPUMatmulChoice(ROWS.skinny_max_rows, PANELS)
+    return CPUMatmulChoice(EVERY_ROW)
+
+
 def batch_invariant_plan(plan: ExecutionPlan) -> ExecutionPlan:
     """`plan` made batch-invariant, for deterministic inference. The default plan switches
     kernels by row count (skinny kernel / oneDNN, integer dot products / bf16 GEMM, fused
@@ -308,7 +320,7 @@ def batch_invariant_plan(plan: ExecutionPlan) -> ExecutionPlan:
     def dense_rowwise(fmt: DenseFormat) -> DenseFormat:
         if not fmt.cpu_layout:
             raise ValueError("deterministic inference needs the CPU-tiled weight layout of the native kernels")
-        return DenseFormat(fmt.weight_dtype, cpu_layout=True, onednn=False, choice=CPUMatmulChoice(EVERY_ROW))
+        return DenseFormat(fmt.weight_dtype, cpu_layout=True, onednn=False, choice=invariant_dense_choice(fmt.weight_dtype))
 
     fmt = plan.weight_format
     if isinstance(fmt, QuantizedFormat):

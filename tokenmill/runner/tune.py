@@ -19,32 +19,34 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from tokenmill import kernels
 from tokenmill.hardware import cpu_info
-from tokenmill.quantization.dense import GEMM_KINDS, CPUMatmulChoice
+from tokenmill.quantization.dense import GEMM_KINDS, PANELS, CPUMatmulChoice
 from tokenmill.runner.plan import ROWS
 
 logger = logging.getLogger(__name__)
 
 DECODE_ROWS = (1, 2, 4, 8, 16)  # row counts where the skinny kernel competes
 PREFILL_ROWS = 128  # stands for prefill: the GEMM is chosen here
-SCHEMA = 2  # 2: choices cached under schema 1 may come from uniformly disturbed measurements
+SCHEMA = 3  # 2: choices cached under schema 1 may come from uniformly disturbed measurements; 3: the panel kernel
 
 Shape = tuple[int, int]  # (out_features, in_features)
 
 
 @dataclass(frozen=True)
 class Timings:
-    """Seconds per pass over the measured weights: skinny[M] and gemm[kind][M]."""
+    """Seconds per pass over the measured weights: skinny[M], gemm[kind][M] and panels[M]
+    (empty: the build has no panel kernel for the dtype)."""
 
     skinny: dict[int, float]
     gemm: dict[str, dict[int, float]]
     weight_elements: int = 0  # elements of the weights a pass multiplies (0: not known)
+    panels: dict[int, float] = field(default_factory=dict)
 
 
 # The skinny kernel keeps a row count unless the GEMM is faster by more than this: up to
@@ -54,16 +56,37 @@ class Timings:
 FUSED_MARGIN = 1.15
 
 
+# The panel kernel runs every row count with one arithmetic, so a row's outputs do not
+# depend on what shares its step (issue 24: the same request, the same answer). It is
+# taken unless the split (skinny kernel, then the GEMM) is faster by more than this at some
+# measured row count: a wide margin, because a flip of the arithmetic between two starts
+# (another thread count, a busy moment) is what the choice exists to avoid. On a Zen 4 EPYC
+# (2 threads, quiet) it matched oneDNN (0.95-1.12x its time at 64-1024 rows) and beat the
+# skinny kernel (0.43-0.95x at 1-16 rows, 1 or 2 threads), yet one measurement taken while
+# another job ran timed it 1.18x the skinny kernel at 1 row; with AMX, oneDNN's bf16 tiles
+# are several times faster at prompts and the split stays.
+PANELS_MARGIN = 1.5
+
+
 def decide(timings: Timings) -> CPUMatmulChoice:
-    """The GEMM that is fastest at PREFILL_ROWS; the skinny kernel for every row count up
-    to the first one where that GEMM beats it by more than FUSED_MARGIN."""
+    """The panel kernel at every row count where it is within PANELS_MARGIN of the split
+    at each measured row count; else the GEMM that is fastest at PREFILL_ROWS, and the
+    skinny kernel for every row count up to the first one where that GEMM beats it by more
+    than FUSED_MARGIN."""
     gemm = min(timings.gemm, key=lambda kind: timings.gemm[kind][PREFILL_ROWS])
     skinny_max_rows = 0
     for rows in sorted(timings.skinny):
         if timings.skinny[rows] > FUSED_MARGIN * timings.gemm[gemm][rows]:
             break
         skinny_max_rows = rows
-    return CPUMatmulChoice(skinny_max_rows=skinny_max_rows, gemm=gemm)
+    split = CPUMatmulChoice(skinny_max_rows=skinny_max_rows, gemm=gemm)
+
+    def split_time(rows: int) -> float:
+        return timings.skinny[rows] if rows <= skinny_max_rows and rows in timings.skinny else timings.gemm[gemm][rows]
+
+    if timings.panels and all(t <= PANELS_MARGIN * split_time(rows) for rows, t in timings.panels.items()):
+        return CPUMatmulChoice(skinny_max_rows=ROWS.skinny_max_rows, gemm=PANELS)
+    return split
 
 
 # Attempts at a measurement that is not disturbed before falling back to the default split.
@@ -87,7 +110,7 @@ def disturbed(timings: Timings) -> str | None:
     """Why `timings` cannot be trusted (a kernel slower at fewer rows by more than
     DISTURBED_RATIO, or reading its weights slower than MIN_READ_BYTES_PER_S at its fewest
     rows), or None."""
-    series = {"skinny kernel": timings.skinny, **timings.gemm}
+    series = {"skinny kernel": timings.skinny, **timings.gemm, "panel kernel": timings.panels}
     for name, times in series.items():
         rows = sorted(times)
         for i, fewer in enumerate(rows):
@@ -102,6 +125,16 @@ def disturbed(timings: Timings) -> str | None:
     return None
 
 
+def fallback_choice(gemms: Sequence[str], tile_dtype: torch.dtype) -> CPUMatmulChoice:
+    """The choice when the measurement cannot be trusted, by the CPU's features: the panel
+    kernel where this build has it for the dtype, unless the weights are bf16 on an AMX CPU
+    (whose bf16 tiles oneDNN uses); else the default row split with `fallback_gemm`."""
+    amx_bf16 = tile_dtype == torch.bfloat16 and cpu_info().has("amx_bf16")
+    if PANELS in gemms and kernels.panel_linear_built(tile_dtype) and not amx_bf16:
+        return CPUMatmulChoice(ROWS.skinny_max_rows, PANELS)
+    return CPUMatmulChoice(ROWS.skinny_max_rows, fallback_gemm([g for g in gemms if g != PANELS]))
+
+
 def fallback_gemm(gemms: Sequence[str]) -> str:
     """The GEMM when its measurement cannot be trusted: by the CPU's features, bf16 where it
     computes bf16 natively (AVX-512 BF16, AMX: 1.9x float32 on a Zen 4 EPYC, 4-5x with AMX),
@@ -112,8 +145,10 @@ def fallback_gemm(gemms: Sequence[str]) -> str:
 
 
 def candidate_gemms(tile_dtype: torch.dtype) -> tuple[str, ...]:
-    """bf16 inputs only when the weights are bf16 already (float32 stays exact)."""
-    return GEMM_KINDS if tile_dtype == torch.bfloat16 else ("onednn_f32",)
+    """bf16 inputs only when the weights are bf16 already (float32 stays exact); the panel
+    kernel where this build has it for the dtype."""
+    gemms = GEMM_KINDS if tile_dtype == torch.bfloat16 else ("onednn_f32",)
+    return (*gemms, PANELS) if kernels.panel_linear_built(tile_dtype) else gemms
 
 
 def choose(shapes: Sequence[Shape], tile_dtype: torch.dtype, *, allowed: Sequence[str] | None = None,
@@ -138,7 +173,7 @@ def choose(shapes: Sequence[Shape], tile_dtype: torch.dtype, *, allowed: Sequenc
         if problem is None:
             break
     if problem is not None:  # a busy machine: the measured choice would be cached for good
-        choice = CPUMatmulChoice(ROWS.skinny_max_rows, fallback_gemm(gemms))
+        choice = fallback_choice(gemms, tile_dtype)
         logger.warning("the matmul measurement was disturbed by other work on this machine (%s, %d attempts): "
                        "using %s, not cached; it is measured again at the next start", problem, MEASURE_ATTEMPTS,
                        choice.describe())
@@ -159,8 +194,15 @@ def measure(shapes: Sequence[Shape], tile_dtype: torch.dtype, gemms: Sequence[st
     out_features = [w.shape[0] for w in weights]
     skinny = {m: _pass_time(lambda x, i: kernels.skinny_linear(x, tiles[i], out_features[i]), weights, m, reps)
               for m in DECODE_ROWS}
+    panels: dict[int, float] = {}
+    gemms = gemms or candidate_gemms(tile_dtype)
+    if PANELS in gemms:
+        stored = [kernels.pack_panels(w, tile_dtype) for w in weights]
+        panels = {m: _pass_time(lambda x, i: kernels.panel_linear(x, stored[i], out_features[i]), weights, m, reps)
+                  for m in (*DECODE_ROWS, PREFILL_ROWS)}
+        del stored
     gemm: dict[str, dict[int, float]] = {}
-    for kind in gemms or candidate_gemms(tile_dtype):
+    for kind in (g for g in gemms if g != PANELS):
         dtype = torch.bfloat16 if kind == "onednn_bf16" else torch.float32
         packed = [torch.ops.mkldnn._reorder_linear_weight(w.to(tile_dtype).to(dtype), None) for w in weights]
 
@@ -168,7 +210,7 @@ def measure(shapes: Sequence[Shape], tile_dtype: torch.dtype, gemms: Sequence[st
             return torch.ops.mkldnn._linear_pointwise(x.to(dtype), packed[i], None, "none", [], "").float()
 
         gemm[kind] = {m: _pass_time(onednn, weights, m, reps) for m in (*DECODE_ROWS, PREFILL_ROWS)}
-    return Timings(skinny, gemm, sum(w.numel() for w in weights))
+    return Timings(skinny, gemm, sum(w.numel() for w in weights), panels)
 
 
 # ----- quantized weights: the many-row GEMM ------------------------------------------------
@@ -245,11 +287,12 @@ def measure_quant_gemm(shapes: Sequence[Shape], reps: int = 5) -> dict[str, dict
 
 def describe(timings: Timings, choice: CPUMatmulChoice) -> str:
     """A table of the measured times (ms per pass) and the choice, for `tokenmill bench kernels`."""
-    rows = sorted({*timings.skinny, *(m for g in timings.gemm.values() for m in g)})
-    header = ["rows", "skinny", *timings.gemm]
+    rows = sorted({*timings.skinny, *timings.panels, *(m for g in timings.gemm.values() for m in g)})
+    header = ["rows", "skinny", *timings.gemm, *(["panels"] if timings.panels else [])]
     lines = ["  ".join(f"{h:>12}" for h in header)]
     for m in rows:
-        cells = [str(m), _ms(timings.skinny.get(m)), *(_ms(g.get(m)) for g in timings.gemm.values())]
+        cells = [str(m), _ms(timings.skinny.get(m)), *(_ms(g.get(m)) for g in timings.gemm.values()),
+                 *([_ms(timings.panels.get(m))] if timings.panels else [])]
         lines.append("  ".join(f"{c:>12}" for c in cells))
     lines.append(f"choice: {choice.describe()}")
     return "\n".join(lines)
@@ -298,7 +341,8 @@ def _ms(seconds: float | None) -> str:
 def _jsonable(timings: Timings) -> dict:
     return {"skinny": {str(m): t for m, t in timings.skinny.items()},
             "gemm": {kind: {str(m): t for m, t in g.items()} for kind, g in timings.gemm.items()},
-            "weight_elements": timings.weight_elements}
+            "weight_elements": timings.weight_elements,
+            "panels": {str(m): t for m, t in timings.panels.items()}}
 
 
 def _write(path: Path, data: dict) -> None:
@@ -311,5 +355,6 @@ def _write(path: Path, data: dict) -> None:
         logger.warning("could not cache the kernel choice in %s: %s", path, exc)
 
 
-__all__ = ["Timings", "choose", "choose_quant_gemm", "decide", "decide_quant_gemm", "describe", "fallback_gemm", "measure",
+__all__ = ["Timings", "choose", "choose_quant_gemm", "decide", "decide_quant_gemm", "describe", "fallback_choice",
+           "fallback_gemm", "measure",
            "measure_quant_gemm"]

@@ -33,7 +33,7 @@ from tokenmill.attention.kv_cache import KVCacheSpec, PagedKVCache, can_pack
 from tokenmill.attention.torch_sdpa import TorchSDPABackend
 from tokenmill.config import EngineConfig, EngineFacts, PoolingFacts, SpeculativeConfig
 from tokenmill.config import default_kv_cache_memory as default_kv_cache_memory_bytes
-from tokenmill.dtypes import kv_cache_dtype_name, torch_dtype
+from tokenmill.dtypes import dtype_name, kv_cache_dtype_name, torch_dtype
 from tokenmill.hardware import cpu_info
 from tokenmill.kv_transfer.shared_memory import ALIGN as SHARED_ALIGN
 from tokenmill.kv_transfer.shared_memory import SharedRegion
@@ -42,12 +42,13 @@ from tokenmill.model_arch import ModelArchConfig
 from tokenmill.parallel.layout import REFERENCE_TP_SIZE, reference_split
 from tokenmill.parallel.model_parallel import ModelParallel
 from tokenmill.pooling import Pooler, model_pooling
-from tokenmill.quantization.dense import CPUMatmulChoice, bound_onednn_caches
+from tokenmill.quantization.dense import PANELS, CPUMatmulChoice, bound_onednn_caches
 from tokenmill.runner import tune
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.runner.pipeline import PipelineRunner
 from tokenmill.runner.shared_kv_pool import shared_allocator
-from tokenmill.runner.plan import (EVERY_ROW, ExecutionPlan, apply_plan, batch_invariant_plan, cpu_native_plan,
+from tokenmill.runner.plan import (ROWS, ExecutionPlan, apply_plan, batch_invariant_plan, cpu_native_plan,
+                                  invariant_dense_choice,
                                   quantized_plan, reference_plan)
 from tokenmill.runner.threads import ThreadGovernor
 from tokenmill.structured_output.compiler import compiler_for
@@ -520,7 +521,7 @@ def choose_plan(config: EngineConfig, device: torch.device, dtype: DtypePlan, ke
                              "failed to build or are not for this device")
         return reference_plan(weights)
     # Deterministic inference runs one kernel at every row count: nothing to measure.
-    choice = CPUMatmulChoice(EVERY_ROW) if deterministic else cpu_matmul_choice(config, weights, arch)
+    choice = invariant_dense_choice(weights) if deterministic else cpu_matmul_choice(config, weights, arch)
     plan = cpu_native_plan(weights, onednn=config.device.pack_weights, choice=choice,
                            fused_decode=backend.name == "cpu_native")
     plan = dataclasses.replace(plan, huge_pages=config.device.huge_pages)
@@ -580,10 +581,21 @@ def cpu_matmul_choice(config: EngineConfig, weights: torch.dtype, arch: ModelArc
     fixed_gemm = config.device.cpu_gemm != "auto"
     if config.device.cpu_gemm == "onednn_bf16" and weights != torch.bfloat16:
         raise ValueError("cpu_gemm onednn_bf16 rounds inputs to bf16: it needs bfloat16 weights (--dtype bfloat16)")
+    if config.device.cpu_gemm == PANELS:
+        if not kernels.panel_linear_built(weights):
+            raise ValueError(f"cpu_gemm panels needs the native kernels built for AVX-512 (AVX-512 BF16 for "
+                             f"{dtype_name(weights)} weights) and this CPU lacks them; use auto")
+        return CPUMatmulChoice(config.device.skinny_max_rows if config.device.skinny_max_rows is not None
+                               else ROWS.skinny_max_rows, PANELS)
     if fixed_gemm and config.device.skinny_max_rows is not None:
         return CPUMatmulChoice(config.device.skinny_max_rows, config.device.cpu_gemm)
     shapes = layer_shapes(arch) if arch is not None else [(576, 576)]
-    choice, timings, source = tune.choose(shapes, weights, allowed=[config.device.cpu_gemm] if fixed_gemm else None)
+    allowed = [config.device.cpu_gemm] if fixed_gemm else None
+    if allowed is None and arch is not None and arch.num_experts:
+        # The experts' grouped call (one parallel region per matrix for every active expert)
+        # is the skinny kernel's; on panels each expert would run alone.
+        allowed = [g for g in tune.candidate_gemms(weights) if g != PANELS]
+    choice, timings, source = tune.choose(shapes, weights, allowed=allowed)
     if config.device.skinny_max_rows is not None:
         choice = CPUMatmulChoice(config.device.skinny_max_rows, choice.gemm)
     logger.info("CPU matmul kernels (%s): %s", source, choice.describe())
