@@ -10,6 +10,9 @@ it (`matrix`), and what `--enable-deterministic-inference` costs (`cost`). Not p
     PYTHONPATH=. .venv/bin/python benchmarks/determinism.py cost --runs 3
     # the default plan vs itself with short prompt chunks after cached context as rows (before)
     PYTHONPATH=. .venv/bin/python benchmarks/determinism.py cost --runs 3 --modes default-rows,default
+    # dense float32 weights: prompt chunks through SDPA (before) vs every prompt token as a row
+    PYTHONPATH=. .venv/bin/python benchmarks/determinism.py cost --runs 3 --modes default-sdpa,default \
+        --dtype float32 --quantization none
 
 Prints the CPU (model and flags) and the load average with every table."""
 
@@ -33,6 +36,10 @@ def machine() -> str:
     return f"{cpu_info().describe()}; load average {os.getloadavg()[0]:.1f}"
 
 
+# Modes that patch the default plan after load (make_llm): one process only.
+PATCHED_MODES = ("default-rows", "default-sdpa")
+
+
 def make_llm(mode: str, dtype: str, skinny_max_rows: int | None = None, quantization: str | None = None,
              **settings) -> LLM:
     """`skinny_max_rows`: fixes the default plan's measured row split (runner/tune.py), whose
@@ -52,6 +59,9 @@ def make_llm(mode: str, dtype: str, skinny_max_rows: int | None = None, quantiza
     if mode == "default-rows":  # the default plan as it was: short prompt chunks after context as rows
         runner = llm.engine.executor
         runner.plan = dataclasses.replace(runner.plan, prompts_as_chunks=False)
+    if mode == "default-sdpa":  # the default plan as it was: float32 prompt chunks through SDPA, not as rows
+        runner = llm.engine.executor
+        runner.plan = dataclasses.replace(runner.plan, prompts_as_rows=False)
     return llm
 
 
@@ -125,7 +135,8 @@ def run_matrix(mode: str, dtype: str, num_prompts: int, max_tokens: int,
     conditions["the same request again (prefix-cache hit but the last block)"] = again
     conditions["preempted and recomputed"] = preempted
     conditions["one thread"] = lambda: outputs(make(mode, dtype, num_threads=1), prompts, max_tokens)
-    conditions["tensor parallel 2, batches of 64"] = tensor_parallel
+    if mode not in PATCHED_MODES:  # (their plan is patched in one process, not in tensor-parallel ranks)
+        conditions["tensor parallel 2, batches of 64"] = tensor_parallel
     results = {}
     for name, run in conditions.items():
         if only and only not in name:
@@ -209,7 +220,8 @@ def main() -> None:
     m = sub.add_parser("matrix")
     m.add_argument("--prompts", type=int, default=16)
     m.add_argument("--max-tokens", type=int, default=32)
-    m.add_argument("--mode", choices=("default", "deterministic", "default-rows", "default-split"), default="default")
+    m.add_argument("--mode", choices=("default", "deterministic", "default-rows", "default-split", "default-sdpa"),
+                   default="default")
     m.add_argument("--dtype", default="auto")
     m.add_argument("--only", default=None, help="run only the conditions whose name contains this")
     c = sub.add_parser("cost")
@@ -217,7 +229,8 @@ def main() -> None:
     c.add_argument("--dtype", default="auto")
     c.add_argument("--modes", default="default,deterministic",
                    help="the two plans compared: default, deterministic, default-rows (short prompt chunks as rows), "
-                        "default-split (dense weights on the skinny kernel / oneDNN split, not the panel kernel)")
+                        "default-split (dense weights on the skinny kernel / oneDNN split, not the panel kernel), "
+                        "default-sdpa (float32 prompt chunks through SDPA, not as rows of the paged kernel)")
     c.add_argument("--skinny-max-rows", type=int, default=None,
                    help="fix the default plan's skinny-kernel row limit instead of the measured one (with the "
                         "panel kernel: the fused decode layer's rows)")

@@ -115,67 +115,85 @@ def test_a_second_turn_over_generated_tokens_is_its_cold_self(tiny_llama_d32, kv
     cold, whether the cache is packed (bf16 where the native prefill kernel runs: prompts as
     chunks, decodes by the prefill kernel's arithmetic) or not (int8: every token a row of the
     paged kernel; prompts as chunks there would round a cold prompt otherwise than its decode)."""
-    first_turns, follow_up = _prompts(6, seed=3), [11, 12, 13, 14, 15]
     cold = _deterministic(tiny_llama_d32, **kv, enable_prefix_caching=False)
     plan, packed = cold.engine.executor.plan, "packed" in cold.engine.facts.kv_cache_format
     assert plan.prompts_as_chunks == packed, (plan.describe(), cold.engine.facts.kv_cache_format)
     assert packed == ("kv_cache_dtype" not in kv and native_prefill_attention(32)), cold.engine.facts.kv_cache_format
-    first_params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
-    first = cold.generate(first_turns, first_params, use_tqdm=False)
-    second_turns = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) + follow_up for o in first]
-    params = _params(len(second_turns))
-    reference = _one_at_a_time(cold, second_turns, params)
-    cached = _deterministic(tiny_llama_d32, **kv, enable_prefix_caching=True)
-    cached.generate(first_turns, first_params, use_tqdm=False)
-    hits = [cached.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(second_turns, params)]
-    assert all(h.num_cached_tokens >= len(o.prompt_token_ids) + 24 for h, o in zip(hits, first))
-    _assert_same(reference, [(h.outputs[0].token_ids, [{t: lp.logprob for t, lp in pos.items()}
-                                                         for pos in h.outputs[0].logprobs]) for h in hits],
-                 "a second turn over the first turn's cached, generated tokens")
+    _assert_second_turns_are_cold(cold, _deterministic(tiny_llama_d32, **kv, enable_prefix_caching=True),
+                                  "deterministic")
 
 
-@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_the_default_plan_on_bf16_weights_in_panels_gives_a_request_the_same_bits(tiny_llama_d32,
-                                                                                  kv_cache_dtype) -> None:
-    """Dense bf16 weights without the flag. The panel kernel runs every row count with one
-    arithmetic (runner/tune.py picks it where it is about as fast as the split; forced here),
-    and prompts attend through the native prefill kernel: a request's tokens and logprobs
-    (greedy and seeded) are bit for bit the same in a batch of 16, chunked by 16 and by 64,
-    after a prefix-cache hit, on one thread, and preempted and recomputed, with a bf16 (packed)
-    and an int8 KV cache. With the split (the skinny kernel up to 16 rows, bf16 oneDNN
-    beyond) the same prompts kept 12, 3, 1, 6 and 1 of 16 in the first five conditions
-    (measured when this was written). Where the build has no panel kernel for bf16, `cpu_gemm
+@pytest.mark.parametrize("dtype,kv_cache_dtype", [("bfloat16", "auto"), ("bfloat16", "int8"),
+                                                   ("float32", "auto"), ("float32", "int8")])
+def test_the_default_plan_on_dense_weights_in_panels_gives_a_request_the_same_bits(tiny_llama_d32, dtype,
+                                                                                   kv_cache_dtype) -> None:
+    """Dense weights without the flag. The panel kernel runs every row count with one
+    arithmetic (runner/tune.py picks it where it is about as fast as the split; forced here).
+    bf16 prompts attend through the native prefill kernel, float32 ones (whose chunks would
+    attend through SDPA) as rows of the paged kernel, the kernel decodes attend through: a
+    request's tokens and logprobs (greedy and seeded) are bit for bit the same in a batch of
+    16, chunked by 16 and by 64, after a prefix-cache hit, on one thread, and preempted and
+    recomputed, with a 16-bit (bf16: packed) and an int8 KV cache; and a second turn over the
+    first turn's cached, generated tokens is its cold self where the decodes attend by the
+    prompts' arithmetic (float32; bf16 with the packed cache). With the split (the skinny
+    kernel up to 16 rows, bf16 oneDNN beyond) the bf16 prompts kept 12, 3, 1, 6 and 1 of 16 in
+    the first five conditions; float32 on panels with its prompt chunks through SDPA kept 8, 1,
+    8, 7, 14 and 11 of 16 in the six (a float32 cache) and the second turns 0 of 6 (measured
+    when each was written). Where the build has no panel kernel for the dtype, `cpu_gemm
     panels` is refused, naming the fix."""
-    settings = dict(model=str(tiny_llama_d32), dtype="bfloat16", cpu_gemm="panels", kv_cache_dtype=kv_cache_dtype,
+    settings = dict(model=str(tiny_llama_d32), dtype=dtype, cpu_gemm="panels", kv_cache_dtype=kv_cache_dtype,
                     seed=0, max_model_len=512, kv_cache_memory=8 * 2**20, block_size=16, max_num_seqs=16,
                     max_num_batched_tokens=256)
-    if not kernels.panel_linear_built(torch.bfloat16):
+    if not kernels.panel_linear_built(getattr(torch, dtype)):
         with pytest.raises(ValueError, match="cpu_gemm panels needs the native kernels built for AVX-512"):
             LLM(**settings)
         return
     llm = LLM(**settings)
     plan = llm.engine.executor.plan
     assert "panel kernel at every row count" in plan.describe() and not plan.batch_invariant
-    if not plan.prompts_as_chunks:  # an AMX CPU: prompts attend through torch's flash kernel
-        assert not native_prefill_attention(32)
+    if dtype == "float32":  # float32 SDPA is not chunk-invariant: every prompt token a paged-kernel row
+        assert plan.prompts_as_rows and not plan.prompts_as_chunks, plan.describe()
+    elif not plan.prompts_as_chunks:  # an AMX CPU: prompts attend through torch's flash kernel
+        assert not native_prefill_attention(32) and not plan.prompts_as_rows
         return
     prompts, params = _prompts(16, seed=1), _params(16)
     reference = _one_at_a_time(llm, prompts, params)
-    _assert_same(reference, _results(llm, prompts, params), "bf16 panels, a batch of 16")
+    _assert_same(reference, _results(llm, prompts, params), f"{dtype} panels, a batch of 16")
     for chunk in (16, 64):
         chunked = LLM(**{**settings, "max_num_batched_tokens": chunk})
-        _assert_same(reference, _results(chunked, prompts, params), f"bf16 panels, chunks of {chunk}")
+        _assert_same(reference, _results(chunked, prompts, params), f"{dtype} panels, chunks of {chunk}")
     cached = LLM(**settings, enable_prefix_caching=True)
     _results(cached, prompts[1:2], params[1:2])  # caches the shared prefix
     hits = cached.generate(prompts, params, use_tqdm=False)
     assert sum(o.num_cached_tokens for o in hits) >= 7 * 32
-    _assert_same(reference, _results(cached, prompts, params), "bf16 panels, prefix-cache hits")
+    _assert_same(reference, _results(cached, prompts, params), f"{dtype} panels, prefix-cache hits")
     one_thread = LLM(**{**settings, "num_threads": 1})
-    _assert_same(reference, _results(one_thread, prompts, params), "bf16 panels, one thread")
+    _assert_same(reference, _results(one_thread, prompts, params), f"{dtype} panels, one thread")
     small = LLM(**{**settings, "kv_cache_memory": 12 * 16 * llm.engine.facts.kv_bytes_per_token})
     got = _results(small, prompts, params)
     assert small.engine.scheduler.num_preemptions > 0
-    _assert_same(reference, got, "bf16 panels, preempted and recomputed")
+    _assert_same(reference, got, f"{dtype} panels, preempted and recomputed")
+    if dtype == "float32" or kv_cache_dtype == "auto":
+        _assert_second_turns_are_cold(LLM(**settings, enable_prefix_caching=False),
+                                      LLM(**settings, enable_prefix_caching=True), f"{dtype} panels")
+
+
+def _assert_second_turns_are_cold(cold: LLM, cached: LLM, condition: str) -> None:
+    """A conversation's next turn (the first turn's prompt, its 40 greedy tokens and a
+    follow-up) after the first turn, its generated tokens read from `cached`'s prefix cache,
+    against the same prompt on `cold` (prefix caching off): the same tokens and logprobs."""
+    first_turns, follow_up = _prompts(6, seed=3), [11, 12, 13, 14, 15]
+    first_params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
+    first = cold.generate(first_turns, first_params, use_tqdm=False)
+    second_turns = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) + follow_up for o in first]
+    params = _params(len(second_turns))
+    reference = _one_at_a_time(cold, second_turns, params)
+    cached.generate(first_turns, first_params, use_tqdm=False)
+    hits = [cached.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(second_turns, params)]
+    assert all(h.num_cached_tokens >= len(o.prompt_token_ids) + 24 for h, o in zip(hits, first))
+    _assert_same(reference, [(h.outputs[0].token_ids, [{t: lp.logprob for t, lp in pos.items()}
+                                                         for pos in h.outputs[0].logprobs]) for h in hits],
+                 f"{condition}, a second turn over the first turn's cached, generated tokens")
 
 
 def test_preemption_does_not_change_a_request(tiny_llama) -> None:

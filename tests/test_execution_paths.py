@@ -312,6 +312,13 @@ def test_a_tokens_attention_follows_what_the_token_is_under_prompts_as_chunks() 
     rows = dataclasses.replace(before, batch_invariant=True)
     assert rows.attention_spans(0, 30, prompt_len=19) == [AttentionSpan(0, 30, as_rows=True)]
     assert rows.attention_spans(16, 3, prompt_len=19) == [AttentionSpan(16, 3, as_rows=True)]
+    # the default plan on dense float32 panels: every prompt token a row, as decodes
+    float_rows = dataclasses.replace(before, prompts_as_rows=True)
+    assert float_rows.attention_spans(0, 30, prompt_len=19) == [AttentionSpan(0, 30, as_rows=True)]
+    assert float_rows.attention_spans(0, 19, prompt_len=19) == [AttentionSpan(0, 19, as_rows=True)]
+    assert float_rows.attention_spans(16, 100, prompt_len=200) == [AttentionSpan(16, 100, as_rows=True)]
+    assert before.attention_spans(16, 100, prompt_len=200) == [AttentionSpan(16, 100, as_rows=False)]
+    assert "every prompt token attends as a row" in float_rows.describe()
 
     tables = [list(range(5)), list(range(5, 15))]  # 19 and 40 tokens in blocks of 4
     layout = BatchLayout([1, 1], [19, 40], tables, [4 * 4 + 2, 14 * 4 + 3], BLOCK_SIZE, frozenset({0}))

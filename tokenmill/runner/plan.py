@@ -108,6 +108,12 @@ class ExecutionPlan:
     # (AttentionBackend.chunk_invariant): a prompt then computes alike cold, chunked or after
     # a prefix-cache hit. Set by the worker once the backend is known.
     prompts_as_chunks: bool = False
+    # Every prompt token attends as a one-token row of the paged kernel, as a decode does,
+    # where prompt chunks would otherwise attend through a kernel that is not chunk-invariant
+    # (float32 SDPA) and the linears are row-invariant (the panel kernel): a prompt's
+    # attention then has the same bits cold, chunked, after a prefix-cache hit (a generated
+    # prefix included) and after a preemption. Set by the worker (`prompts_as_rows_here`).
+    prompts_as_rows: bool = False
     # Deterministic inference (batch_invariant_plan): every linear runs one row-invariant
     # kernel at any row count, and every token of every chunk attends as a one-token row of the
     # paged kernel, unless prompts attend as chunks (`prompts_as_chunks`: the prefill kernel
@@ -145,6 +151,9 @@ class ExecutionPlan:
         if self.prompts_as_chunks:
             parts.append("every prompt chunk through the prefill attention kernel (a prompt's attention the same "
                          "bits cold, chunked or after a prefix-cache hit)")
+        if self.prompts_as_rows:
+            parts.append("every prompt token attends as a row of the paged kernel, as decodes do (a prompt's "
+                         "attention the same bits cold, chunked or after a prefix-cache hit)")
         if self.batch_invariant:
             attention = ("" if self.prompts_as_chunks else
                          ", every prompt token attends as a row of the paged kernel")
@@ -168,9 +177,10 @@ class ExecutionPlan:
     def chunk_as_rows(self, start_pos: int, num_tokens: int) -> bool:
         """Whether a request's chunk of `num_tokens` after `start_pos` cached tokens attends
         as that many one-token rows (see RowThresholds.short_chunk_tokens). Under a
-        batch-invariant plan every chunk does: a row then reads its keys in the same order
-        whether its prompt came in one chunk, in several, or after a prefix-cache hit."""
-        if self.batch_invariant:
+        batch-invariant plan, or under `prompts_as_rows`, every chunk does: a row then reads
+        its keys in the same order whether its prompt came in one chunk, in several, or after
+        a prefix-cache hit."""
+        if self.batch_invariant or self.prompts_as_rows:
             return num_tokens > 1
         return start_pos > 0 and 1 < num_tokens <= self.short_chunk_tokens
 

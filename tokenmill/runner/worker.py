@@ -42,7 +42,7 @@ from tokenmill.model_arch import ModelArchConfig
 from tokenmill.parallel.layout import REFERENCE_TP_SIZE, reference_split
 from tokenmill.parallel.model_parallel import ModelParallel
 from tokenmill.pooling import Pooler, model_pooling
-from tokenmill.quantization.dense import PANELS, CPUMatmulChoice, bound_onednn_caches
+from tokenmill.quantization.dense import PANELS, CPUMatmulChoice, DenseFormat, bound_onednn_caches
 from tokenmill.runner import tune
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.runner.pipeline import PipelineRunner
@@ -164,6 +164,8 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltRank
     # row, so that a generated prefix read from the cache is what a cold prompt computes.
     if chunk_invariant and (spec.packed or not plan.batch_invariant):
         plan = dataclasses.replace(plan, prompts_as_chunks=True)
+    elif prompts_as_rows_here(plan, backend, loaded.arch):
+        plan = dataclasses.replace(plan, prompts_as_rows=True)
     memory = config.cache.kv_cache_memory or default_kv_cache_memory(device)
     # A draft keeps the KV of the same tokens: the memory is split so both hold as many.
     bytes_per_block = spec.bytes_per_block + (draft.kv_spec.bytes_per_block if draft else 0)
@@ -530,6 +532,20 @@ def choose_plan(config: EngineConfig, device: torch.device, dtype: DtypePlan, ke
         plan = quantized_plan(plan, "stored" if keep_quantized else method, config.quantization.quantization_group_size,
                               native_bf16=cpu_has_native_bf16(), integer_gemm=integer_gemm)
     return batch_invariant_plan(plan) if deterministic else plan
+
+
+def prompts_as_rows_here(plan: ExecutionPlan, backend: AttentionBackend, arch: ModelArchConfig) -> bool:
+    """Whether the default plan lays every prompt token out as a row of the paged kernel
+    (ExecutionPlan.prompts_as_rows): where prompt chunks would attend in float32 through SDPA
+    (not chunk-invariant: its reduction over keys follows the chunk), the native paged kernel
+    takes the rows (each row's arithmetic its own, the one decodes get), and every linear is
+    row-invariant (dense weights on the panel kernel). Attention is then the one thing that
+    changed a request's bits with its chunking, its prefix-cache hits and its preemptions.
+    Its cost on prompts: docs/determinism.md, "Dense float32 weights". Not with a sliding
+    window (its prompt chunks attend through SDPA narrowed to the window)."""
+    fmt = plan.weight_format
+    return (not plan.batch_invariant and backend.name == "cpu_native" and plan.prefill_attention_dtype is None
+            and isinstance(fmt, DenseFormat) and fmt.cpu_layout and fmt.choice.panels and not arch.sliding_window)
 
 
 def check_deterministic_inference(config: EngineConfig, native: bool, backend: AttentionBackend,
