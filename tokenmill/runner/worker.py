@@ -542,10 +542,12 @@ def prompts_as_rows_here(plan: ExecutionPlan, backend: AttentionBackend, arch: M
     row-invariant (dense weights on the panel kernel). Attention is then the one thing that
     changed a request's bits with its chunking, its prefix-cache hits and its preemptions.
     Its cost on prompts: docs/determinism.md, "Dense float32 weights". Not with a sliding
-    window (its prompt chunks attend through SDPA narrowed to the window)."""
+    window (its prompt chunks attend through SDPA narrowed to the window), nor for a
+    mixture-of-experts model (panels only when forced there; its invariance is not checked)."""
     fmt = plan.weight_format
     return (not plan.batch_invariant and backend.name == "cpu_native" and plan.prefill_attention_dtype is None
-            and isinstance(fmt, DenseFormat) and fmt.cpu_layout and fmt.choice.panels and not arch.sliding_window)
+            and isinstance(fmt, DenseFormat) and fmt.cpu_layout and fmt.choice.panels and not arch.sliding_window
+            and not arch.num_experts)
 
 
 def check_deterministic_inference(config: EngineConfig, native: bool, backend: AttentionBackend,
@@ -599,7 +601,8 @@ def cpu_matmul_choice(config: EngineConfig, weights: torch.dtype, arch: ModelArc
         raise ValueError("cpu_gemm onednn_bf16 rounds inputs to bf16: it needs bfloat16 weights (--dtype bfloat16)")
     if config.device.cpu_gemm == PANELS:
         if not kernels.panel_linear_built(weights):
-            raise ValueError(f"cpu_gemm panels needs the native kernels built for AVX-512 (AVX-512 BF16 for "
+            needs = "AVX-512 BF16" if weights == torch.bfloat16 else "AVX-512"
+            raise ValueError(f"cpu_gemm panels needs the native kernels built for AVX-512 ({needs} for "
                              f"{dtype_name(weights)} weights) and this CPU lacks them; use auto")
         return CPUMatmulChoice(config.device.skinny_max_rows if config.device.skinny_max_rows is not None
                                else ROWS.skinny_max_rows, PANELS)
