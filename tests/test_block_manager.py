@@ -235,6 +235,29 @@ def test_decoded_tokens_are_hashed_when_their_block_is_computed(kv: KVBlockManag
     assert kv.get_computed_blocks(follower) == ([0, 1], 8)
 
 
+def test_without_generated_blocks_only_prompt_blocks_join_the_cache() -> None:
+    """cache_generated=False (EngineFacts.cache_generated_kv: decodes do not compute what a
+    prompt computes): a block holding a generated token stays out of the prefix cache, so a
+    next turn whose prompt holds the answer hits the prompt's full blocks and computes the rest;
+    computed again as a prompt, the answer's blocks then join the cache as that turn's."""
+    kv = KVBlockManager(NUM_BLOCKS, BS, cache_generated=False)
+    a = make_request("a", tokens(0, 6))
+    admit(kv, a)
+    for token in (500, 501, 502, 503, 504):  # 11 computed: block 1 full with two generated tokens, block 2 all generated
+        decode(kv, a, token)
+    assert kv.blocks[0].block_hash == chain(a.all_token_ids)[0]
+    assert kv.blocks[1].block_hash is None and kv.blocks[2].block_hash is None
+    turn2 = make_request("b", [*a.all_token_ids, 600, 601])
+    free(kv, a)
+    hits, num_hit_tokens = kv.get_computed_blocks(turn2)
+    assert (hits, num_hit_tokens) == ([0], BS)
+    admit(kv, turn2)  # the answer computed as this turn's prompt: its full blocks join the cache
+    assert set(kv.cached_blocks) == set(chain(turn2.all_token_ids))
+    free(kv, turn2)
+    turn3 = make_request("c", [*turn2.all_token_ids, 700])
+    assert kv.get_computed_blocks(turn3)[1] == len(chain(turn2.all_token_ids)) * BS
+
+
 def test_no_hits_for_prompt_logprobs(kv: KVBlockManager) -> None:
     admit(kv, make_request("a", tokens(0, 9)))
     wants_logprobs = make_request("b", tokens(0, 9), prompt_logprobs=0)

@@ -99,12 +99,14 @@ class KVBlockManager:
     reserves_null = False
 
     def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True,
-                 host_tier: HostTier | None = None) -> None:
+                 host_tier: HostTier | None = None, cache_generated: bool = True) -> None:
         if num_blocks < 1:
             raise ValueError(f"the KV cache needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_caching = enable_caching
+        # False: only blocks of prompt tokens join the prefix cache (EngineFacts.cache_generated_kv).
+        self.cache_generated = cache_generated
         self.blocks = [KVBlock(i) for i in range(num_blocks)]
         # Free blocks in eviction order: the head is evicted first.
         first = 1 if self.reserves_null else 0
@@ -463,6 +465,8 @@ class KVBlockManager:
     def _hash_full_blocks(self, request: Request, num_tokens: int) -> None:
         if not self.enable_caching:
             return
+        if not self.cache_generated:  # a block with a generated token stays out of the prefix cache
+            num_tokens = min(num_tokens, request.num_prompt_tokens)
         rid = request.request_id
         start, end = self.req_num_hashed_blocks[rid], num_tokens // self.block_size
         if end <= start:

@@ -186,7 +186,7 @@ def make_block_manager(facts: EngineFacts, enable_caching: bool, offloading_gib:
                                          facts.kv_cache_format, facts.compute_dtype, facts.block_size,
                                          facts.kv_bytes_per_token, *_offload_format(facts))
             host.disk = DiskTier(disk_dir, fingerprint, bytes_per_block, int(disk_gib * 2**30))
-    return KVBlockManager(facts.num_blocks, facts.block_size, enable_caching, host)
+    return KVBlockManager(facts.num_blocks, facts.block_size, enable_caching, host, facts.cache_generated_kv)
 
 
 def _offload_format(facts: EngineFacts) -> tuple:

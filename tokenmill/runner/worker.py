@@ -166,6 +166,14 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltRank
         plan = dataclasses.replace(plan, prompts_as_chunks=True)
     elif prompts_as_rows_here(plan, backend, loaded.arch):
         plan = dataclasses.replace(plan, prompts_as_rows=True)
+    # Prompt chunks through the prefill kernel, decodes through the paged kernel (an unpacked
+    # cache: 8-bit, or a block size not a multiple of 16): a decoded token's KV is not what the
+    # same token computes in a prompt, so the prefix cache keeps prompt tokens only, and a
+    # conversation's next turn computes the previous answer again, as a prompt does cold.
+    cache_generated_kv = not (plan.prompts_as_chunks and not spec.packed)
+    if not cache_generated_kv:
+        logger.info("prefix cache: blocks of prompt tokens only (decodes attend through the paged kernel, prompts "
+                    "through the prefill kernel: a generated token's KV would not be what a prompt computes)")
     memory = config.cache.kv_cache_memory or default_kv_cache_memory(device)
     # A draft keeps the KV of the same tokens: the memory is split so both hold as many.
     bytes_per_block = spec.bytes_per_block + (draft.kv_spec.bytes_per_block if draft else 0)
@@ -207,7 +215,8 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltRank
         num_blocks=num_blocks, block_size=config.cache.block_size, kv_bytes_per_token=spec.bytes_per_token,
         attention_backend=backend.name, execution_plan=plan.describe(), num_threads=torch.get_num_threads(),
         load_seconds=time.perf_counter() - start, speculative=describe_speculation(speculative, draft_runner),
-        kv_cache_format=spec.describe(), num_sliding_blocks=num_sliding_blocks, sliding_window=window,
+        kv_cache_format=spec.describe(), cache_generated_kv=cache_generated_kv,
+        num_sliding_blocks=num_sliding_blocks, sliding_window=window,
         runner=runner_type, pooling=pooling,
         kv_offload_cache_dtype=host_spec.describe() if host_spec is not None else "",
         kv_offload_bytes_per_token=host_spec.bytes_per_token if host_spec is not None else 0,
