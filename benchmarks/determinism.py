@@ -13,6 +13,11 @@ it (`matrix`), and what `--enable-deterministic-inference` costs (`cost`). Not p
     # dense float32 weights: prompt chunks through SDPA (before) vs every prompt token as a row
     PYTHONPATH=. .venv/bin/python benchmarks/determinism.py cost --runs 3 --modes default-sdpa,default \
         --dtype float32 --quantization none
+    # an int8 KV cache: a second turn over the first turn's generated tokens, the prefix cache
+    # keeping generated blocks (before) or prompt blocks only (now), and what that costs W1-W4
+    PYTHONPATH=. .venv/bin/python benchmarks/determinism.py matrix --mode default-cache-generated --kv-cache-dtype int8
+    PYTHONPATH=. .venv/bin/python benchmarks/determinism.py cost --runs 3 --modes default-cache-generated,default \
+        --kv-cache-dtype int8
 
 Prints the CPU (model and flags) and the load average with every table."""
 
@@ -37,7 +42,7 @@ def machine() -> str:
 
 
 # Modes that patch the default plan after load (make_llm): one process only.
-PATCHED_MODES = ("default-rows", "default-sdpa")
+PATCHED_MODES = ("default-rows", "default-sdpa", "default-cache-generated")
 
 
 def make_llm(mode: str, dtype: str, skinny_max_rows: int | None = None, quantization: str | None = None,
@@ -62,6 +67,9 @@ def make_llm(mode: str, dtype: str, skinny_max_rows: int | None = None, quantiza
     if mode == "default-sdpa":  # the default plan as it was: float32 prompt chunks through SDPA, not as rows
         runner = llm.engine.executor
         runner.plan = dataclasses.replace(runner.plan, prompts_as_rows=False)
+    if mode == "default-cache-generated":  # as it was: the prefix cache keeps generated blocks whatever their bits
+        llm.engine.facts = dataclasses.replace(llm.engine.facts, cache_generated_kv=True)  # (siblings read it)
+        llm.engine.scheduler.kv.cache_generated = True
     return llm
 
 
@@ -86,10 +94,11 @@ def outputs(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tuple[l
 
 def run_matrix(mode: str, dtype: str, num_prompts: int, max_tokens: int,
                batch_sizes: tuple[int, ...] = (8, 64), chunks: tuple[int, ...] = (64, 512),
-               only: str | None = None, quantization: str | None = None) -> dict[str, tuple[int, int]]:
+               only: str | None = None, quantization: str | None = None,
+               kv_cache_dtype: str = "auto") -> dict[str, tuple[int, int]]:
     """Condition -> (requests with the reference's tokens, with its tokens and logprobs), the
     reference being each prompt alone, unchunked (2048-token steps), cold, on two threads."""
-    make = functools.partial(make_llm, quantization=quantization)
+    make = functools.partial(make_llm, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
     llm = make(mode, dtype, enable_prefix_caching=False)
     prompts = [p for p, _ in prompts_of(llm, "W3", num_prompts)]
     reference = [outputs(llm, [p], max_tokens)[0] for p in prompts]
@@ -123,6 +132,14 @@ def run_matrix(mode: str, dtype: str, num_prompts: int, max_tokens: int,
         print(f"(preemptions: {small.engine.scheduler.num_preemptions})", flush=True)
         return got
 
+    def second_turns() -> tuple[list, list]:  # the prompt, its greedy tokens and a follow-up: cold vs cached
+        follow_up = llm.tokenizer.encode(" Thank you. Now say it again in other words.", add_special_tokens=False)
+        turns = [p + list(r[0]) + follow_up for p, r in zip(prompts, reference)]
+        cold = [outputs(llm, [t], max_tokens)[0] for t in turns]
+        cached = sibling(enable_prefix_caching=True)
+        outputs(cached, prompts, max_tokens)  # the first turns: their generated tokens decoded into the cache
+        return cold, [outputs(cached, [t], max_tokens)[0] for t in turns]
+
     def tensor_parallel() -> list:  # two ranks on the two cores, 64 requests at a time
         split = make(mode, dtype, enable_prefix_caching=False, tensor_parallel_size=2, distributed_timeout=120.0)
         return [r for i in range(0, len(prompts), 64) for r in outputs(split, prompts[i:i + 64], max_tokens)]
@@ -135,6 +152,7 @@ def run_matrix(mode: str, dtype: str, num_prompts: int, max_tokens: int,
     conditions["the same request again (prefix-cache hit but the last block)"] = again
     conditions["preempted and recomputed"] = preempted
     conditions["one thread"] = lambda: outputs(make(mode, dtype, num_threads=1), prompts, max_tokens)
+    conditions["a second turn over the first turn's generated tokens, cached"] = second_turns
     if mode not in PATCHED_MODES:  # (their plan is patched in one process, not in tensor-parallel ranks)
         conditions["tensor parallel 2, batches of 64"] = tensor_parallel
     results = {}
@@ -142,17 +160,20 @@ def run_matrix(mode: str, dtype: str, num_prompts: int, max_tokens: int,
         if only and only not in name:
             continue
         got = run()
-        results[name] = (sum(a[0] == b[0] for a, b in zip(reference, got)), sum(a == b for a, b in zip(reference, got)))
+        expected, got = got if isinstance(got, tuple) else (reference, got)  # (a condition with its own reference)
+        results[name] = (sum(a[0] == b[0] for a, b in zip(expected, got)), sum(a == b for a, b in zip(expected, got)))
         print(f"| {name} | {results[name][0]}/{len(prompts)} | {results[name][1]}/{len(prompts)} |", flush=True)
     return results
 
 
 def matrix(args: argparse.Namespace) -> None:
     print(f"CPU: {machine()}")
-    print(f"mode {args.mode}, dtype {args.dtype}, quantization {args.quantization or 'as stored'}, {args.prompts} W3 "
+    print(f"mode {args.mode}, dtype {args.dtype}, quantization {args.quantization or 'as stored'}, KV cache "
+          f"{args.kv_cache_dtype}, {args.prompts} W3 "
           f"prompts, {args.max_tokens} greedy tokens")
     print("| condition | same tokens | same tokens and logprobs |\n|---|---:|---:|")
-    run_matrix(args.mode, args.dtype, args.prompts, args.max_tokens, only=args.only, quantization=args.quantization)
+    run_matrix(args.mode, args.dtype, args.prompts, args.max_tokens, only=args.only, quantization=args.quantization,
+               kv_cache_dtype=args.kv_cache_dtype)
 
 
 # ----- cost --------------------------------------------------------------------------------------
@@ -165,6 +186,7 @@ class Figures:
     w2_prefill: float  # tok/s
     w3_total: float  # generated tok/s of W3's first 16 requests at once
     w4_wall: float  # s, prefix caching on
+    turn2_ttft_ms: float  # a second turn (W1's prompt, its 128 tokens, 16 more) after the first, prefix caching on
 
 
 def timed(llm: LLM, requests: list[tuple[list[int], int]]) -> float:
@@ -182,12 +204,17 @@ def measure(llm: LLM, cached: LLM) -> Figures:
     w3 = prompts_of(llm, "W3", 16)
     w3_wall = timed(llm, w3)
     w4_wall = timed(cached, prompts_of(llm, "W4"))
+    prompt, max_tokens = w1[0]
+    first = cached.generate([prompt], SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True))[0]
+    turn2_ttft = timed(cached, [(prompt + list(first.outputs[0].token_ids) + prompt[:16], 1)])
     return Figures(w1_decode=(w1[0][1] - 1) / (w1_wall - ttft), w1_ttft_ms=ttft * 1e3,
-                   w2_prefill=len(w2[0][0]) / w2_wall, w3_total=sum(n for _, n in w3) / w3_wall, w4_wall=w4_wall)
+                   w2_prefill=len(w2[0][0]) / w2_wall, w3_total=sum(n for _, n in w3) / w3_wall, w4_wall=w4_wall,
+                   turn2_ttft_ms=turn2_ttft * 1e3)
 
 
 def cost(args: argparse.Namespace) -> None:
-    systems = {mode: make_llm(mode, args.dtype, args.skinny_max_rows, args.quantization, enable_prefix_caching=False)
+    systems = {mode: make_llm(mode, args.dtype, args.skinny_max_rows, args.quantization, enable_prefix_caching=False,
+                              kv_cache_dtype=args.kv_cache_dtype)
                for mode in args.modes.split(",")}
     first, second = systems
     runs: dict[str, list[Figures]] = {mode: [] for mode in systems}
@@ -198,14 +225,16 @@ def cost(args: argparse.Namespace) -> None:
             if r > 0:
                 runs[mode].append(figures)
             print(f"run {r} {mode}: {figures}", flush=True)
-    print(f"\nCPU: {machine()}; dtype {args.dtype}; quantization {args.quantization or 'as stored'}; medians of "
+    print(f"\nCPU: {machine()}; dtype {args.dtype}; quantization {args.quantization or 'as stored'}; KV cache "
+          f"{args.kv_cache_dtype}; medians of "
           f"{args.runs} runs (min-max)")
     for mode, llm in systems.items():
         print(f"{mode} plan: {llm.engine.executor.plan.describe()}")
     print(f"| | {first} | {second} | {second} / {first} |\n|---|---:|---:|---:|")
     for key, label in (("w1_decode", "W1 decode tok/s"), ("w1_ttft_ms", "W1 TTFT ms"),
                        ("w2_prefill", "W2 prefill tok/s (1024 tokens)"), ("w3_total", "W3 (16 requests) tok/s"),
-                       ("w4_wall", "W4 wall s (prefix caching on)")):
+                       ("w4_wall", "W4 wall s (prefix caching on)"),
+                       ("turn2_ttft_ms", "second turn TTFT ms (W1 + its 128 tokens + 16)")):
         cells = []
         for mode in systems:
             values = [getattr(f, key) for f in runs[mode]]
@@ -220,7 +249,8 @@ def main() -> None:
     m = sub.add_parser("matrix")
     m.add_argument("--prompts", type=int, default=16)
     m.add_argument("--max-tokens", type=int, default=32)
-    m.add_argument("--mode", choices=("default", "deterministic", "default-rows", "default-split", "default-sdpa"),
+    m.add_argument("--mode", choices=("default", "deterministic", "default-rows", "default-split", "default-sdpa",
+                                      "default-cache-generated"),
                    default="default")
     m.add_argument("--dtype", default="auto")
     m.add_argument("--only", default=None, help="run only the conditions whose name contains this")
@@ -230,13 +260,16 @@ def main() -> None:
     c.add_argument("--modes", default="default,deterministic",
                    help="the two plans compared: default, deterministic, default-rows (short prompt chunks as rows), "
                         "default-split (dense weights on the skinny kernel / oneDNN split, not the panel kernel), "
-                        "default-sdpa (float32 prompt chunks through SDPA, not as rows of the paged kernel)")
+                        "default-sdpa (float32 prompt chunks through SDPA, not as rows of the paged kernel), "
+                        "default-cache-generated (the prefix cache keeps blocks of generated tokens where their KV "
+                        "is not what a prompt computes: an 8-bit cache)")
     c.add_argument("--skinny-max-rows", type=int, default=None,
                    help="fix the default plan's skinny-kernel row limit instead of the measured one (with the "
                         "panel kernel: the fused decode layer's rows)")
     for sub_parser in (m, c):
         sub_parser.add_argument("--quantization", default=None,
                                 help="none: the default model's GGUF dequantized to dense --dtype weights")
+        sub_parser.add_argument("--kv-cache-dtype", default="auto")
     args = parser.parse_args()
     matrix(args) if args.command == "matrix" else cost(args)
 

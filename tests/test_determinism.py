@@ -135,7 +135,8 @@ def test_the_default_plan_on_dense_weights_in_panels_gives_a_request_the_same_bi
     16, chunked by 16 and by 64, after a prefix-cache hit, on one thread, and preempted and
     recomputed, with a 16-bit (bf16: packed) and an int8 KV cache; and a second turn over the
     first turn's cached, generated tokens is its cold self where the decodes attend by the
-    prompts' arithmetic (float32; bf16 with the packed cache). With the split (the skinny
+    prompts' arithmetic (float32; bf16 with the packed cache), and where they do not (bf16 with an
+    int8 cache) because the prefix cache then keeps prompt tokens only. With the split (the skinny
     kernel up to 16 rows, bf16 oneDNN beyond) the bf16 prompts kept 12, 3, 1, 6 and 1 of 16 in
     the first five conditions; float32 on panels with its prompt chunks through SDPA kept 8, 1,
     8, 7, 14 and 11 of 16 in the six (a float32 cache) and the second turns 0 of 6 (measured
@@ -173,15 +174,17 @@ def test_the_default_plan_on_dense_weights_in_panels_gives_a_request_the_same_bi
     got = _results(small, prompts, params)
     assert small.engine.scheduler.num_preemptions > 0
     _assert_same(reference, got, f"{dtype} panels, preempted and recomputed")
-    if dtype == "float32" or kv_cache_dtype == "auto":
-        _assert_second_turns_are_cold(LLM(**settings, enable_prefix_caching=False),
-                                      LLM(**settings, enable_prefix_caching=True), f"{dtype} panels")
+    cached = LLM(**settings, enable_prefix_caching=True)
+    assert cached.engine.facts.cache_generated_kv == (dtype == "float32" or kv_cache_dtype == "auto")
+    _assert_second_turns_are_cold(LLM(**settings, enable_prefix_caching=False), cached, f"{dtype} panels")
 
 
 def _assert_second_turns_are_cold(cold: LLM, cached: LLM, condition: str) -> None:
     """A conversation's next turn (the first turn's prompt, its 40 greedy tokens and a
-    follow-up) after the first turn, its generated tokens read from `cached`'s prefix cache,
-    against the same prompt on `cold` (prefix caching off): the same tokens and logprobs."""
+    follow-up) after the first turn, its generated tokens read from `cached`'s prefix cache
+    (or, where the prefix cache keeps prompt tokens only, the first turn's prompt blocks read
+    and the rest computed), against the same prompt on `cold` (prefix caching off): the same
+    tokens and logprobs."""
     first_turns, follow_up = _prompts(6, seed=3), [11, 12, 13, 14, 15]
     first_params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     first = cold.generate(first_turns, first_params, use_tqdm=False)
@@ -190,10 +193,22 @@ def _assert_second_turns_are_cold(cold: LLM, cached: LLM, condition: str) -> Non
     reference = _one_at_a_time(cold, second_turns, params)
     cached.generate(first_turns, first_params, use_tqdm=False)
     hits = [cached.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(second_turns, params)]
-    assert all(h.num_cached_tokens >= len(o.prompt_token_ids) + 24 for h, o in zip(hits, first))
+    _assert_hits_reach(cached, hits, first)
     _assert_same(reference, [(h.outputs[0].token_ids, [{t: lp.logprob for t, lp in pos.items()}
                                                          for pos in h.outputs[0].logprobs]) for h in hits],
                  f"{condition}, a second turn over the first turn's cached, generated tokens")
+
+
+def _assert_hits_reach(cached: LLM, hits: list, first: list) -> None:
+    """The second turns' prefix-cache hits: past 24 of the first turn's generated tokens where
+    the cache keeps generated blocks, else exactly the first turn's full prompt blocks."""
+    block_size = cached.engine.facts.block_size
+    for h, o in zip(hits, first):
+        prompt = len(o.prompt_token_ids)
+        if cached.engine.facts.cache_generated_kv:
+            assert h.num_cached_tokens >= prompt + 24, (h.num_cached_tokens, prompt)
+        else:
+            assert h.num_cached_tokens == prompt // block_size * block_size, (h.num_cached_tokens, prompt)
 
 
 def test_preemption_does_not_change_a_request(tiny_llama) -> None:
@@ -330,21 +345,26 @@ def test_the_default_plan_gives_a_request_the_same_bits_where_its_kernels_allow(
     _assert_same(reference, got, "default plan, preempted and recomputed")
 
 
-def test_the_default_plan_gives_a_second_turn_the_bits_of_a_cold_prompt() -> None:
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_the_default_plan_gives_a_second_turn_the_bits_of_a_cold_prompt(kv_cache_dtype: str) -> None:
     """A multi-turn conversation without the flag: the second turn's prompt holds the first
-    turn's generated tokens, whose KV the prefix cache keeps from when they were decoded. On a
-    packed bf16 cache a decode token attends by the prefill kernel's arithmetic, so those blocks
-    hold what a cold prompt computes: the second turn's tokens and logprobs (greedy and seeded)
-    are bit for bit those of the same prompt sent cold (prefix caching off). Before the packed
-    cache, decoded tokens attended through the paged kernel and the second turn differed (the
-    case docs/determinism.md listed as not covered by default). Elsewhere (no integer GEMM, no
-    prefill kernel: no packed cache) the plan must not claim it."""
-    llm = _default_plan_llm(kv_cache_memory="128MiB", enable_prefix_caching=False)
+    turn's generated tokens. On a packed bf16 cache a decode token attends by the prefill
+    kernel's arithmetic, so the blocks the prefix cache keeps from when they were decoded hold
+    what a cold prompt computes; an int8 cache's decodes attend through the paged kernel, so
+    there the prefix cache keeps the first turn's prompt blocks only and the second turn
+    computes the rest as a prompt. Either way the second turn's tokens and logprobs (greedy
+    and seeded) are bit for bit those of the same prompt sent cold (prefix caching off).
+    Before (decoded blocks reused), the second turns differed: bf16 before the packed cache,
+    and int8 until generated blocks stayed out of the prefix cache (benchmarks/determinism.py's
+    second turns of 16 W3 prompts: 7 of 16 kept their tokens, 0 of 16 their logprobs; now 16
+    and 16). Elsewhere (no integer GEMM, no prefill kernel) the plan must not claim it."""
+    llm = _default_plan_llm(kv_cache_memory="128MiB", enable_prefix_caching=False, kv_cache_dtype=kv_cache_dtype)
     plan, facts = llm.engine.executor.plan, llm.engine.facts
     if not _default_invariance_claimed(plan):
         assert "packed" not in facts.kv_cache_format or plan.prompts_as_chunks, facts.kv_cache_format
         return
-    assert "packed for the prefill kernel" in facts.kv_cache_format, facts.kv_cache_format
+    packed = "packed for the prefill kernel" in facts.kv_cache_format
+    assert packed == (kv_cache_dtype == "auto") and facts.cache_generated_kv == packed, facts
     first_turns = _chat_prompts(llm, 6)
     first_params = SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)
     first = llm.generate(first_turns, first_params, use_tqdm=False)
@@ -358,9 +378,7 @@ def test_the_default_plan_gives_a_second_turn_the_bits_of_a_cold_prompt() -> Non
     again = cached.generate(first_turns, first_params, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in again] == [o.outputs[0].token_ids for o in first]
     hits = [cached.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(second_turns, params)]
-    # the first turn's generated tokens came from the cache (all but the last, partial block)
-    assert all(h.num_cached_tokens >= len(o.prompt_token_ids) + 24 for h, o in zip(hits, first)), \
-        [h.num_cached_tokens for h in hits]
+    _assert_hits_reach(cached, hits, first)  # (bf16: the generated tokens from the cache, all but a partial block)
     _assert_same(reference, [(h.outputs[0].token_ids, [{t: lp.logprob for t, lp in pos.items()}
                                                          for pos in h.outputs[0].logprobs]) for h in hits],
                  "default plan, a second turn over the first turn's cached, generated tokens")
