@@ -243,7 +243,7 @@ def test_without_generated_blocks_only_prompt_blocks_join_the_cache() -> None:
     kv = KVBlockManager(NUM_BLOCKS, BS, cache_generated=False)
     a = make_request("a", tokens(0, 6))
     admit(kv, a)
-    for token in (500, 501, 502, 503, 504):  # 11 computed: block 1 full with two generated tokens, block 2 all generated
+    for token in (500, 501, 502, 503, 504, 505):  # 12 computed: block 1 with two generated tokens, block 2 all four
         decode(kv, a, token)
     assert kv.blocks[0].block_hash == chain(a.all_token_ids)[0]
     assert kv.blocks[1].block_hash is None and kv.blocks[2].block_hash is None
@@ -256,6 +256,12 @@ def test_without_generated_blocks_only_prompt_blocks_join_the_cache() -> None:
     free(kv, turn2)
     turn3 = make_request("c", [*turn2.all_token_ids, 700])
     assert kv.get_computed_blocks(turn3)[1] == len(chain(turn2.all_token_ids)) * BS
+    # A request whose output was preempted away hits its prompt's blocks only, not another's
+    # prompt blocks holding the same tokens it decoded.
+    resumed = make_request("r", tokens(0, 6))
+    for token in (500, 501, 502, 503, 504, 505, 600):
+        resumed.append_output_token(token)
+    assert kv.get_computed_blocks(resumed) == ([0], BS) and kv.peek_cached_tokens(resumed) == BS
 
 
 def test_no_hits_for_prompt_logprobs(kv: KVBlockManager) -> None:

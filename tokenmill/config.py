@@ -864,10 +864,11 @@ class EngineFacts:
     load_seconds: float = 0.0
     speculative: str = ""  # speculative decoding as configured ("" = off)
     kv_cache_format: str = ""  # the cache's layout in words, e.g. scales and rotation of an int8 cache
-    # Whether the prefix cache keeps blocks that hold generated tokens. False where a decoded
-    # token's KV is not what the same token computes in a prompt (prompt chunks attend through
-    # the prefill kernel, decodes through the paged kernel: an 8-bit cache), so that a hit
-    # gives a prompt the bits it gets cold (docs/determinism.md).
+    # Whether the prefix cache keeps (and hits) blocks that hold generated tokens. False where a
+    # decoded token's KV is not what the same token computes in a prompt and the plan otherwise
+    # gives a prompt its cold bits (row-invariant linears, prompt chunks through the prefill
+    # kernel, decodes through the paged kernel: an 8-bit cache), so that a hit keeps them
+    # (docs/determinism.md).
     cache_generated_kv: bool = True
     # The host tier's block format when it is not the pool's (--kv-offloading-cache-dtype):
     # its dtype name and bytes per token ("" and 0: the pool's own bytes).

@@ -161,8 +161,7 @@ class KVBlockManager:
         sampled."""
         if not self.enable_caching or not request.reads_prefix_cache:
             return PrefixHit(), 0  # (prompt logprobs need every prompt position computed)
-        max_blocks = (request.num_tokens - 1) // self.block_size
-        hashes = self._block_hashes(request)[:max_blocks]
+        hashes = self._block_hashes(request)[: self._max_hit_blocks(request)]
         hits = PrefixHit()
         for block_hash in hashes:
             block_id = self.cached_blocks.get(block_hash)
@@ -190,7 +189,7 @@ class KVBlockManager:
         disk = self.host_tier.disk if self.host_tier is not None else None
         if disk is None or not disk.enabled or not self.enable_caching or not request.reads_prefix_cache:
             return []
-        hashes = self._block_hashes(request)[: (request.num_tokens - 1) // self.block_size]
+        hashes = self._block_hashes(request)[: self._max_hit_blocks(request)]
         i = 0
         while i < len(hashes) and (hashes[i] in self.cached_blocks or hashes[i] in self.host_tier):
             i += 1
@@ -207,7 +206,7 @@ class KVBlockManager:
         request (it may never be added: a scheduling prediction asks)."""
         if not self.enable_caching or not request.reads_prefix_cache:
             return 0
-        max_blocks = (request.num_tokens - 1) // self.block_size
+        max_blocks = self._max_hit_blocks(request)
         hashes = self.req_hashes.get(request.request_id)
         tokens, size = request.all_token_ids, self.block_size
         parent = None
@@ -451,6 +450,13 @@ class KVBlockManager:
         host = self.host_tier
         return (block_hash in self.cached_blocks
                 or (host is not None and (block_hash in host or (host.disk is not None and block_hash in host.disk))))
+
+    def _max_hit_blocks(self, request: Request) -> int:
+        """Full blocks a hit may cover: never the last token (its logits are sampled), and
+        without `cache_generated` none past the prompt (a request resumed after a preemption
+        recomputes its generated tokens as it decoded them, not from another's prompt blocks)."""
+        last = (request.num_tokens - 1) // self.block_size
+        return last if self.cache_generated else min(last, request.num_prompt_tokens // self.block_size)
 
     def _block_hashes(self, request: Request) -> list[BlockHash]:
         """Hashes of the request's full blocks, extended as tokens arrive."""

@@ -171,6 +171,8 @@ def make_block_manager(facts: EngineFacts, enable_caching: bool, offloading_gib:
     `offloading_gib`, a host tier of that size behind the pool (docs/kv-tiers.md)."""
     enable_caching = enable_caching and (facts.pooling is None or facts.pooling.uses_prefix_cache)
     if facts.num_sliding_blocks:
+        # (no plan leaves generated blocks out with sliding windows: their prompts attend through SDPA)
+        assert facts.cache_generated_kv, "the hybrid KV cache keeps generated blocks"
         if offloading_gib:
             raise ValueError("kv_offloading_size: the host KV tier does not take a hybrid KV cache (sliding-window "
                              "layers) yet; add --disable-hybrid-kv-cache-manager")
@@ -184,7 +186,8 @@ def make_block_manager(facts: EngineFacts, enable_caching: bool, offloading_gib:
         if disk_dir is not None:
             fingerprint = kv_fingerprint(facts.model_path, facts.weight_format, facts.architecture, facts.kv_cache_dtype,
                                          facts.kv_cache_format, facts.compute_dtype, facts.block_size,
-                                         facts.kv_bytes_per_token, *_offload_format(facts))
+                                         facts.kv_bytes_per_token, *_offload_format(facts),
+                                         *(() if facts.cache_generated_kv else ("prompt blocks only",)))
             host.disk = DiskTier(disk_dir, fingerprint, bytes_per_block, int(disk_gib * 2**30))
     return KVBlockManager(facts.num_blocks, facts.block_size, enable_caching, host, facts.cache_generated_kv)
 

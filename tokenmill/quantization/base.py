@@ -82,5 +82,11 @@ class WeightFormat(ABC):
         weight that is not to be quantized (a mixture of experts' router, as vLLM keeps it)."""
         return self
 
+    @property
+    def row_invariant(self) -> bool:
+        """Whether a linear computes a row with one arithmetic at every row count (its bits do
+        not depend on the step's other rows): the panel kernel, the integer GEMM."""
+        return False
+
     def describe(self) -> str:
         return self.name

@@ -237,6 +237,10 @@ class DenseFormat(WeightFormat):
             return CPUDenseWeights(weight, self.weight_dtype, self.choice, onednn)
         return PlainWeights(weight.detach().to(self.weight_dtype))
 
+    @property
+    def row_invariant(self) -> bool:
+        return self.cpu_layout and self.choice.panels
+
     def describe(self) -> str:
         if not self.cpu_layout:
             return self.name

@@ -94,6 +94,10 @@ class QuantizedFormat(WeightFormat):
     def float_format(self) -> WeightFormat:
         return self.dense
 
+    @property
+    def row_invariant(self) -> bool:
+        return self.integer_gemm  # integer dot products up to the integer rows, the integer GEMM past them
+
     def make(self, weight: torch.Tensor | QuantizedTensor, many_rows: bool = True) -> LinearWeights:
         if isinstance(weight, QuantizedTensor):
             return self._weights(weight, describe_quantized(weight))

@@ -167,11 +167,12 @@ def build_rank(config: EngineConfig, rank: RankSetup | None = None) -> BuiltRank
     elif prompts_as_rows_here(plan, backend, loaded.arch):
         plan = dataclasses.replace(plan, prompts_as_rows=True)
     # Prompt chunks through the prefill kernel, decodes through the paged kernel (an unpacked
-    # cache: 8-bit, or a block size not a multiple of 16): a decoded token's KV is not what the
-    # same token computes in a prompt, so the prefix cache keeps prompt tokens only, and a
+    # cache: 8-bit, float16/float32, or a block size not a multiple of 16): a decoded token's KV
+    # is not what the same token computes in a prompt. Where the linears would give a prompt
+    # its cold bits (row-invariant), the prefix cache then keeps prompt tokens only, and a
     # conversation's next turn computes the previous answer again, as a prompt does cold.
-    cache_generated_kv = not (plan.prompts_as_chunks and not spec.packed)
-    if not cache_generated_kv:
+    cache_generated_kv = not (plan.prompts_as_chunks and not spec.packed and plan.weight_format.row_invariant)
+    if not cache_generated_kv and config.cache.enable_prefix_caching and runner_type == "generate":
         logger.info("prefix cache: blocks of prompt tokens only (decodes attend through the paged kernel, prompts "
                     "through the prefill kernel: a generated token's KV would not be what a prompt computes)")
     memory = config.cache.kv_cache_memory or default_kv_cache_memory(device)
