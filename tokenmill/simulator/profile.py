@@ -2,10 +2,10 @@
 
 `calibrate(config)` builds the engine `tokenmill serve` would build with the same
 settings, runs a short profile through it (single prompts of 16-512 tokens, and of
-1,024-4,096 where max_model_len takes them, batches of
-1-64 requests decoding at contexts of 16-400 tokens, and decodes with prompts arriving
-among them, so that prefill tokens, decode rows, their contexts and the prefill attention
-vary independently), times every engine step (`StepRecord.duration_s`: scheduling, the
+1,024-4,096 where max_model_len takes them, suffixes of 16-128 tokens over a cached prefix,
+batches of 1-64 requests decoding at contexts of 16-400 tokens, and decodes with prompts
+arriving among them, so that prefill tokens, decode rows, their contexts and the prefill
+attention vary independently), times every engine step (`StepRecord.duration_s`: scheduling, the
 runner, detokenization and outputs), and fits `planner.costmodel`'s step model to the
 steps (`StepMeter` gives their features). With `server=True` it then starts `tokenmill
 serve` with the same settings and sends the same small workloads (1 and 16 streams) to it
@@ -53,16 +53,27 @@ Log = Callable[[str], None]
 class Workload:
     """Requests run to completion: `prompt_lens` added at once (or one every `stagger`
     steps), each generating `max_tokens`; `background` requests (prompt, max_tokens) are
-    added first, so that the staggered prompts arrive among their decodes."""
+    added first, so that the staggered prompts arrive among their decodes. With
+    `prefix_len`, every prompt is one shared prefix of that many tokens and then its own
+    `prompt_lens` tokens, and the prefix alone runs first (one token), so that with prefix
+    caching on the prompts compute only their suffix, attending over the cached prefix."""
 
     name: str
     prompt_lens: tuple[int, ...]
     max_tokens: int
     stagger: int = 0
     background: tuple[tuple[int, int], ...] = ()
+    prefix_len: int = 0
 
 
 WARMUP = Workload("warm-up", (64, 64), 4)
+# Suffixes over a cached prefix: many attention pairs for few prefill tokens. Without them a
+# prompt's pairs grow with its tokens squared along one curve, the fit could not tell the two
+# terms apart, and the pair coefficient of one machine came out anywhere in 0.08-0.91 us from
+# calibration to calibration (so the simulator priced a 128-token suffix over a 512-token
+# prefix at 90-145 ms; measured 92-128 ms).
+CACHED_PREFIX = (Workload("suffixes over a cached prefix", (16, 64, 128, 32), 4, stagger=6, prefix_len=384),
+                 Workload("4 x 64 over a cached prefix", (64,) * 4, 8, prefix_len=384))
 # Pure decode steps of 1, 2, 4, 8, 16, 24, 32 and 64 rows (two contexts for 4 and 16),
 # prompts alone and among decodes. About 15,000 tokens: 1-3 minutes per repeat on the
 # 2-core box with the default model in float32 on one thread, depending on its load.
@@ -78,6 +89,7 @@ DEFAULT_WORKLOADS = (
     Workload("32 x 32", (32,) * 32, 12),
     Workload("64 x 16", (16,) * 64, 12),
     Workload("prompts among 8 decodes", (32, 128, 256, 64, 192), 2, stagger=4, background=((64, 40),) * 8),
+    *CACHED_PREFIX,
 )
 
 
@@ -92,6 +104,7 @@ QUICK_WORKLOADS = (
     Workload("32 x 32", (32,) * 32, 10),
     Workload("64 x 16", (16,) * 64, 10),
     Workload("prompts among 8 decodes", (32, 128, 256, 64, 192), 2, stagger=4, background=((64, 40),) * 8),
+    *CACHED_PREFIX,
 )
 
 
@@ -111,7 +124,7 @@ def with_long_prompts(workloads: Sequence[Workload], max_model_len: int) -> tupl
 def profile_tokens(workloads: Sequence[Workload]) -> int:
     """Prompt and output tokens the workloads compute (what the profile's duration grows with)."""
     return sum(sum(w.prompt_lens) + len(w.prompt_lens) * w.max_tokens + sum(p + n for p, n in w.background)
-               for w in workloads)
+               + w.prefix_len for w in workloads)
 
 
 class MeteredExecutor:
@@ -153,6 +166,11 @@ def run_profile(engine: LLMEngine, executor: MeteredExecutor, workloads: Sequenc
         return [rng.randrange(low, high) for _ in range(n)]
 
     def run(workload: Workload) -> None:
+        prefix = prompt(workload.prefix_len)
+        if prefix:
+            _add(engine, prefix, 1)
+            while engine.has_unfinished_requests():
+                engine.step()
         for n, max_tokens in workload.background:
             _add(engine, prompt(n), max_tokens)
         pending = list(workload.prompt_lens)
@@ -160,7 +178,7 @@ def run_profile(engine: LLMEngine, executor: MeteredExecutor, workloads: Sequenc
         while pending or engine.has_unfinished_requests():
             if pending and (workload.stagger == 0 or steps % workload.stagger == 0):
                 for _ in range(len(pending) if workload.stagger == 0 else 1):
-                    _add(engine, prompt(pending.pop(0)), workload.max_tokens)
+                    _add(engine, prefix + prompt(pending.pop(0)), workload.max_tokens)
             engine.step()
             steps += 1
 
