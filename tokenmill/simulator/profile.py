@@ -71,7 +71,7 @@ WARMUP = Workload("warm-up", (64, 64), 4)
 # prompt's pairs grow with its tokens squared along one curve, the fit could not tell the two
 # terms apart, and the pair coefficient of one machine came out anywhere in 0.08-0.91 us from
 # calibration to calibration (so the simulator priced a 128-token suffix over a 512-token
-# prefix at 90-145 ms; measured 92-128 ms).
+# prefix at 83-143 ms; measured 92-128 ms).
 CACHED_PREFIX = (Workload("suffixes over a cached prefix", (16, 64, 128, 32), 4, stagger=6, prefix_len=384),
                  Workload("4 x 64 over a cached prefix", (64,) * 4, 8, prefix_len=384))
 # Pure decode steps of 1, 2, 4, 8, 16, 24, 32 and 64 rows (two contexts for 4 and 16),
