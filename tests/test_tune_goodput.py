@@ -106,3 +106,23 @@ def test_confirm_measures_a_candidate_on_a_real_server() -> None:
     assert candidate.measured["completed"] == 6 and candidate.measured["failed"] == 0
     assert candidate.measured_goodput == 1.0  # a minute per token: every request meets it
     assert candidate.measured["p99_ttft_ms"] > 0
+
+
+def test_confirm_sends_the_trace_load_after_unmeasured_warmups() -> None:
+    """--confirm's load is the trace's dataset and rate, sent after warm-up requests that are
+    not measured (the sweep it is compared with warms its servers too)."""
+    from types import SimpleNamespace
+
+    from tokenmill.cli import build_parser
+    from tokenmill.simulator.cli import CONFIRM_WARMUPS, _confirm_load
+
+    args = build_parser().parse_args(["tune", "--goodput", "ttft:1000", "tpot:100", "--dataset", "shared-prefix",
+                                      "--prefix-len", "512", "--num-prefixes", "4", "--input-len", "128",
+                                      "--output-len", "64", "--request-rate", "5", "--num-prompts", "225",
+                                      "--seed", "500", "--confirm", "3"])
+    load = _confirm_load(args, None, SimpleNamespace(goodput={"ttft": 1000.0, "tpot": 100.0}))
+    assert load.num_warmups == CONFIRM_WARMUPS > 0
+    assert (load.dataset.name, load.dataset.prefix_len, load.dataset.num_prefixes, load.dataset.input_len,
+            load.dataset.output_len, load.dataset.num_prompts, load.dataset.seed) == \
+        ("shared-prefix", 512, 4, 128, 64, 225, 500)
+    assert load.request_rate == 5.0 and load.goodput == {"ttft": 1000.0, "tpot": 100.0}

@@ -723,9 +723,17 @@ def _strip_tuned(flags: list[str]) -> list[str]:
     return out
 
 
+# Requests sent to each confirming server before the measured load (as benchmarks/
+# scheduling_goodput_serve.py's sweep sends them): the tuned server runs warm, and SLO mode
+# predicts nothing until it has timed 8 steps. Without them, of six settings confirmed on
+# 2026-12-06 the first of each run measured 13 and 21 points below the sweep's run of it.
+CONFIRM_WARMUPS = 8
+
+
 def _confirm_load(args: argparse.Namespace, trace, report):
     """bench serve's config sending the load the trace describes (the dataset and rate it
-    was drawn with, or those recorded in a bench serve result)."""
+    was drawn with, or those recorded in a bench serve result), after CONFIRM_WARMUPS
+    requests of the same shape that are not measured."""
     import math
 
     from tokenmill.workloads.args import dataset_from_args
@@ -747,7 +755,8 @@ def _confirm_load(args: argparse.Namespace, trace, report):
     else:
         dataset, rate, burstiness = dataset_from_args(args), args.request_rate, args.burstiness
     config = ServeConfig(dataset=dataset, request_rate=rate, burstiness=burstiness,
-                         max_concurrency=args.max_concurrency, goodput=dict(report.goodput), disable_tqdm=True)
+                         max_concurrency=args.max_concurrency, goodput=dict(report.goodput),
+                         num_warmups=CONFIRM_WARMUPS, disable_tqdm=True)
     config.check()
     return config
 
