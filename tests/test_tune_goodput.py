@@ -9,7 +9,7 @@ import yaml
 from tokenmill.config import EngineConfig
 from tokenmill.planner.costmodel import StepCostModel
 from tokenmill.simulator.simulate import SimulationSetup
-from tokenmill.simulator.tune import Candidate, config_yaml, evaluate, search, search_space
+from tokenmill.simulator.tune import COST_SCALES, Candidate, config_yaml, evaluate, search, search_space
 from tokenmill.workloads.datasets import DatasetConfig
 from tokenmill.workloads.trace import Trace, TraceRequest, synthetic_trace
 
@@ -39,7 +39,7 @@ def test_search_ranks_by_goodput_and_beats_the_default_settings() -> None:
     assert len(candidates) == 8  # 2 x 2 x SLO mode off/on
     goodputs = [c.predicted_goodput for c in candidates]
     assert goodputs == sorted(goodputs, reverse=True)
-    default = evaluate(trace, setup(), {}, SLOS)
+    default = evaluate(trace, setup(), {}, SLOS, cost_scales=COST_SCALES)
     best = candidates[0]
     assert best.predicted_goodput >= default.predicted_goodput + 0.15, (best, default)
     assert any(c.settings == {"max_num_seqs": 64, "max_num_batched_tokens": 2048, "scheduling_policy": "fcfs"}
@@ -126,3 +126,30 @@ def test_confirm_sends_the_trace_load_after_unmeasured_warmups() -> None:
             load.dataset.output_len, load.dataset.num_prompts, load.dataset.seed) == \
         ("shared-prefix", 512, 4, 128, 64, 225, 500)
     assert load.request_rate == 5.0 and load.goodput == {"ttft": 1000.0, "tpot": 100.0}
+
+
+# The default model (Q4_1 as stored, 2 threads) on the 2-core AMD EPYC box, calibrated
+# 2026-12-06 at 19:45 in one of the host's fast phases.
+EPYC_FAST_PHASE = StepCostModel(0.01451, 0.000485, 0.00037, 1.2011e-06, 1.8907e-07,
+                                decode_rows=(1, 2, 4, 8, 9, 16, 24, 32, 64),
+                                decode_seconds=(0.00539, 0.00747, 0.00876, 0.01545, 0.02037, 0.02493, 0.03053, 0.03427,
+                                                0.05477))
+
+
+def test_search_ranks_over_slower_and_faster_phases_of_the_machine() -> None:
+    """At 7/s of the chat workload that calibration alone ranks fcfs with 64 sequences first
+    (every request in time); with every step 25% longer fcfs keeps a quarter of them, SLO mode
+    most. Ranked by the mean over the cost scales, SLO mode comes first. (On the real server
+    at 7/s, fcfs with 64 sequences measured 0% and SLO mode 88%.)"""
+    engine_setup = SimulationSetup(EngineConfig.from_kwargs(max_model_len=1024), 4096, 1024, EPYC_FAST_PHASE)
+    trace = synthetic_trace(DatasetConfig(name="random", num_prompts=140, input_len=128, output_len=64, seed=700), 7.0)
+    grid = [{"max_num_seqs": seqs, "max_num_batched_tokens": 2048} for seqs in (32, 64)]
+    calibrated_only = search(trace, engine_setup, SLOS, grid, cost_scales=(1.0,))
+    assert "slo_ttft_ms" not in calibrated_only[0].settings and calibrated_only[0].predicted_goodput == 1.0
+    ranked = search(trace, engine_setup, SLOS, grid)
+    assert ranked[0].settings["slo_ttft_ms"] == 1000.0
+    fcfs_64 = next(c for c in ranked if c.settings == {"max_num_seqs": 64, "max_num_batched_tokens": 2048,
+                                                       "scheduling_policy": "fcfs"})
+    assert set(fcfs_64.goodput_by_scale) == set(COST_SCALES)
+    assert fcfs_64.goodput_by_scale[1.25] < 0.5 <= fcfs_64.goodput_by_scale[1.0]
+    assert fcfs_64.predicted_goodput == sum(fcfs_64.goodput_by_scale.values()) / len(COST_SCALES)

@@ -80,6 +80,18 @@ class StepTimeModel(Protocol):
 
 
 @dataclass(frozen=True)
+class ScaledStepModel:
+    """Another model's steps, `factor` times as long: the same machine in a slower or faster
+    phase of its other jobs (`tokenmill tune` ranks settings over a few such phases)."""
+
+    inner: StepTimeModel
+    factor: float
+
+    def predict(self, step: StepFeatures) -> float:
+        return self.inner.predict(step) * self.factor
+
+
+@dataclass(frozen=True)
 class StepCostModel:
     intercept_s: float
     per_prefill_token_s: float

@@ -669,7 +669,7 @@ def cmd_tune(args: argparse.Namespace) -> int:
                              args.max_concurrency, log=None if args.json else log)
     searched_s = time.monotonic() - started
     # The settings given (or the defaults), for comparison.
-    current = tune.evaluate(trace, setup, {}, report.goodput, args.max_concurrency)
+    current = tune.evaluate(trace, setup, {}, report.goodput, args.max_concurrency, tune.COST_SCALES)
     if args.confirm:
         _quiet_http_logs()
         from tokenmill.config import engine_args

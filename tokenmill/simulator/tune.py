@@ -3,9 +3,13 @@
 Given a trace (a `bench serve` result, or a dataset and a request rate) and SLOs, every
 combination of a grid of settings (`--max-num-seqs`, `--max-num-batched-tokens`,
 `--scheduling-policy`, SLO mode off or on at the SLOs) is run through the simulator on
-virtual time, with this machine's calibrated step cost (or a device's roofline). The
-candidates are ranked by predicted goodput (the fraction of requests meeting every SLO),
-then by p99 TTFT. Optionally the best few are confirmed on the real server (a fresh
+virtual time, with this machine's calibrated step cost (or a device's roofline), and again
+with every step 0.8x and 1.25x as long (`COST_SCALES`). The candidates are ranked by their
+predicted goodput (the fraction of requests meeting every SLO) averaged over the three, then
+by p99 TTFT. Why three: a shared machine's step cost moves 10-25% with its other jobs, a
+calibration catches one moment of it, and near the machine's capacity such a shift moves a
+setting's goodput by tens of points: ranked on one calibration, tune picked fcfs with 64
+sequences (predicted 100%) for a load where it measured 0-9% (docs/scheduling.md). Optionally the best few are confirmed on the real server (a fresh
 `tokenmill serve` per candidate, the same load sent by `bench serve`), and the winner is
 written as a `serve --config` YAML.
 """
@@ -16,9 +20,10 @@ import itertools
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+from tokenmill.planner.costmodel import ScaledStepModel
 from tokenmill.simulator.setup import with_settings
 from tokenmill.simulator.simulate import SimulationSetup, simulate
 from tokenmill.workloads.metrics import meets_slos
@@ -32,14 +37,17 @@ DEFAULT_SPACE: dict[str, list[Any]] = {
 }
 # SLO mode's flags are the goodput SLOs of the same names.
 SLO_FLAGS = {"ttft": "slo_ttft_ms", "tpot": "slo_tpot_ms"}
+# The step cost as calibrated, and a slower and a faster phase of the same machine.
+COST_SCALES = (1.0, 0.8, 1.25)
 
 
 @dataclass
 class Candidate:
     settings: dict[str, Any]  # engine settings, as serve's flags (underscores)
-    predicted_goodput: float  # fraction of the trace's requests meeting every SLO
+    predicted_goodput: float  # fraction of the trace's requests meeting every SLO (mean over the cost scales)
     predicted_p99_ttft_ms: float
     predicted_throughput: float  # completed requests per second
+    goodput_by_scale: dict[float, float] = field(default_factory=dict)  # cost scale -> predicted goodput
     measured_goodput: float | None = None
     measured: dict[str, Any] = field(default_factory=dict)
 
@@ -81,21 +89,34 @@ def engine_settings(point: dict[str, Any], goodput: dict[str, float]) -> dict[st
 
 
 def evaluate(trace: Trace, setup: SimulationSetup, settings: dict[str, Any], goodput: dict[str, float],
-             max_concurrency: int | None = None) -> Candidate:
-    """One simulated run of `trace` under `setup` changed by `settings` (the engine knows
-    its step cost from the start, as a server that has been running)."""
+             max_concurrency: int | None = None, cost_scales: Sequence[float] = (1.0,)) -> Candidate:
+    """Simulated runs of `trace` under `setup` changed by `settings`, one per cost scale (the
+    engine knows its step cost from the start, as a server that has been running); the
+    goodput, p99 TTFT and throughput are their means."""
+    runs = [_evaluate_once(trace, replace(setup, cost_model=ScaledStepModel(setup.cost_model, scale)) if scale != 1.0
+                           else setup, settings, goodput, max_concurrency) for scale in cost_scales]
+    mean = lambda values: sum(values) / len(values)  # noqa: E731
+    return Candidate(settings, mean([g for g, _, _ in runs]), mean([p for _, p, _ in runs]),
+                     mean([t for _, _, t in runs]), dict(zip(cost_scales, (g for g, _, _ in runs))))
+
+
+def _evaluate_once(trace: Trace, setup: SimulationSetup, settings: dict[str, Any], goodput: dict[str, float],
+                   max_concurrency: int | None) -> tuple[float, float, float]:
+    """(goodput, p99 TTFT in ms, completed requests per second) of one simulated run."""
     run = simulate(trace, with_settings(setup, **settings), max_concurrency, warm_step_cost=True)
     good = sum(1 for r in run.records if r.success and meets_slos(r, goodput))
     ttfts = sorted(r.ttft for r in run.records if r.success)
     p99 = ttfts[min(len(ttfts) - 1, math.ceil(0.99 * len(ttfts)) - 1)] * 1e3 if ttfts else math.inf
     completed = sum(1 for r in run.records if r.success)
-    return Candidate(settings, good / len(run.records), p99, completed / run.duration)
+    return good / len(run.records), p99, completed / run.duration
 
 
 def search(trace: Trace, setup: SimulationSetup, goodput: dict[str, float],
            overrides: Sequence[dict[str, Any]] | None = None, slo_modes: Sequence[bool] = (False, True),
-           max_concurrency: int | None = None, log: Callable[[str], None] | None = None) -> list[Candidate]:
-    """Every point of the search space simulated; best first (goodput, then p99 TTFT)."""
+           max_concurrency: int | None = None, log: Callable[[str], None] | None = None,
+           cost_scales: Sequence[float] = COST_SCALES) -> list[Candidate]:
+    """Every point of the search space simulated at every cost scale; best first (mean
+    goodput, then mean p99 TTFT)."""
     if not goodput:
         raise ValueError("tune needs SLOs to count goodput: --goodput ttft:MS tpot:MS")
     has_priorities = any(r.priority != 0 for r in trace.requests)
@@ -105,7 +126,7 @@ def search(trace: Trace, setup: SimulationSetup, goodput: dict[str, float],
         settings = engine_settings(point, goodput)
         key = tuple(sorted((k, repr(v)) for k, v in settings.items()))
         if key not in seen:
-            seen[key] = evaluate(trace, setup, settings, goodput, max_concurrency)
+            seen[key] = evaluate(trace, setup, settings, goodput, max_concurrency, cost_scales)
             if log:
                 c = seen[key]
                 log(f"{index + 1}/{len(points)} {_describe(settings)}: goodput {c.predicted_goodput:.0%}")
