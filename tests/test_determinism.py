@@ -20,7 +20,9 @@ from tests.server_utils import ServerProcess
 from tests.tiny_checkpoint import write_tiny_gemma3, write_tiny_llama
 from tokenmill import kernels
 from tokenmill.attention.cpu_native import native_prefill_attention
+from tokenmill.hardware import cpu_info
 from tokenmill.llm import LLM
+from tokenmill.model.loader import gemma3_270m_path
 from tokenmill.sampling.params import SamplingParams
 
 NGRAM = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}
@@ -382,6 +384,64 @@ def test_the_default_plan_gives_a_second_turn_the_bits_of_a_cold_prompt(kv_cache
     _assert_same(reference, [(h.outputs[0].token_ids, [{t: lp.logprob for t, lp in pos.items()}
                                                          for pos in h.outputs[0].logprobs]) for h in hits],
                  "default plan, a second turn over the first turn's cached, generated tokens")
+
+
+def test_the_default_plan_gives_gemma3_requests_the_same_bits() -> None:
+    """Gemma 3 270M as stored (Q5_0, Q4_K, Q6_K and Q8_0 tensors; heads of 256, which the
+    native prefill kernel has no form for; 15 of 18 layers in a 512-token window, a hybrid KV
+    cache) without the flag, the integer GEMM past the integer rows: prompts of 600-700 tokens
+    (past the window), greedy and seeded, keep their tokens and logprobs bit for bit in a
+    batch, chunked by 16 and by 64, sent again (prefix-cache hits), on one thread, preempted
+    and recomputed, and a second turn over the first turn's cached, generated tokens is its
+    cold self. Every prompt token attends as a row of the paged kernel, as decodes do. Before,
+    the prompts went through SDPA (with the Q6_K tensors on the bf16 GEMM past the integer
+    rows): chunks of 16 kept 6 of 8 requests' tokens and 0 of 8 logprobs (1,040-token prompts).
+    Where the plan cannot claim it (no AVX512-VNNI build; bf16 prompts on an AMX CPU, left to
+    torch's flash kernel) it must not lay prompts out as rows."""
+    settings = dict(model=gemma3_270m_path(), max_model_len=2048, seed=0, max_num_seqs=8,
+                    quant_gemm="integer" if kernels.quant_integer_gemm_built() else "bf16")
+    llm = LLM(**settings, kv_cache_memory="96MiB", enable_prefix_caching=False)
+    plan, facts = llm.engine.executor.plan, llm.engine.facts
+    assert facts.num_sliding_blocks > 0  # the hybrid cache
+    claimed = kernels.quant_integer_gemm_built() and not cpu_info().has("amx_bf16")
+    assert plan.prompts_as_rows == claimed and not plan.prompts_as_chunks, plan.describe()
+    if not claimed:
+        return
+    system = "You are a careful assistant. Answer in one short paragraph and never use lists. " * 7
+    prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": system + q}])
+               for q in ("Why is the sky blue?", "What is a prime number?", "How do bees make honey?",
+                         "What causes tides?", "Why do cats purr?", "What is inflation?")]
+    assert all(600 <= len(p) <= 700 for p in prompts), [len(p) for p in prompts]
+    params = _params(len(prompts))
+    reference = _one_at_a_time(llm, prompts, params)
+    _assert_same(reference, _results(llm, prompts, params), "Gemma 3, a batch of 6")
+    for chunk in (16, 64):
+        chunked = LLM.from_engine(llm.engine.sibling(max_num_batched_tokens=chunk))
+        _assert_same(reference, _results(chunked, prompts, params), f"Gemma 3, chunks of {chunk}")
+    one_thread = LLM.from_engine(llm.engine.sibling(num_threads=1))
+    _assert_same(reference, _results(one_thread, prompts, params), "Gemma 3, one thread")
+    cached = LLM.from_engine(llm.engine.sibling(enable_prefix_caching=True))
+    first = cached.generate(prompts[:3], SamplingParams(max_tokens=40, temperature=0, ignore_eos=True),
+                            use_tqdm=False)
+    again = [cached.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(prompts, params)]
+    assert all(o.num_cached_tokens >= len(o.prompt_token_ids) - 16 for o in again[:3]), [o.num_cached_tokens
+                                                                                            for o in again]
+    _assert_same(reference, [(o.outputs[0].token_ids, [{t: lp.logprob for t, lp in pos.items()}
+                                                        for pos in o.outputs[0].logprobs]) for o in again],
+                 "Gemma 3, the same requests again (prefix-cache hits)")
+    follow_up = llm.tokenizer.encode("\nThank you. Say it again in other words.", add_special_tokens=False)
+    second_turns = [list(o.prompt_token_ids) + list(o.outputs[0].token_ids) + follow_up for o in first]
+    hits = [cached.generate([p], sp, use_tqdm=False)[0] for p, sp in zip(second_turns, params)]
+    assert all(h.num_cached_tokens >= len(o.prompt_token_ids) + 24 for h, o in zip(hits, first))
+    cold = LLM.from_engine(llm.engine.sibling(enable_prefix_caching=False))
+    _assert_same(_one_at_a_time(cold, second_turns, params[:3]),
+                 [(h.outputs[0].token_ids, [{t: lp.logprob for t, lp in pos.items()} for pos in h.outputs[0].logprobs])
+                  for h in hits], "Gemma 3, a second turn over the first turn's cached, generated tokens")
+    small = LLM(**settings, kv_cache_memory=int(0.6 * 720 * facts.kv_bytes_per_token), enable_prefix_caching=False,
+                max_num_batched_tokens=64)
+    got = _results(small, prompts, params)
+    assert small.engine.scheduler.num_preemptions > 0
+    _assert_same(reference, got, "Gemma 3, preempted and recomputed")
 
 
 @pytest.mark.parametrize("mode", ["deterministic", "default"])

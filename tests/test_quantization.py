@@ -551,10 +551,11 @@ def test_integer_gemm_matches_its_reference_for_every_format(native, fmt) -> Non
     """Past the integer rows with `integer_gemm`, every format with groups of 32 or more runs
     the whole-block integer GEMM: the same int8 activations as the reference, float32 sums in
     another order (within 2e-6); ragged N (37: a partial panel) and K (96: padded spans); 9-130
-    rows (partial row blocks). Groups of 16 (and builds without AVX512-VNNI) take the bf16
-    GEMM: within 1% of the float product."""
+    rows (partial row blocks). Groups of 16 (Q6_K) keep the row kernel's integer arithmetic
+    (its many-row form), the same int8 activations as the reference; builds without
+    AVX512-VNNI take the bf16 GEMM: within 1% of the float product."""
     qt = FORMATS[fmt]()
-    covered = kernels.quant_integer_gemm_built() and qt.group_size % 32 == 0
+    covered = kernels.quant_integer_gemm_built()
     gen = torch.Generator().manual_seed(5)
     for m in (9, 17, 40, 130):
         x = torch.randn(m, qt.shape[1], generator=gen)
@@ -619,13 +620,15 @@ def test_integer_gemm_rows_do_not_depend_on_the_batch_or_threads(native) -> None
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_the_integer_gemm_gives_the_row_kernels_bits(native, fmt) -> None:
-    """Where the block GEMM runs (AVX512-VNNI, groups of 32 or more), the row kernel sums
-    in its order: a row's output is the same bits through the row kernel (decode, 1-16 rows),
-    the many-row kernel and the integer GEMM past the integer rows, so the default plan's
-    linears do not depend on the batch, the chunking or a prefix-cache hit."""
+    """With `integer_gemm` on an AVX512-VNNI build a row's output is the same bits through the
+    row kernel (decode, 1-16 rows), the many-row kernel and what runs past the integer rows
+    (the block GEMM, whose order the row kernel follows, for groups of 32 or more; the integer
+    kernel itself for Q6_K's groups of 16, which took the bf16 GEMM until Gemma 3's Q6_K
+    tensors changed its chunked prompts' bits), so the default plan's linears do not depend on
+    the batch, the chunking or a prefix-cache hit."""
     qt = FORMATS[fmt]()
-    if not (kernels.quant_integer_gemm_built() and qt.group_size % 32 == 0):
-        return  # the row kernel keeps its own order there (the bf16 GEMM rounds anyway)
+    if not kernels.quant_integer_gemm_built():
+        return  # the bf16 GEMM past the integer rows there
     gen = torch.Generator().manual_seed(12)
     x = torch.randn(70, qt.shape[1], generator=gen) * torch.logspace(-2, 1, qt.shape[1])
     gemm = kernels.quant_linear(x, qt.packed, qt.format, qt.col_perm, 8, integer_gemm=True)

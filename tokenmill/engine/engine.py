@@ -171,7 +171,8 @@ def make_block_manager(facts: EngineFacts, enable_caching: bool, offloading_gib:
     `offloading_gib`, a host tier of that size behind the pool (docs/kv-tiers.md)."""
     enable_caching = enable_caching and (facts.pooling is None or facts.pooling.uses_prefix_cache)
     if facts.num_sliding_blocks:
-        # (no plan leaves generated blocks out with sliding windows: their prompts attend through SDPA)
+        # (no plan leaves generated blocks out with sliding windows: their prompts attend as rows of
+        # the paged kernel, as decodes do, or through SDPA; never as chunks of the prefill kernel)
         assert facts.cache_generated_kv, "the hybrid KV cache keeps generated blocks"
         if offloading_gib:
             raise ValueError("kv_offloading_size: the host KV tier does not take a hybrid KV cache (sliding-window "

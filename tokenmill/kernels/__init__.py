@@ -269,9 +269,10 @@ def quant_linear(
     kernel, whose every output is bit for bit the row kernel's (AVX512-VNNI builds; others
     keep the row kernel); a large `many_rows` keeps the row kernel at any row count.
     `integer_gemm`: past `max_integer_rows` rows, the whole-block integer GEMM (int32 sums over
-    each 32-column block, then one scale product; AVX512-VNNI builds, weight groups of 32 or
-    more, else the bf16 GEMM) instead of the bf16 GEMM: the plan turns it on where measured
-    faster. Its bits differ from the row kernel's (deterministic inference never uses it)."""
+    each 32-column block, then one scale product; weight groups of 32 or more; groups of 16,
+    Q6_K's, the integer kernel's many-row form) instead of the bf16 GEMM, on AVX512-VNNI builds
+    (others: the bf16 GEMM): the plan turns it on where measured faster. A row then gets the
+    row kernel's bits at any row count."""
     return torch.ops.tokenmill.quant_linear(x, packed, format, col_perm, max_integer_rows, many_rows, integer_gemm)
 
 

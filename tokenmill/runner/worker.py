@@ -546,18 +546,21 @@ def choose_plan(config: EngineConfig, device: torch.device, dtype: DtypePlan, ke
 
 def prompts_as_rows_here(plan: ExecutionPlan, backend: AttentionBackend, arch: ModelArchConfig) -> bool:
     """Whether the default plan lays every prompt token out as a row of the paged kernel
-    (ExecutionPlan.prompts_as_rows): where prompt chunks would attend in float32 through SDPA
-    (not chunk-invariant: its reduction over keys follows the chunk), the native paged kernel
-    takes the rows (each row's arithmetic its own, the one decodes get), and every linear is
-    row-invariant (dense weights on the panel kernel). Attention is then the one thing that
-    changed a request's bits with its chunking, its prefix-cache hits and its preemptions.
-    Its cost on prompts: docs/determinism.md, "Dense float32 weights". Not with a sliding
-    window (its prompt chunks attend through SDPA narrowed to the window), nor for a
-    mixture-of-experts model (panels only when forced there; its invariance is not checked)."""
-    fmt = plan.weight_format
-    return (not plan.batch_invariant and backend.name == "cpu_native" and plan.prefill_attention_dtype is None
-            and isinstance(fmt, DenseFormat) and fmt.cpu_layout and fmt.choice.panels and not arch.sliding_window
-            and not arch.num_experts)
+    (ExecutionPlan.prompts_as_rows), where prompt chunks would attend through SDPA (not
+    chunk-invariant: its reduction over keys follows the chunk) and every linear is
+    row-invariant (`WeightFormat.row_invariant`: dense weights on the panel kernel, quantized
+    ones on the integer GEMM). The native paged kernel then takes the rows (each row's
+    arithmetic its own, the one decodes get), and attention is the one thing that changed a
+    request's bits with its chunking, its prefix-cache hits and its preemptions. Where SDPA
+    took them: float32 prompts (the native prefill kernel is bf16), a head_dim that kernel has
+    no form for and sliding windows (Gemma 3: head_dim 256, a 512-token window; the rows ran
+    its 1,024- and 2,048-token prompts faster than SDPA did). Not on AMX CPUs for bf16 prompts
+    (torch's flash kernel multiplies on AMX tiles there; the rows were not measured against
+    it), nor for a mixture-of-experts model (panels only when forced there; its invariance is
+    not checked). Costs: docs/determinism.md, "Dense float32 weights" and "Gemma 3"."""
+    amx_flash = plan.prefill_attention_dtype == torch.bfloat16 and cpu_info().has("amx_bf16")
+    return (not plan.batch_invariant and backend.name == "cpu_native" and plan.weight_format.row_invariant
+            and not amx_flash and not arch.num_experts)
 
 
 def check_deterministic_inference(config: EngineConfig, native: bool, backend: AttentionBackend,

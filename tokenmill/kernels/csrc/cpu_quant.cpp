@@ -28,7 +28,10 @@
 // (else 0); the row kernel (tile_rows_blocked, 1-16 rows) and the whole-block integer GEMM
 // (panels, 16 rows on, and past the integer rows where the plan measured it faster than the
 // bf16 GEMM) perform exactly that sequence per output, so a row's bits depend on neither the
-// row count nor the kernel it picks.
+// row count nor the kernel it picks. Q6_K's groups of 16 keep their own integer order, and
+// with the integer GEMM on they stay on the integer kernel past the integer rows (its
+// many-row form) rather than the bf16 GEMM, for the same reason (Gemma 3's *_K_M files hold
+// Q6_K tensors beside Q4_K and Q5_0 ones).
 //
 // Many rows (prefill, large batches): W is dequantized to bf16 in chunks of up to 4 MiB
 // (4-bit codes through a 16-entry table per group) and multiplied by oneDNN's bf16 GEMM,
@@ -1517,7 +1520,15 @@ at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w, int64_t max_i
   const int64_t M = x.size(0);
   const bool many = M > (max_integer_rows < 0 ? default_integer_rows(L.bits) : max_integer_rows);
   const bool block = many && integer_gemm && block_gemm_covers(L);
-  if (many && !block) return gemm_linear(x, w, L);
+  // With integer_gemm a weight the block GEMM does not cover (Q6_K's groups of 16) keeps the
+  // row kernel's integer arithmetic at every row count (its lane-rows form from 16 rows on), so
+  // that the plan's "a row's bits do not depend on the step's rows" holds for every tensor.
+  // (Builds without the block GEMM run the bf16 GEMM past the integer rows, integer_gemm or not.)
+#if defined(TM_QUANT_BLOCK_GEMM)
+  if (many && !integer_gemm) return gemm_linear(x, w, L);
+#else
+  if (many) return gemm_linear(x, w, L);
+#endif
   if (x.scalar_type() == at::kBFloat16)
     return quant_linear(x.to(at::kFloat), w, max_integer_rows, many_rows, integer_gemm).to(at::kBFloat16);
   at::Tensor y = at::empty({M, L.N}, x.options());
