@@ -133,6 +133,26 @@ def greedy(llm: LLM, prompts: list[list[int]]) -> list[list[int]]:
     return [o.outputs[0].token_ids for o in outs]
 
 
+def assert_greedy_agrees_but_at_near_ties(stored: LLM, reference: LLM, prompts: list[list[int]],
+                                          tie: float = 0.25) -> None:
+    """The quantized model's greedy tokens are the float model's, up to a near-tie: where they
+    first part, the float model's two best tokens are within `tie` nats and the quantized one
+    took the runner-up (4-bit weights move a logit by ~2% here; on this tiny random model the
+    act-order case's second prompt has 94 over 170 by 0.13 nats, which the paged kernel's bf16
+    prompt attention flips where SDPA's did not)."""
+    from tokenmill import SamplingParams
+
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True, logprobs=2)
+    for got, want in zip(stored.generate(prompts, params), reference.generate(prompts, params)):
+        a, b = got.outputs[0].token_ids, want.outputs[0].token_ids
+        if a == b:
+            continue
+        i = next(j for j, (x, y) in enumerate(zip(a, b)) if x != y)
+        best = sorted(want.outputs[0].logprobs[i].items(), key=lambda kv: -kv[1].logprob)
+        gap = best[0][1].logprob - best[1][1].logprob
+        assert a[i] == best[1][0] and gap < tie, f"token {i}: {a[i]} where the float model has {best} (gap {gap:.3f})"
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_served_as_stored_matches_the_dequantized_float_model(case, float_model, tmp_path) -> None:
     quant, act_order = CASES[case]
@@ -154,8 +174,7 @@ def test_served_as_stored_matches_the_dequantized_float_model(case, float_model,
     rel = float((got - want).norm() / want.norm())
     assert rel < 0.03, f"relative logit error {rel:.4f}"
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.9
-    prompts = [ids[:5], ids[5:]]
-    assert greedy(stored, prompts) == greedy(reference, prompts)
+    assert_greedy_agrees_but_at_near_ties(stored, reference, [ids[:5], ids[5:]])
 
 
 @pytest.mark.parametrize("case", ["gptq-sym-act-order", "awq"])
