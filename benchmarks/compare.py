@@ -801,8 +801,9 @@ def main(argv: list[str] | None = None) -> int:
     run.add_argument("--bench-seed", type=int, default=0)
     run.add_argument("--tokenmill-dtype", default="auto")
     run.add_argument("--gguf", default=None,
-                     help="another GGUF of the default model (e.g. Q8_0, Q4_K_M): tokenmill serves it and the "
-                          "llamacpp-q4_1 system runs it in place of the Q4_1 file")
+                     help="another GGUF of the default model (e.g. Q8_0, Q4_K_M), or a real-size shape's from "
+                          "benchmarks/real_shapes.py (its <shape>-hf directory then serves vLLM): tokenmill serves it "
+                          "and the llamacpp-q4_1 system runs it in place of the Q4_1 file")
     run.add_argument("--vllm-dtype", default="bfloat16")
     run.add_argument("--no-vllm-fallback", dest="vllm_fallback", action="store_false",
                      help="do not retry vLLM in float32 when it fails to start in --vllm-dtype")
