@@ -221,6 +221,9 @@ def make_hf_dir(peers: Peers) -> None:
         progress(f"hf dir: {target} exists, skipped")
         return
     import torch
+
+    # This script's directory holds a kernels.py that would shadow a package transformers imports.
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != Path(__file__).resolve().parent]
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     directory, name = os.path.split(peers.gguf)
