@@ -42,7 +42,7 @@ from tokenmill.model_arch import ModelArchConfig
 from tokenmill.parallel.layout import REFERENCE_TP_SIZE, reference_split
 from tokenmill.parallel.model_parallel import ModelParallel
 from tokenmill.pooling import Pooler, model_pooling
-from tokenmill.quantization.dense import PANELS, CPUMatmulChoice, DenseFormat, bound_onednn_caches
+from tokenmill.quantization.dense import PANELS, CPUMatmulChoice, bound_onednn_caches
 from tokenmill.runner import tune
 from tokenmill.runner.model_runner import ModelRunner
 from tokenmill.runner.pipeline import PipelineRunner
