@@ -243,8 +243,9 @@ int32_t quantize_block(const float* x, int8_t* q, float* d_out) {
 // x [M, K] float32 (columns gathered through perm when given) -> ActRows in `scratch`.
 // init_mult: see ActRows; group_sums: fill gsum (the weight has mins, or the block kernel).
 // by_block (the block-order kernels): gsum as d * (the block's sum of q), added block by
-// block, laid out per span as by_block_gsum() says, and no init lanes; otherwise lane by lane,
-// in the order the lane-order row kernel's bits depend on.
+// block, laid out per span as by_block_gsum() says, and each lane's init the block's
+// init_mult * sum(q) (a symmetric format's -offset: the block's integer dot starts there);
+// otherwise lane by lane, in the order the lane-order row kernel's bits depend on.
 ActRows quantize_activations(const float* x, int64_t M, int64_t K, const int64_t* perm, const Layout& L,
                              int32_t init_mult, Scratch& scratch, bool group_sums, bool by_block = false) {
   ActRows a;
@@ -275,18 +276,20 @@ ActRows quantize_activations(const float* x, int64_t M, int64_t K, const int64_t
     int8_t* q = a.q + m * a.Kp;
     float* d = a.d + m * a.lanes;
     if (by_block) {
-      float* gsum = a.gsum + m * a.spans * kLanes;
       const int64_t blocks_per_group = L.group / kBlock;
+      int32_t* init = a.init ? a.init + m * a.lanes : nullptr;
       for (int64_t b = 0, g = 0; b < a.Kp / kBlock; ++g) {
         float sum = 0.f;
         for (int64_t e = b + blocks_per_group; b < e; ++b) {
           float db;
           const int32_t qs = quantize_block(xr + b * kBlock, q + b * kBlock, &db);
           for (int l = 0; l < kBlock / 4; ++l) d[b * (kBlock / 4) + l] = db;
+          if (init) std::fill(init + b * (kBlock / 4), init + (b + 1) * (kBlock / 4), init_mult * qs);
           sum += db * static_cast<float>(qs);
         }
+        if (!a.gsum) continue;
         // a span's lanes 0-7: its groups' sums, each 4 times, the last group in lanes 4-7
-        float* gs = gsum + (g / L.gps) * kLanes;
+        float* gs = a.gsum + m * a.spans * kLanes + (g / L.gps) * kLanes;
         const int64_t first = 4 * (g % L.gps + 2 - L.gps);
         if (L.gps == 1) std::fill(gs, gs + 4, 0.f);
         std::fill(gs + first, gs + first + 4, sum);
@@ -886,9 +889,10 @@ LaneRunFn pick_lane_run_fn(const Layout& L, bool init) {
 // it faster than the bf16 GEMM on dequantized tiles: activations quantized to int8 per 32 as
 // above, and each 32-column block's dot product of codes and activations accumulated in int32
 // across the whole block (vpdpbusd, exact) before one conversion and one fused multiply-add
-// by scale * d; the mins term (or a symmetric format's -offset * scale) once per group from
-// the activations' group sums. Per 64 vpdpbusd that is 8 conversions and 16 float operations
-// (the lane-order kernels convert every 4 columns). The row kernel sums in the same order
+// by scale * d: a symmetric format's dot starts from the block's -offset * sum(q) (so it is
+// of the signed codes, and one fma per block adds it to the output), a format with mins adds
+// the mins term once per group from the activations' group sums (panel_quad). The
+// lane-order kernels convert every 4 columns. The row kernel sums in the same order
 // (tile_rows_blocked below), so both give the same bits and deterministic inference uses it.
 // Layout (the ik_llama.cpp / llama.cpp "interleaved rows" idea): the weight is unpacked per
 // call, a chunk that stays in L2 at a time, into panels of 16 rows whose 4-column groups are
@@ -980,56 +984,127 @@ void unpack_panels(const uint8_t* packed, const Layout& L, int64_t p0, int64_t p
   }
 }
 
-// RW panels (16 weight rows each) against RA activation rows m0..: y[m, n0 + 16 v + i].
-template <int RA, int RW>
-__attribute__((always_inline)) inline void panel_rows(const Panels& P, int64_t pnl, const ActRows& a, int64_t m0,
-                                                      const Layout& L, float* y, int64_t n0) {
+// The activation rows the panel kernel reads, four at a time ("quads"), interleaved so one
+// pointer reaches all four: codes [quad][Kp / 4][4 rows] (4 bytes each), each block's d and
+// integer start [quad][blocks][4], each group's d * sum(q) [quad][groups][4] (formats with
+// mins); rows past M are zeros. (Four rows read through their own pointers, as before, left
+// GCC short of registers: it spilled them and ran 0-27% slower, shape by shape.)
+struct QuadRows {
+  int64_t lanes = 0, blocks = 0, groups = 0;
+  int32_t* q = nullptr;
+  float* d = nullptr;
+  int32_t* init = nullptr;
+  float* gs = nullptr;
+  const int32_t* q_quad(int64_t c) const { return q + c * lanes * 4; }
+  const float* d_quad(int64_t c) const { return d + c * blocks * 4; }
+  const int32_t* init_quad(int64_t c) const { return init + c * blocks * 4; }
+  const float* gs_quad(int64_t c) const { return gs + c * groups * 4; }
+};
+
+QuadRows interleave_quads(const ActRows& a, const Layout& L, Scratch& scratch) {
+  QuadRows r;
+  r.lanes = a.lanes, r.blocks = L.Kp / kBlock, r.groups = L.Kp / L.group;
+  const int64_t quads = (a.M + 3) / 4;
+  const size_t q_bytes = round64(quads * r.lanes * 16), d_bytes = round64(quads * r.blocks * 16);
+  uint8_t* base = scratch.take(q_bytes + 2 * d_bytes + round64(quads * r.groups * 16));
+  r.q = reinterpret_cast<int32_t*>(base);
+  r.d = reinterpret_cast<float*>(base + q_bytes);
+  r.init = reinterpret_cast<int32_t*>(base + q_bytes + d_bytes);
+  r.gs = reinterpret_cast<float*>(base + q_bytes + 2 * d_bytes);
+  auto fill = [&](int64_t c0, int64_t c1) {
+    for (int64_t c = c0; c < c1; ++c)
+      for (int64_t i = 0; i < 4; ++i) {
+        const int64_t m = 4 * c + i;
+        int32_t* q = r.q + c * r.lanes * 4 + i;
+        float* d = r.d + c * r.blocks * 4 + i;
+        int32_t* init = r.init + c * r.blocks * 4 + i;
+        float* gs = r.gs + c * r.groups * 4 + i;
+        const bool row = m < a.M;
+        const int32_t* qm = row ? reinterpret_cast<const int32_t*>(a.q_row(m)) : nullptr;
+        for (int64_t l = 0; l < r.lanes; ++l) q[4 * l] = row ? qm[l] : 0;
+        for (int64_t b = 0; b < r.blocks; ++b) {
+          d[4 * b] = row ? a.d_row(m)[b * (kBlock / 4)] : 0.f;
+          init[4 * b] = row && a.init ? a.init_row(m)[b * (kBlock / 4)] : 0;
+        }
+        for (int64_t g = 0; g < r.groups; ++g)
+          gs[4 * g] = row && a.gsum ? a.by_block_gsum(m, g / L.gps, g % L.gps, L.gps) : 0.f;
+      }
+  };
+  if (quads >= 8)
+    at::parallel_for(0, quads, 2, fill);
+  else
+    fill(0, quads);
+  return r;
+}
+
+// acc + a * b as one fused multiply-add, kept as written (see add_ordered).
+inline __m512 fma_ordered(__m512 a, __m512 b, __m512 acc) {
+  __m512 r = _mm512_fmadd_ps(a, b, acc);
+  asm("" : "+v"(r));
+  return r;
+}
+inline __m128 fma_ordered(__m128 a, __m128 b, __m128 acc) {
+  __m128 r = _mm_fmadd_ps(a, b, acc);
+  asm("" : "+v"(r));
+  return r;
+}
+
+// RW panels (16 weight rows each) against the first RA rows of quad `quad` (rows m0..m0 + RA):
+// y[m0 + i, n0 + 16 v + lane]. Per 32-column block, per output: the codes . q dot on int32
+// (exact; a symmetric format's from the block's -offset * sum(q), so the dot is of the signed
+// codes), one conversion, and
+//   symmetric: acc = fma(dot, scale * d, acc)
+//   with mins: acc = acc + fma(dot, scale * d, mins * gs), gs = the group's d * sum(q) at the
+//              group's last block, else 0.
+// The symmetric form costs one float product and one fma per 8 vpdpbusd (the form with
+// mins two products, an fma and an add: measured 155 -> 200 int8 GMAC/s on one Zen 4 core
+// for the kernel alone).
+template <int RA, int RW, bool MINS>
+__attribute__((always_inline)) inline void panel_quad(const Panels& P, int64_t pnl, const QuadRows& a, int64_t quad,
+                                                      const Layout& L, float* y, int64_t m0, int64_t n0) {
   __m512 acc[RA][RW];
   for (int i = 0; i < RA; ++i)
     for (int v = 0; v < RW; ++v) acc[i][v] = _mm512_setzero_ps();
-  const int64_t blocks_per_group = L.group / kBlock;
-  const int32_t* xq[RA];
-  const float* dx[RA];
-  for (int i = 0; i < RA; ++i) {
-    xq[i] = reinterpret_cast<const int32_t*>(a.q_row(m0 + i));
-    dx[i] = a.d_row(m0 + i);
-  }
+  const int64_t blocks_per_group = L.group / kBlock, w_stride = P.Kp * kPanelRows, s_stride = P.groups * kPanelRows;
+  const int32_t* xq = a.q_quad(quad);
+  const float* d = a.d_quad(quad);
+  const int32_t* init = a.init_quad(quad);
+  const float* gs = a.gs_quad(quad);
   const uint8_t* w = P.panel_codes(pnl);
-  // (s, j): group g's span and place in it, counted rather than divided per group.
-  for (int64_t g = 0, b = 0, s = 0, j = 0; g < P.groups; ++g) {
-    for (int64_t bb = 0; bb < blocks_per_group; ++bb, ++b) {
-      _mm_prefetch(reinterpret_cast<const char*>(w + b * kBlock * kPanelRows + 4096), _MM_HINT_T0);
+  const float* sc = P.panel_scale(pnl);
+  const float* mn = P.panel_mins(pnl);
+  for (int64_t g = 0; g < P.groups; ++g, sc += kPanelRows, mn += kPanelRows, gs += 4) {
+    for (int64_t bb = 0; bb < blocks_per_group; ++bb, w += kBlock * kPanelRows, xq += kBlock, d += 4, init += 4) {
+      _mm_prefetch(reinterpret_cast<const char*>(w + 4096), _MM_HINT_T0);
       __m512i dot[RA][RW];
       for (int i = 0; i < RA; ++i)
-        for (int v = 0; v < RW; ++v) dot[i][v] = _mm512_setzero_si512();
+        for (int v = 0; v < RW; ++v) dot[i][v] = MINS ? _mm512_setzero_si512() : _mm512_set1_epi32(init[i]);
       // Unrolled whole, so the RA x RW sums stay in the same registers (a rolled loop had GCC
       // copy them between registers every lane and spill the float sums).
 #pragma GCC unroll 8
       for (int l = 0; l < kBlock / 4; ++l) {
-        const int64_t lane = b * (kBlock / 4) + l;
         __m512i wv[RW];
-        for (int v = 0; v < RW; ++v) wv[v] = _mm512_loadu_si512(w + v * P.Kp * kPanelRows + lane * 64);
+        for (int v = 0; v < RW; ++v) wv[v] = _mm512_loadu_si512(w + v * w_stride + l * 64);
         for (int i = 0; i < RA; ++i) {
-          const __m512i xb = _mm512_set1_epi32(xq[i][lane]);
+          const __m512i xb = _mm512_set1_epi32(xq[4 * l + i]);
           for (int v = 0; v < RW; ++v) dot[i][v] = _mm512_dpbusd_epi32(dot[i][v], wv[v], xb);
         }
       }
-      // The group's last block also carries its mins (or -offset * scale) times the
-      // activations' d * sum(q) over the group (other blocks: times 0). Scales and mins are
-      // read here, from L1, rather than held in registers across the block.
+      // Scales and mins are read here, from L1, rather than held in registers across the block.
       const bool last = bb == blocks_per_group - 1;
       for (int i = 0; i < RA; ++i) {
-        const __m512 d = _mm512_set1_ps(dx[i][b * (kBlock / 4)]);
-        const __m512 gs = _mm512_set1_ps(last ? a.by_block_gsum(m0 + i, s, j, L.gps) : 0.f);
+        const __m512 dv = _mm512_set1_ps(d[i]);
+        const __m512 gv = MINS && last ? _mm512_set1_ps(gs[i]) : _mm512_setzero_ps();
         for (int v = 0; v < RW; ++v) {
-          const __m512 sv = _mm512_loadu_ps(P.panel_scale(pnl + v) + g * kPanelRows);
-          const __m512 mv = _mm512_loadu_ps(P.panel_mins(pnl + v) + g * kPanelRows);
-          acc[i][v] = add_ordered(acc[i][v], _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[i][v]), _mm512_mul_ps(sv, d),
-                                                              _mm512_mul_ps(mv, gs)));
+          const __m512 sd = _mm512_mul_ps(_mm512_loadu_ps(sc + v * s_stride), dv);
+          const __m512 x = _mm512_cvtepi32_ps(dot[i][v]);
+          if (MINS)
+            acc[i][v] = add_ordered(acc[i][v], _mm512_fmadd_ps(x, sd, _mm512_mul_ps(_mm512_loadu_ps(mn + v * s_stride), gv)));
+          else
+            acc[i][v] = fma_ordered(x, sd, acc[i][v]);
         }
       }
     }
-    if (++j == L.gps) j = 0, ++s;
   }
   for (int i = 0; i < RA; ++i)
     for (int v = 0; v < RW; ++v) {
@@ -1042,37 +1117,29 @@ __attribute__((always_inline)) inline void panel_rows(const Panels& P, int64_t p
 // 4 activation rows x 3 panels (48 outputs): 12 int32 and 12 float sums, 3 weight vectors
 // and a broadcast fit the 32 registers. Measured against 6 x 2 (Zen 4, 2 threads, the default
 // model's 120 linears, four alternated rounds): 128 rows 73.8 -> 64.5 ms, 64 rows 48 -> 37 ms,
-// 512 rows 297 -> 245 ms (medians); 5 x 2 and 4 x 2 in between, 3 x 4 slower. The block tail
-// (convert, two products, fma, add per sum) costs ~40% on top of the vpdpbusd work.
-#ifndef TM_BLOCK_RA
-#define TM_BLOCK_RA 4
-#endif
-#ifndef TM_BLOCK_RW
-#define TM_BLOCK_RW 3
-#endif
-constexpr int kBlockRowsA = TM_BLOCK_RA;  // activation rows per kernel call
-constexpr int kBlockPanels = TM_BLOCK_RW;  // panels per kernel call
+// 512 rows 297 -> 245 ms (medians); 5 x 2 and 4 x 2 in between, 3 x 4 slower.
+constexpr int kBlockPanels = 3;  // panels per kernel call
 // Activation rows per pass over an unpacked chunk: their int8 rows stay in L2 with it.
 constexpr int64_t kBlockChunkRows = 128;
 
-template <int RW>
-void panel_row_blocks(const Panels& P, int64_t pnl, const ActRows& a, int64_t m0, int64_t m1, const Layout& L,
-                      float* y, int64_t n0) {
-  int64_t m = m0;
-  for (; m + kBlockRowsA <= m1; m += kBlockRowsA) panel_rows<kBlockRowsA, RW>(P, pnl, a, m, L, y, n0);
-  if (m1 - m >= 4) {
-    panel_rows<4, RW>(P, pnl, a, m, L, y, n0);
-    m += 4;
-  }
-  switch (m1 - m) {
-    case 1: panel_rows<1, RW>(P, pnl, a, m, L, y, n0); break;
-    case 2: panel_rows<2, RW>(P, pnl, a, m, L, y, n0); break;
-    case 3: panel_rows<3, RW>(P, pnl, a, m, L, y, n0); break;
+// Rows [m0, m1) (m0 a multiple of 4) against RW panels from `pnl`, a quad at a time.
+template <int RW, bool MINS>
+void panel_quads(const Panels& P, int64_t pnl, const QuadRows& a, int64_t M, int64_t m0, int64_t m1, const Layout& L,
+                 float* y, int64_t n0) {
+  for (int64_t m = m0; m < m1; m += 4) {
+    switch (std::min<int64_t>(4, M - m)) {
+      case 4: panel_quad<4, RW, MINS>(P, pnl, a, m / 4, L, y, m, n0); break;
+      case 3: panel_quad<3, RW, MINS>(P, pnl, a, m / 4, L, y, m, n0); break;
+      case 2: panel_quad<2, RW, MINS>(P, pnl, a, m / 4, L, y, m, n0); break;
+      case 1: panel_quad<1, RW, MINS>(P, pnl, a, m / 4, L, y, m, n0); break;
+    }
   }
 }
 
 // Panels [begin, end) of W against every activation row.
-void run_panels(int64_t begin, int64_t end, const uint8_t* packed, const Layout& L, const ActRows& a, float* y) {
+template <bool MINS>
+void run_panels(int64_t begin, int64_t end, const uint8_t* packed, const Layout& L, const QuadRows& a, int64_t M,
+                float* y) {
   thread_local Scratch scratch;
   Panels u;
   u.Kp = L.Kp, u.groups = L.Kp / L.group;
@@ -1086,35 +1153,48 @@ void run_panels(int64_t begin, int64_t end, const uint8_t* packed, const Layout&
   for (int64_t p0 = begin; p0 < end; p0 += chunk) {
     const int64_t p1 = std::min(end, p0 + chunk);
     unpack_panels(packed, L, p0, p1, u);
-    for (int64_t m0 = 0; m0 < a.M; m0 += kBlockChunkRows) {
-      const int64_t m1 = std::min(a.M, m0 + kBlockChunkRows);
+    for (int64_t m0 = 0; m0 < M; m0 += kBlockChunkRows) {
+      const int64_t m1 = std::min(M, m0 + kBlockChunkRows);
       int64_t p = p0;
       for (; p + kBlockPanels <= p1; p += kBlockPanels)
-        panel_row_blocks<kBlockPanels>(u, p - p0, a, m0, m1, L, y, p * kPanelRows);
-      for (; p < p1; ++p) panel_row_blocks<1>(u, p - p0, a, m0, m1, L, y, p * kPanelRows);
+        panel_quads<kBlockPanels, MINS>(u, p - p0, a, M, m0, m1, L, y, p * kPanelRows);
+      for (; p < p1; ++p) panel_quads<1, MINS>(u, p - p0, a, M, m0, m1, L, y, p * kPanelRows);
     }
   }
 }
 
+// What a block's integer dot starts from, per block's sum of q: a symmetric format's -offset
+// (the dot is then of the signed codes), 0 with mins (their term is added in float).
+int32_t block_init_multiplier(const Layout& L) { return L.has_mins ? 0 : -static_cast<int32_t>(L.offset); }
+
 // Every panel against every row of `a` (quantized by_block), panels spread over the threads.
 void run_all_panels(const ActRows& a, const Layout& L, const uint8_t* packed, float* y) {
+  thread_local Scratch scratch;
+  const QuadRows quads = interleave_quads(a, L, scratch);
   const int64_t panels = (L.tiles + kPanelTiles - 1) / kPanelTiles;
   const int64_t grain = std::max<int64_t>(1, panels / (2 * at::get_num_threads()));
-  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) { run_panels(begin, end, packed, L, a, y); });
+  at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
+    if (L.has_mins)
+      run_panels<true>(begin, end, packed, L, quads, a.M, y);
+    else
+      run_panels<false>(begin, end, packed, L, quads, a.M, y);
+  });
 }
 
 void block_integer_linear(const float* x, int64_t M, const int64_t* perm, const Layout& L, const uint8_t* packed,
                           float* y) {
   thread_local Scratch scratch;
-  run_all_panels(quantize_activations(x, M, L.K, perm, L, 0, scratch, true, true), L, packed, y);
+  run_all_panels(quantize_activations(x, M, L.K, perm, L, block_init_multiplier(L), scratch, L.has_mins, true), L,
+                 packed, y);
 }
 
 // ----- few rows in the block GEMM's order ------------------------------------------------------
 //
 // The row kernel (tile_rows: 4 weight rows against 1-4 activation rows, read in the stored
 // tile order) with the block GEMM's arithmetic: each 32-column block's vpdpbusd lanes summed
-// in int32 (exact) before one conversion and one fused multiply-add by scale * d, and a
-// group's mins term after its last block. Every output is the float operation sequence the
+// in int32 (exact; a symmetric format's from -offset * the block's sum of q) before one
+// conversion and one fused multiply-add by scale * d, and a group's mins term after its last
+// block. Every output is the float operation sequence the
 // block GEMM performs for it, so the two give the same bits at any row count: a row's result
 // depends neither on how many rows share the call nor on which kernel the row count picks
 // (chunked or cached prompts, batches, deterministic inference). Weight groups of 32 or more.
@@ -1148,10 +1228,9 @@ __attribute__((always_inline)) inline void tile_rows_blocked(const uint8_t* tile
     for (int64_t o = 0; o < L.span_bytes; o += 64)
       _mm_prefetch(reinterpret_cast<const char*>(p + kPrefetchBytes + o), TM_PREFETCH_HINT);
     const __m512 sv = load_scale_lanes<HALF>(p, smask);
-    const __m512 mv = MINS ? load_scale_lanes<HALF>(p + L.scale_block, smask)
-                           : _mm512_mul_ps(sv, _mm512_set1_ps(-static_cast<float>(L.offset)));
     const __m256 sw = _mm512_castps512_ps256(_mm512_permutexvar_ps(pick, sv));  // [block 0 | block 1] x rows 0-3
-    const __m256 mw = _mm512_castps512_ps256(_mm512_permutexvar_ps(pick, mv));
+    const __m256 mw = MINS ? _mm512_castps512_ps256(_mm512_permutexvar_ps(pick, load_scale_lanes<HALF>(p + L.scale_block, smask)))
+                           : _mm256_setzero_ps();
     const uint8_t* c = p + L.scale_block * (MINS ? 2 : 1);
     for (int64_t st = 0; st < steps; ++st, c += L.step_bytes) {
       const int64_t col = s * L.span + st * kStep;
@@ -1181,6 +1260,13 @@ __attribute__((always_inline)) inline void tile_rows_blocked(const uint8_t* tile
           blocks = _mm256_permutevar8x32_epi32(half_sums(dot[0], dot[2], dot[1], dot[3]), rows4);
         }
         const __m256 d = _mm256_loadu_ps(dx + 4);  // lanes 4-11 of the step: d of block 0 x4, block 1 x4
+        if (!MINS) {  // the dots start from -offset * sum(q) (init lanes 4-11, as d), then one fma per block
+          blocks = _mm256_add_epi32(blocks, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.init_row(m0 + m) + col / 4 + 4)));
+          const __m256 x = _mm256_cvtepi32_ps(blocks), sd = _mm256_mul_ps(sw, d);
+          acc[m] = fma_ordered(_mm256_castps256_ps128(x), _mm256_castps256_ps128(sd), acc[m]);
+          acc[m] = fma_ordered(_mm256_extractf128_ps(x, 1), _mm256_extractf128_ps(sd, 1), acc[m]);
+          continue;
+        }
         const __m256 g = mins_here ? _mm256_loadu_ps(a.gsum_span(m0 + m, s)) : _mm256_setzero_ps();
         const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(blocks), _mm256_mul_ps(sw, d), _mm256_mul_ps(mw, g));
         acc[m] = add_ordered(add_ordered(acc[m], _mm256_castps256_ps128(t)), _mm256_extractf128_ps(t, 1));
@@ -1238,7 +1324,7 @@ void integer_linear(const float* x, int64_t M, const int64_t* perm, const Layout
   thread_local Scratch scratch;
 #if defined(TM_QUANT_BLOCK_GEMM)
   if (block_gemm_covers(L)) {  // the block order: the row kernel and the block GEMM give the same bits
-    const ActRows a = quantize_activations(x, M, L.K, perm, L, 0, scratch, true, true);
+    const ActRows a = quantize_activations(x, M, L.K, perm, L, block_init_multiplier(L), scratch, L.has_mins, true);
     if (M >= (many_rows < 0 ? kManyRows : many_rows)) return run_all_panels(a, L, packed, y);
     const RowBlocks blocks(M);
     const RunFn run = pick_blocked_run_fn(L);
