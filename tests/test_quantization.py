@@ -580,6 +580,35 @@ def test_integer_gemm_is_exact_on_exact_inputs(native, bits, symmetric) -> None:
         assert torch.equal(y, quant_linear_reference(x, qt)), f"M = {m}"
 
 
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q5_0", "Q8_0", "int8"])
+def test_symmetric_formats_give_a_row_the_same_bits_at_any_row_count(native, fmt) -> None:
+    """A symmetric format's block dot starts from -offset * the block's sum of q, in the block
+    GEMM (its activation rows read four at a time) and in the row kernel alike: a row's output
+    is the same bits among 130 rows (two 128-row passes, a last quad of two rows), among 21,
+    on one thread or two, and alone through the row kernel; within 1% of the float product."""
+    qt = FORMATS[fmt]()
+    assert qt.format[5] >= 0, f"{fmt} should be symmetric (a code offset, no mins)"
+    if not kernels.quant_integer_gemm_built():
+        return  # the bf16 GEMM past the integer rows there
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(130, qt.shape[1], generator=gen) * torch.logspace(-1, 1, qt.shape[1])
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = kernels.quant_linear(x, qt.packed, qt.format, qt.col_perm, 8, integer_gemm=True)
+        torch.set_num_threads(2)
+        two = kernels.quant_linear(x, qt.packed, qt.format, qt.col_perm, 8, integer_gemm=True)
+    finally:
+        torch.set_num_threads(threads)
+    part = kernels.quant_linear(x[-21:].contiguous(), qt.packed, qt.format, qt.col_perm, 8, integer_gemm=True)
+    alone = kernels.quant_linear(x[-1:].contiguous(), qt.packed, qt.format, qt.col_perm, ALL_ROWS)
+    assert torch.equal(one, two), f"{int((one != two).sum())} outputs differ between one thread and two"
+    assert torch.equal(part, one[-21:]), f"{int((part != one[-21:]).sum())} outputs differ among 21 rows"
+    assert torch.equal(alone, one[-1:]), "the row kernel's bits differ from the block GEMM's"
+    exact = quant_linear_reference(x, qt, integer_path=False)
+    assert float((one - exact).norm() / exact.norm()) < 0.01
+
+
 def test_integer_gemm_rows_do_not_depend_on_the_batch_or_threads(native) -> None:
     """Each output of the block GEMM is one row's int32 block sums added in block order:
     the same bits for that row among 130 rows, among 20, on one thread or two; act-order
