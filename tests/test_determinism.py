@@ -108,6 +108,20 @@ def test_batch_chunking_prefix_cache_and_threads_do_not_change_a_request(tiny_ll
     _assert_same(reference, _results(one_thread, prompts, params), "one thread")
 
 
+def test_the_integer_gemm_is_taken_by_the_build_not_a_timing(tiny_llama, monkeypatch) -> None:
+    """Deterministic inference's bits must not hang on a measurement (nor differ between TP
+    ranks): it runs the integer GEMM past the integer rows where the build has it (a row's bits
+    are the row kernel's at any row count, the test above), without timing it."""
+    from tokenmill.runner import tune
+
+    def timed(*_args, **_kwargs):
+        raise AssertionError("deterministic inference timed the quantized GEMM")
+
+    monkeypatch.setattr(tune, "choose_quant_gemm", timed)
+    llm = _deterministic(tiny_llama, dtype="float32", quantization="int4")
+    assert llm.engine.executor.plan.weight_format.integer_gemm == kernels.quant_integer_gemm_built()
+
+
 @pytest.mark.parametrize("kv", [dict(dtype="bfloat16", quantization="int8"),
                                 dict(dtype="bfloat16", quantization="int8", kv_cache_dtype="int8")],
                          ids=["bf16-kv", "int8-kv"])

@@ -257,8 +257,10 @@ def test_measuring_the_quantized_gemms_times_both_at_every_row_count() -> None:
     assert all(set(t) == set(tune.QUANT_ROWS) and min(t.values()) > 0 for t in timings.values())
 
 
-def test_the_plan_carries_the_integer_gemm_and_deterministic_inference_drops_it() -> None:
-    from tokenmill.runner.plan import batch_invariant_plan, cpu_native_plan, quantized_plan
+def test_the_plan_carries_the_integer_gemm_and_deterministic_inference_keeps_it() -> None:
+    """The integer GEMM gives a row the row kernel's bits at any row count, so deterministic
+    inference keeps the default's pair (same speed); without it, the integer kernel at every row."""
+    from tokenmill.runner.plan import EVERY_ROW, batch_invariant_plan, cpu_native_plan, quantized_plan
 
     dense = cpu_native_plan(torch.bfloat16, onednn=True, choice=CPUMatmulChoice(2, "onednn_bf16"), fused_decode=True)
     assert dense.bf16_activation_rows == 2  # bf16 float tensors: their GEMM takes bf16 rows
@@ -268,7 +270,10 @@ def test_the_plan_carries_the_integer_gemm_and_deterministic_inference_drops_it(
     assert plan.bf16_activation_rows is None and plan.prefill_attention_dtype == torch.bfloat16
     assert not quantized_plan(dense, "int4", native_bf16=True).weight_format.integer_gemm
     assert quantized_plan(dense, "int4", native_bf16=True).bf16_activation_rows is not None
-    assert not batch_invariant_plan(plan).weight_format.integer_gemm
+    invariant = batch_invariant_plan(plan).weight_format
+    assert invariant.integer_gemm and invariant.integer_rows == plan.weight_format.integer_rows
+    without = batch_invariant_plan(quantized_plan(dense, "int4", native_bf16=True)).weight_format
+    assert not without.integer_gemm and set(without.integer_rows.values()) == {EVERY_ROW}
 
 
 def test_a_mixture_of_experts_keeps_the_split_and_panels_can_be_forced_or_refused(monkeypatch) -> None:

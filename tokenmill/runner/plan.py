@@ -316,7 +316,9 @@ def batch_invariant_plan(plan: ExecutionPlan) -> ExecutionPlan:
     layer / op by op, paged rows / SDPA over a chunk), and each switch changes a row's
     rounding: a request's greedy tokens then depend on what shares its step. Here every
     linear runs its row-wise kernel at any row count (the skinny kernel on dense tiles, no
-    oneDNN copy; the integer kernel on quantized weights), each of which computes an output
+    oneDNN copy; on quantized weights the integer kernel, or where the plan has the integer
+    GEMM the default's pair, row kernel and GEMM, which give a row the same bits at any row
+    count, so the two modes run them at the same speed), each of which computes an output
     row from that input row alone, in a fixed order, whatever the thread split; the fused
     decode layer only up to the rows at which its own built-in switch still picks those same
     kernels (it then gives the per-op path's bits: tests/test_determinism.py); attention runs
@@ -333,7 +335,9 @@ def batch_invariant_plan(plan: ExecutionPlan) -> ExecutionPlan:
         return DenseFormat(fmt.weight_dtype, cpu_layout=True, onednn=False, choice=invariant_dense_choice(fmt.weight_dtype))
 
     fmt = plan.weight_format
-    if isinstance(fmt, QuantizedFormat):
+    if isinstance(fmt, QuantizedFormat) and fmt.row_invariant:  # kept (worker.choose_plan: by the build)
+        fmt = QuantizedFormat(fmt.method, dense_rowwise(fmt.dense), fmt.group_size, dict(fmt.integer_rows), True)
+    elif isinstance(fmt, QuantizedFormat):
         fmt = QuantizedFormat(fmt.method, dense_rowwise(fmt.dense), fmt.group_size,
                               {bits: EVERY_ROW for bits in fmt.integer_rows})
     elif isinstance(fmt, DenseFormat):

@@ -538,7 +538,10 @@ def choose_plan(config: EngineConfig, device: torch.device, dtype: DtypePlan, ke
                            fused_decode=backend.name == "cpu_native")
     plan = dataclasses.replace(plan, huge_pages=config.device.huge_pages)
     if keep_quantized or method in ("int8", "int4"):
-        integer_gemm = not deterministic and quant_integer_gemm_choice(config, arch)
+        # Deterministic inference takes the integer GEMM where the build has it, never by a
+        # timing: its bits must not depend on a measurement (nor differ between TP ranks).
+        integer_gemm = (kernels.quant_integer_gemm_built() if deterministic and config.device.quant_gemm == "auto"
+                        else quant_integer_gemm_choice(config, arch))
         plan = quantized_plan(plan, "stored" if keep_quantized else method, config.quantization.quantization_group_size,
                               native_bf16=cpu_has_native_bf16(), integer_gemm=integer_gemm)
     return batch_invariant_plan(plan) if deterministic else plan
