@@ -45,6 +45,10 @@ namespace {
 #if defined(TM_PREFILL_BF16)
 constexpr int64_t kKeys = 32;  // keys per block: two vectors of scores
 constexpr int64_t kRows = 4;   // query rows per task
+// prefetcht1 of p's line, as an asm statement (GCC may drop __builtin_prefetch in loops;
+// cpu_attention.cpp's prefetch_block).
+inline void prefetch_line(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p))); }
+
 
 // e^x on 16 float32 lanes (cpu_vec.h's exp8, 16 wide): x = n ln2 + r, e^r by a degree-6
 // polynomial, 2^n through the exponent bits.
@@ -86,13 +90,14 @@ struct KeyBlock {
 // (PackedBlocks) or read where a packed cache holds it (CacheGroups).
 // Each row's arithmetic is its own: the same bits whatever rows share the task, and whichever
 // source holds the same K and V. The output rows are bf16, or (out_t float) the bf16 widened.
-template <int ND, typename Blocks, typename out_t = uint16_t>
-void attend_rows(const uint16_t* q, int64_t q_row, int64_t r0, int64_t nr, int64_t offset, int64_t row_step,
-                 const Blocks& blocks, float scale, out_t* out, int64_t out_row) {
+template <int ND, int NR, typename Blocks, typename out_t>
+void attend_rows_of(const uint16_t* q, int64_t q_row, int64_t r0, int64_t offset, int64_t row_step,
+                    const Blocks& blocks, float scale, out_t* out, int64_t out_row) {
+  constexpr int64_t nr = NR;
   constexpr int64_t d = ND * 16, pairs = d / 2, KV = kKeys / 16;
-  __m512 acc[kRows][ND];
-  float m[kRows], l[kRows];
-  for (int64_t r = 0; r < kRows; ++r) {
+  __m512 acc[NR][ND];
+  float m[NR], l[NR];
+  for (int64_t r = 0; r < NR; ++r) {
     for (int j = 0; j < ND; ++j) acc[r][j] = _mm512_setzero_ps();
     m[r] = -std::numeric_limits<float>::infinity();
     l[r] = 0.f;
@@ -100,20 +105,25 @@ void attend_rows(const uint16_t* q, int64_t q_row, int64_t r0, int64_t nr, int64
   const int64_t last = offset + (r0 + nr - 1) * row_step;  // the last row's last key
   const __m512 vscale = _mm512_set1_ps(scale);
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  alignas(64) uint16_t pb[kRows][kKeys];
+  alignas(64) uint16_t pb[NR][kKeys];  // each row's probabilities of the block, in bf16
   for (int64_t kb = 0; kb * kKeys <= last; ++kb) {
-    __m512 s[kRows][KV];
-    for (int64_t r = 0; r < kRows; ++r)
+    __m512 s[NR][KV];
+    for (int64_t r = 0; r < NR; ++r)
       for (int64_t x = 0; x < KV; ++x) s[r][x] = _mm512_setzero_ps();
     const KeyBlock block = blocks(kb);
+    // The next block's K and V lines (4 x d / 2 of them) asked for a line of each a pair.
+    KeyBlock next{};
+    if constexpr (Blocks::kPrefetch)
+      if ((kb + 1) * kKeys <= last) next = blocks.locate(kb + 1);
     for (int64_t p = 0; p < pairs; ++p) {
+      if constexpr (Blocks::kPrefetch)
+        if (next.k[0] != nullptr)
+          for (const uint32_t* line : {next.k[0], next.k[1], next.v[0], next.v[1]}) prefetch_line(line + p * 16);
       __m512bh kv[KV];
       for (int64_t x = 0; x < KV; ++x) kv[x] = (__m512bh)_mm512_loadu_si512(block.k[x] + p * 16);
-      for (int64_t r = 0; r < kRows; ++r) {
-        if (r < nr) {
-          const __m512bh qv = (__m512bh)_mm512_set1_epi32(pair_at(q + (r0 + r) * q_row, 2 * p));
-          for (int64_t x = 0; x < KV; ++x) s[r][x] = _mm512_dpbf16_ps(s[r][x], kv[x], qv);
-        }
+      for (int64_t r = 0; r < NR; ++r) {
+        const __m512bh qv = (__m512bh)_mm512_set1_epi32(pair_at(q + (r0 + r) * q_row, 2 * p));
+        for (int64_t x = 0; x < KV; ++x) s[r][x] = _mm512_dpbf16_ps(s[r][x], kv[x], qv);
       }
     }
     for (int64_t r = 0; r < nr; ++r) {
@@ -145,14 +155,13 @@ void attend_rows(const uint16_t* q, int64_t q_row, int64_t r0, int64_t nr, int64
         for (int j = 0; j < ND; ++j) acc[r][j] = _mm512_mul_ps(acc[r][j], va);
       }
     }
-    for (int64_t r = nr; r < kRows; ++r) std::memset(pb[r], 0, sizeof(pb[r]));
     for (int64_t mp = 0; mp < kKeys / 2; ++mp) {
-      __m512bh pv[kRows];
-      for (int64_t r = 0; r < kRows; ++r) pv[r] = (__m512bh)_mm512_set1_epi32(pair_at(pb[r], 2 * mp));
+      __m512bh pv[NR];
+      for (int64_t r = 0; r < NR; ++r) pv[r] = (__m512bh)_mm512_set1_epi32(pair_at(pb[r], 2 * mp));
       const uint32_t* vrow = block.v[mp / 8] + (mp % 8) * d;
       for (int j = 0; j < ND; ++j) {
         const __m512bh vv = (__m512bh)_mm512_loadu_si512(vrow + j * 16);
-        for (int64_t r = 0; r < kRows; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], vv, pv[r]);
+        for (int64_t r = 0; r < NR; ++r) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], vv, pv[r]);
       }
     }
   }
@@ -166,6 +175,22 @@ void attend_rows(const uint16_t* q, int64_t q_row, int64_t r0, int64_t nr, int64
       else
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(o + j * 16), bf);
     }
+  }
+}
+
+
+// attend_rows_of for nr = 1 .. kRows rows: the row count a compile-time constant, so every row
+// loop unrolls with its scores and accumulators in registers and no row is computed for nothing
+// (a decode's 3 query heads of a KV head used to run the value product for 4).
+template <int ND, typename Blocks, typename out_t = uint16_t>
+void attend_rows(const uint16_t* q, int64_t q_row, int64_t r0, int64_t nr, int64_t offset, int64_t row_step,
+                 const Blocks& blocks, float scale, out_t* out, int64_t out_row) {
+  static_assert(kRows == 4);
+  switch (nr) {
+    case 1: return attend_rows_of<ND, 1>(q, q_row, r0, offset, row_step, blocks, scale, out, out_row);
+    case 2: return attend_rows_of<ND, 2>(q, q_row, r0, offset, row_step, blocks, scale, out, out_row);
+    case 3: return attend_rows_of<ND, 3>(q, q_row, r0, offset, row_step, blocks, scale, out, out_row);
+    default: return attend_rows_of<ND, 4>(q, q_row, r0, offset, row_step, blocks, scale, out, out_row);
   }
 }
 
@@ -237,6 +262,7 @@ void pack_block(uint32_t* kdst, uint32_t* vdst, int64_t d, int64_t keys, KRow k_
 // A chunk's key blocks among the step's packed ones: chunks that share a block (a prefix held
 // by the same cache slots) read one copy.
 struct PackedBlocks {
+  static constexpr bool kPrefetch = false;  // packed by this call: in the core's caches already
   const uint32_t* kp;
   const uint32_t* vp;
   const int32_t* table;  // the chunk's block kb is packed block table[kb]
@@ -263,6 +289,23 @@ struct CacheGroups {
   int64_t block_size, block_words, head_words, d, keys;  // block_words: a cache block's, all heads
   SlotOf slot_of;
   uint32_t* vstage;  // 8 d words
+
+  // A cache's blocks sit anywhere, so the hardware prefetchers lose the stream at every block:
+  // attend_rows asks for the next block's lines (into L2) while it computes on this one.
+  static constexpr bool kPrefetch = true;
+
+  // Where key block kb's halves are (a half past the last key: its other half's lines again).
+  KeyBlock locate(int64_t kb) const {
+    KeyBlock block;
+    for (int x = 0; x < 2; ++x) {
+      const int64_t first = std::min(kb * kKeys + x * 16, (keys - 1) / 16 * 16);
+      const int64_t slot = slot_of(first);
+      const int64_t at = (slot / block_size) * block_words + head_words + (slot % block_size) / 16 * 8 * d;
+      block.k[x] = kc + at;
+      block.v[x] = vc + at;
+    }
+    return block;
+  }
 
   KeyBlock operator()(int64_t kb) const {
     KeyBlock block;
