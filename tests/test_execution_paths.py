@@ -325,3 +325,58 @@ def test_a_tokens_attention_follows_what_the_token_is_under_prompts_as_chunks() 
     assert layout.decodes == [1] and not layout.all_decode
     metadata = TorchSDPABackend().build_metadata(layout, torch.device("cpu"))
     assert [(s.start, s.end) for s in metadata.prefills] == [(0, 1)]
+
+
+@torch.inference_mode()
+def test_with_the_integer_gemm_a_many_row_decode_step_runs_fused_with_the_per_op_bits(tiny) -> None:
+    """A quantized plan on the whole-block integer GEMM runs pure decode steps of any size as
+    the fused layer (its Python between the ops gone), handing the op the plan's integer rows
+    and GEMM: a 24-row decode step (past the integer kernel's 8 rows) gives the op-by-op
+    path's layer output and residual bit for bit, and is planned fused. A model with a float
+    weight left keeps the fused layer to the integer rows (oneDNN is faster past them for it)."""
+    from tokenmill.runner.plan import EVERY_ROW
+
+    cfg, tensors = tiny
+    dense = cpu_native_plan(torch.bfloat16)
+    model, plan = _build(cfg, _checkpoint(tensors, "Q4_1"), quantized_plan(dense, "stored", integer_gemm=True), "bfloat16")
+    assert plan.fused_decode and plan.fused_decode_max_rows == EVERY_ROW and "of any size" in plan.describe()
+    rows = 24
+    assert rows > max(ROWS.quant_integer_rows.values()) and plan.step_kind(rows, all_decode=True) is StepKind.FUSED
+    assert model.fused_layers[LAYER].quantized_settings == ([ROWS.quant_integer_rows[4]] * 4, True)
+
+    block = 16
+    gen = torch.Generator().manual_seed(11)
+    context = [int(n) for n in torch.randint(5, 60, (rows,), generator=gen)]
+    tables, next_block = [], 0
+    for n in context:
+        tables.append(list(range(next_block, next_block + -(-n // block))))
+        next_block += len(tables[-1])
+    slots = [tables[r][(n - 1) // block] * block + (n - 1) % block for r, n in enumerate(context)]
+    layout = BatchLayout([1] * rows, context, tables, slots, block)
+    h, residual = torch.randn(rows, cfg.hidden_size, generator=gen), torch.randn(rows, cfg.hidden_size, generator=gen)
+    layer = model.layers[LAYER]
+    rope = layer.self_attn.rotary.table(torch.tensor(context) - 1)
+    backend = _backend("per-op").for_plan(plan.prefill_attention_dtype)
+    history = (torch.randn(next_block * block, cfg.num_kv_heads, cfg.head_dim, generator=gen),
+               torch.randn(next_block * block, cfg.num_kv_heads, cfg.head_dim, generator=gen))
+    results = {}
+    for kind in (StepKind.FUSED, StepKind.PER_OP):
+        cache = LayerKVCache.allocate(next_block, block, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16)
+        kernels.write_kv_cache(*history, (cache.k, cache.v), None, torch.arange(next_block * block))
+        caches = [cache if i == LAYER else None for i in range(cfg.num_layers)]
+        ctx = ForwardContext.for_step(kind, backend, layout, caches, torch.device("cpu"))
+        res = residual.clone()
+        with forward_context(ctx):
+            if kind.fused:
+                out = layer.fused_decode(model.fused_layers[LAYER], rope, h.clone(), res, cache, ctx.decode)
+            else:
+                out, res = layer(rope, h.clone(), res)
+        results[kind] = (out, res, cache.k.clone())
+    fused, per_op = results[StepKind.FUSED], results[StepKind.PER_OP]
+    assert all(torch.equal(a, b) for a, b in zip(fused, per_op))
+
+    mixed = [(name, t) for name, t in _checkpoint(tensors, "Q4_1") if "self_attn.o_proj" not in name]
+    mixed += [(name, t) for name, t in tensors.items() if "self_attn.o_proj" in name]  # o_proj stays bf16
+    _, capped = _build(cfg, mixed, quantized_plan(dense, "stored", integer_gemm=True), "bfloat16")
+    assert capped.fused_decode and capped.fused_decode_max_rows == min(ROWS.quant_integer_rows.values())
+    assert capped.step_kind(rows, all_decode=True) is StepKind.PER_OP

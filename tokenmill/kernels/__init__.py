@@ -355,11 +355,13 @@ def llama_decode_layer(
     `layer` holds the layer's norms, weights and head shape, gathered once at load (what the
     op covers: fused_layer.py). A weight is tiles for skinny_linear (operand.format None) or a
     quantized stream, or several of either over consecutive input columns, added in order
-    (operand.column_parts). An int8/fp8 cache comes with its scales; `kv_rotation` is the Hadamard
+    (operand.column_parts); a quantized one runs with the plan's integer rows and integer GEMM
+    (operand.integer_rows, operand.integer_gemm), as op by op. An int8/fp8 cache comes with its scales; `kv_rotation` is the Hadamard
     block it stores K and V rotated by (0: none)."""
     tensors, formats, perms, parts = layer.flat_weights
+    integer_rows, integer_gemm = layer.quantized_settings
     return torch.ops.tokenmill.llama_decode_layer(
         h, residual, layer.input_norm, layer.post_norm, layer.eps, tensors, formats, perms, *rope, *kv_cache, slots,
         block_tables, context_lens, layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scale,
-        *(kv_scales or (None, None)), kv_rotation, parts,
+        *(kv_scales or (None, None)), kv_rotation, parts, integer_rows, integer_gemm,
     )

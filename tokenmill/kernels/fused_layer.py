@@ -98,6 +98,11 @@ class DecodeOperand:
     # ModelParallel.reduce_as): each part multiplies its own consecutive input columns and
     # the products are added in order. Empty: this operand is the whole weight.
     column_parts: tuple[DecodeOperand, ...] = ()
+    # A quantized weight's kernel settings, the plan's (QuantizedWeights): integer dot products
+    # up to `integer_rows` rows (-1: the op's default), the whole-block integer GEMM past them
+    # if `integer_gemm` (else a bf16 GEMM), as the op-by-op path runs the weight.
+    integer_rows: int = -1
+    integer_gemm: bool = False
 
     @property
     def kind(self) -> str:
@@ -138,6 +143,16 @@ class FusedLayerOperands:
         (a tiled weight's row: N, K, then zeros), act-order permutations, and how many of them
         each of the four linears has (more than one: its column parts, added in order)."""
         return self.flatten(self.weights)
+
+    @functools.cached_property
+    def quantized_settings(self) -> tuple[list[int], bool]:
+        """The op's `integer_rows` (one per weight, as flat_weights lists them) and
+        `integer_gemm` (the plan's, one for every quantized weight of the layer)."""
+        pieces = [piece for operand in self.weights for piece in operand.pieces]
+        gemm = {piece.integer_gemm for piece in pieces if piece.format is not None}
+        if len(gemm) > 1:
+            raise ValueError("a layer's quantized weights disagree on the integer GEMM (one plan sets it for all)")
+        return [piece.integer_rows for piece in pieces], gemm == {True}
 
     @staticmethod
     def flatten(operands: Sequence[DecodeOperand]) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor | None],

@@ -64,7 +64,7 @@ class QuantizedWeights(LinearWeights):
 
     def fused_decode_operand(self) -> DecodeOperand:
         return DecodeOperand(self.qt.packed, self.out_features, tuple(self.qt.format), self.qt.col_perm,
-                             self.in_features)
+                             self.in_features, integer_rows=self.integer_rows, integer_gemm=self.integer_gemm)
 
 
 class QuantizedFormat(WeightFormat):

@@ -14,6 +14,10 @@
 // panels for panel_linear (float32 or bfloat16; its format row starts with N and has bits
 // 0; the two told apart by shape) or a weight-only quantized
 // QuantizedTensor for quant_linear (its `.format` row, and its act-order permutation).
+// Quantized weights run quant_linear with the plan's `integer_rows` (one per weight; empty: the
+// op's default) and `integer_gemm`, as the op-by-op path runs them, so a step of any row count
+// gets the same kernels (and bits) either way: with the whole-block integer GEMM the plan runs
+// decode steps of any size here (runner/plan.py), not only those of the integer kernel's rows.
 // `parts` (empty: one weight each) gives how many weights each of the four linears has:
 // a linear of several is the sum, in order, of each part times its own consecutive input
 // columns (deterministic inference's row-parallel linears, as a 2-rank tensor-parallel
@@ -88,7 +92,7 @@ at::Tensor llama_decode_layer(
     at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
     const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     double scale, const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
-    int64_t kv_rotation, at::IntArrayRef parts) {
+    int64_t kv_rotation, at::IntArrayRef parts, at::IntArrayRef integer_rows, bool integer_gemm) {
   const int64_t tokens = h.size(0), hidden = h.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   if (k_cache.dim() == 6) {  // a packed bf16 cache (kv_cache.py)
@@ -111,13 +115,19 @@ at::Tensor llama_decode_layer(
                   static_cast<int64_t>(perms.size()) == first[4],
               "four linears (qkv, o, gate_up, down) of `parts` weights each, a format row of 6 and a permutation (or None) "
               "per weight");
+  TORCH_CHECK(integer_rows.empty() || static_cast<int64_t>(integer_rows.size()) == first[4],
+              "integer_rows: empty or one per weight");
   auto apply = [&](int64_t i, const at::Tensor& x) {
+    // The plan's integer rows of the linear's weights (its parts share them); -1: quant_linear's default.
+    const int64_t rows = integer_rows.empty() ? -1 : integer_rows[first[i]];
     if (first[i + 1] - first[i] == 1)
-      return linear(x, weights[first[i]], formats.slice(first[i] * kFormatLen, kFormatLen), perms.get(first[i]));
+      return linear(x, weights[first[i]], formats.slice(first[i] * kFormatLen, kFormatLen), perms.get(first[i]), rows,
+                    integer_gemm);
     c10::List<std::optional<at::Tensor>> part_perms;
     for (int64_t w = first[i]; w < first[i + 1]; ++w) part_perms.push_back(perms.get(w));
     return linear_parts(x, weights.slice(first[i], first[i + 1] - first[i]),
-                        formats.slice(first[i] * kFormatLen, (first[i + 1] - first[i]) * kFormatLen), part_perms);
+                        formats.slice(first[i] * kFormatLen, (first[i + 1] - first[i]) * kFormatLen), part_perms, rows,
+                        integer_gemm);
   };
   TORCH_CHECK(kv_rotation == 0 || k_scale.has_value(), "only an int8/fp8 KV cache is stored rotated");
 
@@ -154,7 +164,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
       "Tensor[] weights, int[] formats, Tensor?[] perms, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
       "Tensor(c!) v_cache, Tensor slots, Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, "
       "int head_dim, float scale, Tensor(d!)? k_scale=None, Tensor(e!)? v_scale=None, int kv_rotation=0, "
-      "int[] parts=[]) -> Tensor");
+      "int[] parts=[], int[] integer_rows=[], bool integer_gemm=False) -> Tensor");
   m.def("column_parts_linear(Tensor x, Tensor[] weights, int[] formats, Tensor?[] perms, int max_integer_rows=-1, "
         "bool integer_gemm=False) -> Tensor");
 }
