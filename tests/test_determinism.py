@@ -119,7 +119,12 @@ def test_the_integer_gemm_is_taken_by_the_build_not_a_timing(tiny_llama, monkeyp
 
     monkeypatch.setattr(tune, "choose_quant_gemm", timed)
     llm = _deterministic(tiny_llama, dtype="float32", quantization="int4")
-    assert llm.engine.executor.plan.weight_format.integer_gemm == kernels.quant_integer_gemm_built()
+    plan = llm.engine.executor.plan
+    assert plan.weight_format.integer_gemm == kernels.quant_integer_gemm_built()
+    # and with it, decode steps of every size run the fused layer (the per-op path's kernels and
+    # bits: the batch-of-16 tests here compare it with requests decoded alone), else up to 8 rows
+    assert plan.step_kind(16, all_decode=True).fused == kernels.quant_integer_gemm_built()
+    assert plan.step_kind(8, all_decode=True).fused
 
 
 @pytest.mark.parametrize("kv", [dict(dtype="bfloat16", quantization="int8"),

@@ -328,8 +328,10 @@ def batch_invariant_plan(plan: ExecutionPlan) -> ExecutionPlan:
     GEMM the default's pair, row kernel and GEMM, which give a row the same bits at any row
     count, so the two modes run them at the same speed), each of which computes an output
     row from that input row alone, in a fixed order, whatever the thread split; the fused
-    decode layer only up to the rows at which its own built-in switch still picks those same
-    kernels (it then gives the per-op path's bits: tests/test_determinism.py); attention runs
+    decode layer (handed each weight's kernels, so it gives the per-op path's bits:
+    tests/test_determinism.py, tests/test_execution_paths.py) up to the rows the plan gives it on
+    the integer GEMM (every decode size where all linears are quantized), else up to the integer
+    rows; attention runs
     every token as a row of the paged kernel (`chunk_as_rows`), whose reduction over keys is
     per row and in position order, except where the worker finds the prefill kernel
     chunk-invariant (`prompts_as_chunks`: each row computed alone, over keys in fixed blocks
@@ -352,6 +354,8 @@ def batch_invariant_plan(plan: ExecutionPlan) -> ExecutionPlan:
         fmt = dense_rowwise(fmt)
     else:
         raise ValueError(f"deterministic inference does not cover the weight format {fmt.describe()}")
+    fused_rows = plan.fused_decode_max_rows
+    if not (isinstance(fmt, QuantizedFormat) and fmt.integer_gemm):  # the pair above, else as in the default plan
+        fused_rows = min(fused_rows, min(ROWS.quant_integer_rows.values()))
     return dataclasses.replace(plan, weight_format=fmt, batch_invariant=True,
-                               bf16_activation_rows=None,
-                               fused_decode_max_rows=min(plan.fused_decode_max_rows, min(ROWS.quant_integer_rows.values())))
+                               bf16_activation_rows=None, fused_decode_max_rows=fused_rows)
