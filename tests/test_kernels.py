@@ -443,6 +443,40 @@ def test_fused_norms_match_torch(tokens) -> None:
     torch.testing.assert_close(out, F.rms_norm(summed, (72,), weight, 1e-6), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("width", [1, 7, 16, 23, 49152])
+def test_argmax_rows_is_torchs_argmax_ties_nans_and_infinities_included(width) -> None:
+    """Greedy sampling's native argmax gives torch.argmax(x, -1) exactly: the first of equal
+    maxima (ties planted across and within lanes, and in the tail), the first NaN where a row
+    has one (in the vector part or the tail), -inf rows, rows of a strided view; bf16 logits
+    go to torch's reduction."""
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(12, width + 3, generator=gen)[:, :width]  # rows apart: stride != width
+    if width >= 3:
+        x[1, [width // 3, width - 1, 0]] = 50.0  # a tie: the first wins
+        x[2, width // 2] = float("nan")
+        x[2, width - 1] = float("nan")
+        x[3, width - 1] = float("nan")  # in the tail for most widths
+        x[4] = float("-inf")
+        x[5, -1] = float("inf")
+        x[6] = 0.0
+        x[7, width - 2 :] = 7.0
+    x[8, 0] = float("nan")
+    for rows in (x, x[:1], x[5:]):
+        assert torch.equal(kernels.argmax_rows(rows), rows.argmax(dim=-1))
+    assert torch.equal(kernels.argmax_rows(x.bfloat16()), x.bfloat16().argmax(dim=-1))
+
+
+def test_the_runners_sampler_takes_the_native_argmax_with_torchs_answers() -> None:
+    from tokenmill.sampling.params import SamplingParams
+    from tokenmill.sampling.sampler import Sampler, SamplingRow
+
+    logits = torch.randn(32, 1000)
+    logits[3, [10, 500]] = 40.0
+    rows = [SamplingRow(SamplingParams(temperature=0), None, [1], [], []) for _ in range(32)]
+    native, plain = Sampler(0, kernels.argmax_rows), Sampler(0)
+    assert native(logits, rows).token_ids == plain(logits, rows).token_ids == logits.argmax(-1).tolist()
+
+
 @pytest.mark.parametrize("tokens", [1, 5, 40])
 def test_silu_and_mul_matches_torch(tokens) -> None:
     x = torch.randn(tokens, 2 * 100) * 8  # wide range: the exp approximation at both ends

@@ -34,7 +34,7 @@ _SOURCES = [
     _CSRC / name for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_ops.cpp", "cpu_decoder.cpp", "cpu_quant.cpp",
                               "cpu_prefill_attention.cpp")
 ]
-_OPS = ("paged_decode_attention", "skinny_linear", "panel_linear", "grouped_skinny_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary_",
+_OPS = ("argmax_rows", "paged_decode_attention", "skinny_linear", "panel_linear", "grouped_skinny_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary_",
         "llama_decode_layer", "column_parts_linear", "write_kv_cache", "hadamard_", "quant_linear", "quant_dequantize",
         "quantize_activations_q8", "quant_isa", "prefill_attention", "prefill_attention_chunks",
         "has_prefill_attention")
@@ -312,6 +312,15 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
     """residual (float32) += x (float32 or bfloat16) in place, then returns
     rms_norm(residual, weight, eps) in `out_dtype` (default x's)."""
     return torch.ops.tokenmill.add_rms_norm(x, residual, weight, eps, out_dtype)
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """x.argmax(dim=-1) for logits [rows, V]: the native op for float32 rows on the CPU (first of
+    equal maxima, the first NaN where there is one, as torch), torch's reduction otherwise."""
+    if x.dim() == 2 and x.dtype == torch.float32 and x.is_cpu and x.stride(1) == 1 and x.shape[1] > 0 \
+            and cpu_kernels_available():
+        return torch.ops.tokenmill.argmax_rows(x)
+    return x.argmax(dim=-1)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

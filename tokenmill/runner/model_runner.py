@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 import torch
 
+from tokenmill import kernels
 from tokenmill.attention.backend import AttentionBackend, BatchLayout, ForwardContext, forward_context
 from tokenmill.attention.kv_cache import KVCacheSpec, PagedKVCache
 from tokenmill.engine.batch import PromptLogprobsChunk, RequestTable, RunnerOutput, SchedulerOutput, StepRequest
@@ -54,7 +55,7 @@ class ModelRunner:
         self.plan = plan
         self.device = device
         self.block_size = kv_cache.spec.block_size
-        self.sampler = Sampler(seed)
+        self.sampler = Sampler(seed, kernels.argmax_rows)  # torch's argmax where the kernels did not build
         self.verifier = RejectionSampler(self.sampler)
         self.draft_probs: DraftProbs | None = None
         self.requests = RequestTable()

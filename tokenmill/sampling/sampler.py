@@ -18,6 +18,7 @@ its tokens do not depend on which other requests share the batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import chain
 
@@ -51,9 +52,17 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     return generator
 
 
+def torch_argmax(logits: torch.Tensor) -> torch.Tensor:
+    return logits.argmax(dim=-1)
+
+
 class Sampler:
-    def __init__(self, seed: int | None = None) -> None:
+    def __init__(self, seed: int | None = None,
+                 argmax: Callable[[torch.Tensor], torch.Tensor] = torch_argmax) -> None:
+        """`argmax`: greedy rows' argmax over the last dim, torch.argmax's answer (the runner
+        hands in the native one where it has the kernels: kernels.argmax_rows)."""
         self.seed = seed
+        self.argmax = argmax
         # One shared generator per device, for the rows without a seed of their own.
         self._generators: dict[torch.device, torch.Generator] = {}
 
@@ -63,7 +72,7 @@ class Sampler:
             raise ValueError(f"{logits.shape[0]} rows of logits but {len(rows)} sampling rows")
         if all(_is_plain_greedy(row) for row in rows):
             # Hot path: one argmax over the whole batch, no copies, one host sync.
-            return SamplerOutput(logits.argmax(dim=-1).tolist(), [None] * len(rows))
+            return SamplerOutput(self.argmax(logits).tolist(), [None] * len(rows))
 
         # Raw logprobs are taken before any processing; `.float()` copies only when
         # the dtype changes, so clone to keep the caller's tensor untouched.
@@ -85,13 +94,13 @@ class Sampler:
         """Argmax for greedy rows, a random draw for the others; returns [n] int64."""
         greedy = [i for i, row in enumerate(rows) if row.params.greedy]
         if len(greedy) == len(rows):
-            return logits.argmax(dim=-1)
+            return self.argmax(logits)
         if not greedy:
             return self._sample_random(logits, rows)
 
         random = [i for i, row in enumerate(rows) if not row.params.greedy]
         token_ids = torch.empty(len(rows), dtype=torch.long, device=logits.device)
-        token_ids[greedy] = logits[greedy].argmax(dim=-1)
+        token_ids[greedy] = self.argmax(logits[greedy])
         token_ids[random] = self._sample_random(logits[random], [rows[i] for i in random])
         return token_ids
 
