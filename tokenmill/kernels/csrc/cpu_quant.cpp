@@ -934,8 +934,11 @@ struct Panels {
 // each 64-byte line of the panel (one 4-column group of its 16 rows) is written whole, once:
 // written a tile's quarter at a time, every store missed L1 (a 2048-column panel is 32 KiB)
 // and took the miss buffers the packed weight's loads wait on. Each tile's packed bytes are
-// prefetched 4 KiB ahead: without it a span's first load (its scales) waited on memory, ~17%
-// of the unpack in `perf`. (1B shapes, Q4_0, 32 rows, 2 threads: 8.6-8.9 -> 7.5-7.8 ms a pass
+// prefetched 4 KiB ahead, every line of each span (a span's first and last lines only left an
+// 8-bit span's middle three to the hardware: the Q8_0 LM head of the default model, 49,152 x 576,
+// took 1.94-2.05 ms a call at 1 row, 1.56-1.60 ms with every line; 4-bit spans, 2-3 lines, no
+// change): without it a span's first load (its scales) waited on memory, ~17% of the unpack in
+// `perf`. (1B shapes, Q4_0, 32 rows, 2 threads: 8.6-8.9 -> 7.5-7.8 ms a pass
 // of a layer's four linears, ~1 ms of the ~2.4 ms the unpack cost beyond the compute.)
 constexpr int64_t kUnpackPrefetchBytes = 4096;
 
@@ -958,7 +961,8 @@ void unpack_panels(const uint8_t* packed, const Layout& L, int64_t p0, int64_t p
       const uint8_t* c[kPanelTiles];
       for (int64_t tp = 0; tp < kPanelTiles; ++tp) {
         const uint8_t* p = tile[tp] + s * L.span_bytes;
-        _mm_prefetch(reinterpret_cast<const char*>(p + kUnpackPrefetchBytes), _MM_HINT_T0);
+        for (int64_t o = 0; o < L.span_bytes; o += 64)
+          _mm_prefetch(reinterpret_cast<const char*>(p + kUnpackPrefetchBytes + o), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(p + kUnpackPrefetchBytes + L.span_bytes - 1), _MM_HINT_T0);
         load_span_scales(p, L, scale, minv);
         for (int64_t j = 0; j < L.gps; ++j)
