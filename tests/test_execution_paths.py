@@ -328,6 +328,30 @@ def test_a_tokens_attention_follows_what_the_token_is_under_prompts_as_chunks() 
 
 
 @torch.inference_mode()
+def test_the_integer_gemms_panels_are_unpacked_at_load_within_their_share_of_memory(tiny, monkeypatch, caplog) -> None:
+    """The plan keeps quantized weights' integer GEMM panels unpacked from load only if all of them
+    fit GEMM_PANELS_MEMORY_FRACTION of the machine's memory: over it, none are (a log line says how
+    much they would take), the plan does not claim them, and the GEMM unpacks per call."""
+    import tokenmill.runner.plan as plan_module
+    from tokenmill.model.layers import linear_weights
+
+    cfg, tensors = tiny
+    dense = cpu_native_plan(torch.bfloat16)
+    monkeypatch.setattr(plan_module, "GEMM_PANELS_MEMORY_FRACTION", 1e-12)
+    with caplog.at_level(logging.INFO, logger="tokenmill.runner.plan"):
+        model, plan = _build(cfg, _checkpoint(tensors, "Q4_1"), quantized_plan(dense, "stored", integer_gemm=True),
+                             "bfloat16")
+    weights = linear_weights(model)
+    assert not plan.gemm_panels and "panels" not in plan.describe()
+    assert model.fused_layers[LAYER].gemm_panels == [] and all(getattr(w, "gemm_panels", None) is None for w in weights)
+    needed = sum(w.gemm_panels_nbytes for w in weights)
+    if kernels.quant_integer_gemm_built():
+        assert needed == sum(w.qt.gemm_panels_nbytes for w in weights if hasattr(w, "qt")) > 0
+        assert "the integer GEMM's panels would take" in caplog.text
+    else:
+        assert needed == 0
+
+
 def test_with_the_integer_gemm_a_many_row_decode_step_runs_fused_with_the_per_op_bits(tiny) -> None:
     """A quantized plan on the whole-block integer GEMM runs pure decode steps of any size as
     the fused layer (its Python between the ops gone), handing the op the plan's integer rows
@@ -343,6 +367,10 @@ def test_with_the_integer_gemm_a_many_row_decode_step_runs_fused_with_the_per_op
     rows = 24
     assert rows > max(ROWS.quant_integer_rows.values()) and plan.step_kind(rows, all_decode=True) is StepKind.FUSED
     assert model.fused_layers[LAYER].quantized_settings == ([ROWS.quant_integer_rows[4]] * 4, True)
+    operands = model.fused_layers[LAYER]
+    panels_built = kernels.quant_integer_gemm_built()
+    assert plan.gemm_panels == panels_built and ("panels unpacked at load" in plan.describe()) == panels_built
+    assert len(operands.gemm_panels) == (4 if panels_built else 0)
 
     block = 16
     gen = torch.Generator().manual_seed(11)
@@ -359,21 +387,26 @@ def test_with_the_integer_gemm_a_many_row_decode_step_runs_fused_with_the_per_op
     backend = _backend("per-op").for_plan(plan.prefill_attention_dtype)
     history = (torch.randn(next_block * block, cfg.num_kv_heads, cfg.head_dim, generator=gen),
                torch.randn(next_block * block, cfg.num_kv_heads, cfg.head_dim, generator=gen))
+    # The same step without the GEMM's panels unpacked at load: the op unpacks per call, same bits.
+    unpacked = dataclasses.replace(operands, weights=[dataclasses.replace(w, gemm_panels=None) for w in operands.weights])
+    assert unpacked.gemm_panels == []
     results = {}
-    for kind in (StepKind.FUSED, StepKind.PER_OP):
+    for kind, fused_operands in ((StepKind.FUSED, operands), (StepKind.PER_OP, None), ("unpacked", unpacked)):
         cache = LayerKVCache.allocate(next_block, block, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16)
         kernels.write_kv_cache(*history, (cache.k, cache.v), None, torch.arange(next_block * block))
         caches = [cache if i == LAYER else None for i in range(cfg.num_layers)]
-        ctx = ForwardContext.for_step(kind, backend, layout, caches, torch.device("cpu"))
+        step_kind = StepKind.PER_OP if fused_operands is None else StepKind.FUSED
+        ctx = ForwardContext.for_step(step_kind, backend, layout, caches, torch.device("cpu"))
         res = residual.clone()
         with forward_context(ctx):
-            if kind.fused:
-                out = layer.fused_decode(model.fused_layers[LAYER], rope, h.clone(), res, cache, ctx.decode)
+            if fused_operands is not None:
+                out = layer.fused_decode(fused_operands, rope, h.clone(), res, cache, ctx.decode)
             else:
                 out, res = layer(rope, h.clone(), res)
         results[kind] = (out, res, cache.k.clone())
     fused, per_op = results[StepKind.FUSED], results[StepKind.PER_OP]
     assert all(torch.equal(a, b) for a, b in zip(fused, per_op))
+    assert all(torch.equal(a, b) for a, b in zip(fused, results["unpacked"]))
 
     mixed = [(name, t) for name, t in _checkpoint(tensors, "Q4_1") if "self_attn.o_proj" not in name]
     mixed += [(name, t) for name, t in tensors.items() if "self_attn.o_proj" in name]  # o_proj stays bf16

@@ -665,3 +665,35 @@ def test_the_integer_gemm_gives_the_row_kernels_bits(native, fmt) -> None:
         row = kernels.quant_linear(x[-m:].contiguous(), qt.packed, qt.format, qt.col_perm, ALL_ROWS,
                                    many_rows=ALL_ROWS)
         assert torch.equal(row, gemm[-m:]), f"{m} rows: {int((row != gemm[-m:]).sum())} outputs differ"
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_gemm_panels_unpacked_at_load_give_the_gemms_bits(native, fmt) -> None:
+    """The integer GEMM's panels unpacked once (kernels.quant_gemm_panels; what the plan keeps
+    for quantized weights on the integer GEMM) give every output the bits of the GEMM that
+    unpacks the weight on each call: past the integer rows (9-130 rows: partial quads, two
+    128-row passes) and in the integer kernel's many-row form (deterministic inference's
+    prompts); they take QuantizedTensor.gemm_panels_nbytes; another weight's are refused by
+    name. Groups of 16 (Q6_K) and builds without the block GEMM have none."""
+    qt = FORMATS[fmt]()
+    if not kernels.quant_integer_gemm_built():
+        with pytest.raises(RuntimeError, match="no block GEMM"):
+            kernels.quant_gemm_panels(qt.packed, qt.format)
+        return
+    if qt.format[3] % 32:
+        with pytest.raises(RuntimeError, match="does not cover groups of 16"):
+            kernels.quant_gemm_panels(qt.packed, qt.format)
+        return
+    panels = kernels.quant_gemm_panels(qt.packed, qt.format)
+    assert panels.dtype == torch.uint8 and panels.numel() == qt.gemm_panels_nbytes
+    gen = torch.Generator().manual_seed(31)
+    x = torch.randn(130, qt.shape[1], generator=gen) * torch.logspace(-2, 1, qt.shape[1])
+    for m in (9, 32, 130):
+        xm = x[:m].contiguous()
+        unpacked = kernels.quant_linear(xm, qt.packed, qt.format, qt.col_perm, 8, integer_gemm=True)
+        loaded = kernels.quant_linear(xm, qt.packed, qt.format, qt.col_perm, 8, integer_gemm=True, gemm_panels=panels)
+        assert torch.equal(loaded, unpacked), f"{m} rows: {int((loaded != unpacked).sum())} outputs differ"
+    rows = kernels.quant_linear(x, qt.packed, qt.format, qt.col_perm, ALL_ROWS)
+    assert torch.equal(kernels.quant_linear(x, qt.packed, qt.format, qt.col_perm, ALL_ROWS, gemm_panels=panels), rows)
+    with pytest.raises(RuntimeError, match="not quant_gemm_panels of this weight"):
+        kernels.quant_linear(x, qt.packed, qt.format, qt.col_perm, 8, integer_gemm=True, gemm_panels=panels[:-64])

@@ -257,6 +257,7 @@ def quant_linear(
     max_integer_rows: int = -1,
     many_rows: int = -1,
     integer_gemm: bool = False,
+    gemm_panels: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [M, K] float32 or bfloat16 (contiguous) @ W^T for a quantized W given as a
     QuantizedTensor's `packed`, `format` and `col_perm` (tokenmill/quantization/qtensor.py):
@@ -273,7 +274,14 @@ def quant_linear(
     Q6_K's, the integer kernel's many-row form) instead of the bf16 GEMM, on AVX512-VNNI builds
     (others: the bf16 GEMM): the plan turns it on where measured faster. A row then gets the
     row kernel's bits at any row count."""
-    return torch.ops.tokenmill.quant_linear(x, packed, format, col_perm, max_integer_rows, many_rows, integer_gemm)
+    return torch.ops.tokenmill.quant_linear(x, packed, format, col_perm, max_integer_rows, many_rows, integer_gemm,
+                                            gemm_panels)
+
+
+def quant_gemm_panels(packed: torch.Tensor, format: Sequence[int]) -> torch.Tensor:
+    """The integer GEMM's panels of a quantized W, unpacked once (uint8; `panels` of
+    quant_linear): the GEMM then reads them instead of unpacking W on every call."""
+    return torch.ops.tokenmill.quant_gemm_panels(packed, format)
 
 
 def quant_dequantize(
@@ -338,13 +346,14 @@ def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
 
 def column_parts_linear(x: torch.Tensor, tensors: list[torch.Tensor], formats: list[int],
                         perms: list[torch.Tensor | None], max_integer_rows: int = -1,
-                        integer_gemm: bool = False) -> torch.Tensor:
+                        integer_gemm: bool = False, gemm_panels: list[torch.Tensor | None] = ()) -> torch.Tensor:
     """x [M, K] float32 @ W^T for a weight in consecutive column parts (quantization's
     ColumnParts; the fused layer's format rows): each part times its own input columns,
     quantized parts as `quant_linear` with these settings, tiled ones by the skinny kernel,
-    the products added in order."""
-    return torch.ops.tokenmill.column_parts_linear(x.contiguous(), tensors, formats, perms, max_integer_rows,
-                                                   integer_gemm)
+    the products added in order. `gemm_panels`: the parts' panels unpacked at load (one per
+    part, None where absent), or none."""
+    return torch.ops.tokenmill.column_parts_linear(x.contiguous(), tensors, formats, perms, list(gemm_panels),
+                                                   max_integer_rows, integer_gemm)
 
 
 def llama_decode_layer(
@@ -365,12 +374,14 @@ def llama_decode_layer(
     op covers: fused_layer.py). A weight is tiles for skinny_linear (operand.format None) or a
     quantized stream, or several of either over consecutive input columns, added in order
     (operand.column_parts); a quantized one runs with the plan's integer rows and integer GEMM
-    (operand.integer_rows, operand.integer_gemm), as op by op. An int8/fp8 cache comes with its scales; `kv_rotation` is the Hadamard
+    (operand.integer_rows, operand.integer_gemm; its GEMM panels unpacked at load, operand.gemm_panels),
+    as op by op. An int8/fp8 cache comes with its scales; `kv_rotation` is the Hadamard
     block it stores K and V rotated by (0: none)."""
     tensors, formats, perms, parts = layer.flat_weights
     integer_rows, integer_gemm = layer.quantized_settings
     return torch.ops.tokenmill.llama_decode_layer(
-        h, residual, layer.input_norm, layer.post_norm, layer.eps, tensors, formats, perms, *rope, *kv_cache, slots,
+        h, residual, layer.input_norm, layer.post_norm, layer.eps, tensors, formats, perms, layer.gemm_panels, *rope,
+        *kv_cache, slots,
         block_tables, context_lens, layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scale,
         *(kv_scales or (None, None)), kv_rotation, parts, integer_rows, integer_gemm,
     )

@@ -103,6 +103,8 @@ class DecodeOperand:
     # if `integer_gemm` (else a bf16 GEMM), as the op-by-op path runs the weight.
     integer_rows: int = -1
     integer_gemm: bool = False
+    # Its panels for the integer GEMM, unpacked at load (kernels.quant_gemm_panels), or None.
+    gemm_panels: torch.Tensor | None = None
 
     @property
     def kind(self) -> str:
@@ -153,6 +155,16 @@ class FusedLayerOperands:
         if len(gemm) > 1:
             raise ValueError("a layer's quantized weights disagree on the integer GEMM (one plan sets it for all)")
         return [piece.integer_rows for piece in pieces], gemm == {True}
+
+    @functools.cached_property
+    def gemm_panels(self) -> list[torch.Tensor | None]:
+        """The op's `gemm_panels`: one per weight (as flat_weights lists them), or none at all."""
+        return self.flatten_gemm_panels(self.weights)
+
+    @staticmethod
+    def flatten_gemm_panels(operands: Sequence[DecodeOperand]) -> list[torch.Tensor | None]:
+        panels = [piece.gemm_panels for operand in operands for piece in operand.pieces]
+        return panels if any(p is not None for p in panels) else []
 
     @staticmethod
     def flatten(operands: Sequence[DecodeOperand]) -> tuple[list[torch.Tensor], list[int], list[torch.Tensor | None],

@@ -134,6 +134,19 @@ def place_weights_on_huge_pages(model: nn.Module) -> int:
     return arena.used
 
 
+def unpack_gemm_panels(model: nn.Module, budget_bytes: int) -> tuple[int, int]:
+    """Unpack every quantized weight's integer GEMM panels once (LinearWeights.unpack_gemm_panels)
+    if together they take at most `budget_bytes`; none otherwise. Before the fused layer gathers
+    its operands. Returns (bytes unpacked, bytes they would take)."""
+    weights = linear_weights(model)
+    needed = sum(w.gemm_panels_nbytes for w in weights)
+    if not needed or needed > budget_bytes:
+        return 0, needed
+    for w in weights:
+        w.unpack_gemm_panels()
+    return needed, needed
+
+
 class RMSNorm(nn.Module):
     """RMSNorm; given the residual stream too, it first adds x into it (vLLM's fused
     add + norm): `norm(x, residual)` returns (normed, residual + x). `out_dtype` bf16 is

@@ -54,6 +54,15 @@ class LinearWeights(ABC):
         returns: the same values elsewhere (on huge pages: kernels/huge_pages.py). Before the
         fused layer gathers its operands. None by default."""
 
+    @property
+    def gemm_panels_nbytes(self) -> int:
+        """Bytes `unpack_gemm_panels` would add (0: the format has no such copy)."""
+        return 0
+
+    def unpack_gemm_panels(self) -> None:
+        """Keep a copy of the weight unpacked for the many-row kernel, so that it is not unpacked
+        again on every call (quantized weights on the integer GEMM). None by default."""
+
     def fused_decode_operand(self) -> DecodeOperand | None:
         """What the native fused decode layer reads for this weight, or None when the
         format has no such path (the execution plan then refuses the fused layer at load)."""

@@ -42,7 +42,8 @@ class ColumnParts(LinearWeights):
         native = self._native_args(x)
         if native is not None:  # one native call: no Python between the parts (same kernels, same bits)
             tensors, formats, perms, _ = FusedLayerOperands.flatten([self._operand()])
-            return kernels.column_parts_linear(x, tensors, formats, perms, *native)
+            panels = FusedLayerOperands.flatten_gemm_panels([self._operand()])
+            return kernels.column_parts_linear(x, tensors, formats, perms, *native, gemm_panels=panels)
         y, start = None, 0
         for part in self.parts:
             product = part.apply(x[:, start : start + part.in_features].contiguous())
@@ -64,6 +65,15 @@ class ColumnParts(LinearWeights):
     def move_streamed(self, place: Callable[[torch.Tensor], torch.Tensor]) -> None:
         for part in self.parts:
             part.move_streamed(place)
+        self._native_operand = None
+
+    @property
+    def gemm_panels_nbytes(self) -> int:
+        return sum(p.gemm_panels_nbytes for p in self.parts)
+
+    def unpack_gemm_panels(self) -> None:
+        for part in self.parts:
+            part.unpack_gemm_panels()
         self._native_operand = None
 
     def _operand(self) -> DecodeOperand | None:

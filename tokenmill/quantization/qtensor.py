@@ -157,15 +157,27 @@ class QuantizedTensor:
             return self.native_linear(x, -1)
         return torch.nn.functional.linear(x, self.dequantize().to(x.dtype))
 
-    def native_linear(self, x: torch.Tensor, max_integer_rows: int, integer_gemm: bool = False) -> torch.Tensor:
+    def native_linear(self, x: torch.Tensor, max_integer_rows: int, integer_gemm: bool = False,
+                      gemm_panels: torch.Tensor | None = None) -> torch.Tensor:
         """y = x W^T by the native kernel (x [M, K] float32 or bfloat16 on the CPU): up to
         `max_integer_rows` rows x is quantized to int8 per 32 and multiplied on integers; beyond,
         the whole-block integer GEMM if `integer_gemm`, else a bf16 GEMM on the dequantized
-        weight (see kernels.quant_linear)."""
+        weight (see kernels.quant_linear; `gemm_panels`: the GEMM's panels unpacked at load)."""
         from tokenmill.kernels import quant_linear
 
         return quant_linear(x.contiguous(), self.packed, self.format, self.col_perm, max_integer_rows,
-                            integer_gemm=integer_gemm)
+                            integer_gemm=integer_gemm, gemm_panels=gemm_panels)
+
+    @property
+    def gemm_panels_nbytes(self) -> int:
+        """Bytes of `kernels.quant_gemm_panels` of this weight (cpu_quant.cpp's PanelStore): panels
+        of 16 rows, a byte per code over the padded K, float32 scales (and mins) per group."""
+        n, _ = self.shape
+        layout = self._layout
+        panels = -(-n // 16)
+        k_padded = layout.spans * layout.span
+        groups = k_padded // layout.kernel_group
+        return panels * 16 * (k_padded + groups * 4 * (1 if self.code_offset is not None else 2))
 
     def lookup_rows(self, index: torch.Tensor) -> torch.Tensor:
         """Rows `index` of the weight as float32 [len(index), K] (an embedding lookup in a

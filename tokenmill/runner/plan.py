@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -47,7 +48,7 @@ from tokenmill.attention.backend import StepKind
 from tokenmill import kernels
 from tokenmill.kernels import fused_layer, huge_pages
 from tokenmill.kernels.ops import NATIVE_OPS, REFERENCE_OPS, TorchOps
-from tokenmill.model.layers import place_weights_on_huge_pages, set_weight_format
+from tokenmill.model.layers import place_weights_on_huge_pages, set_weight_format, unpack_gemm_panels
 from tokenmill.model.llama import LlamaForCausalLM
 from tokenmill.quantization import DenseFormat, WeightFormat
 from tokenmill.quantization.dense import PANELS, CPUMatmulChoice
@@ -125,6 +126,11 @@ class ExecutionPlan:
     # What decode steps stream of the weights, copied into one arena on 2 MiB pages at load
     # (kernels/huge_pages.py); the KV cache likewise (worker.py).
     huge_pages: bool = False
+    # Quantized weights on the integer GEMM keep its panels unpacked from load, so a many-row call
+    # (a batched decode step, a prompt) does not unpack the weight again: the same bits, a second
+    # copy of the weight (a byte per code: as large again at 8 bits, twice at 4). apply_plan does
+    # it where the copies fit GEMM_PANELS_MEMORY_FRACTION of the machine's memory.
+    gemm_panels: bool = False
 
     @property
     def tier(self) -> str:
@@ -149,6 +155,8 @@ class ExecutionPlan:
             parts.append(f"bf16 activations (float32 residual) for steps of > {self.bf16_activation_rows} tokens")
         if self.huge_pages:
             parts.append("weights and KV cache on 2 MiB pages where the kernel gives them")
+        if self.gemm_panels:
+            parts.append("the integer GEMM's panels unpacked at load")
         if self.prompts_as_chunks:
             parts.append("every prompt chunk through the prefill attention kernel (a prompt's attention the same "
                          "bits cold, chunked or after a prefix-cache hit)")
@@ -211,6 +219,8 @@ def apply_plan(model: LlamaForCausalLM, plan: ExecutionPlan, kv_cache_dtype: str
         placed = place_weights_on_huge_pages(model)
         logger.info("weights on huge pages: %.0f MiB%s", placed / 2**20, "" if placed else
                     f" (transparent huge pages are {huge_pages.thp_mode() or 'unknown'} on this machine)")
+    if plan.gemm_panels:
+        plan = _unpack_gemm_panels(model, plan)
     model.use_ops(plan.ops)
     if plan.bf16_activation_rows is not None:
         missing = bf16_activations_uncovered(model.layer_features(), kv_cache_dtype)
@@ -230,6 +240,22 @@ def apply_plan(model: LlamaForCausalLM, plan: ExecutionPlan, kv_cache_dtype: str
             plan = dataclasses.replace(plan, fused_decode_max_rows=dense_limit)
     model.use_fused_layers(plan.fused_decode)
     return plan
+
+
+# At most this share of the machine's memory goes to the integer GEMM's panels unpacked at load.
+GEMM_PANELS_MEMORY_FRACTION = 1 / 8
+
+
+def _unpack_gemm_panels(model: LlamaForCausalLM, plan: ExecutionPlan) -> ExecutionPlan:
+    budget = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * GEMM_PANELS_MEMORY_FRACTION)
+    unpacked, needed = unpack_gemm_panels(model, budget)
+    if unpacked:
+        logger.info("the integer GEMM's panels unpacked at load: %.0f MiB", unpacked / 2**20)
+        return plan
+    if needed:
+        logger.info("the integer GEMM's panels would take %.0f MiB, over %.0f MiB (1/%d of memory): the GEMM "
+                    "unpacks each weight per call", needed / 2**20, budget / 2**20, round(1 / GEMM_PANELS_MEMORY_FRACTION))
+    return dataclasses.replace(plan, gemm_panels=False)
 
 
 def cpu_native_plan(weight_dtype: torch.dtype = torch.float32, onednn: bool = True, fused_decode: bool = True,
@@ -281,7 +307,7 @@ def quantized_plan(dense: ExecutionPlan, method: str, group_size: int = 32,
         # The fused layer then runs the op-by-op path's kernels at any row count (the integer
         # GEMM past the integer rows), without its Python between the ops: W4's 32-row decode
         # steps of the default model 50.7 -> 46.8 ms (apply_plan caps this for float weights).
-        return dataclasses.replace(plan, bf16_activation_rows=None, fused_decode_max_rows=EVERY_ROW,
+        return dataclasses.replace(plan, bf16_activation_rows=None, fused_decode_max_rows=EVERY_ROW, gemm_panels=True,
                                    prefill_attention_dtype=torch.bfloat16 if native_bf16 else plan.prefill_attention_dtype)
     if native_bf16 or dense.bf16_activation_rows is not None:  # past the integer kernel's rows
         plan = dataclasses.replace(plan, prefill_attention_dtype=torch.bfloat16, bf16_activation_rows=max(

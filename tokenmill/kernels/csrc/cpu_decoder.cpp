@@ -18,6 +18,9 @@
 // op's default) and `integer_gemm`, as the op-by-op path runs them, so a step of any row count
 // gets the same kernels (and bits) either way: with the whole-block integer GEMM the plan runs
 // decode steps of any size here (runner/plan.py), not only those of the integer kernel's rows.
+// `gemm_panels` (empty, or one per weight, None where absent): a quantized weight's panels for
+// the integer GEMM unpacked at load (quant_gemm_panels), which quant_linear reads instead of
+// unpacking the weight per call.
 // `parts` (empty: one weight each) gives how many weights each of the four linears has:
 // a linear of several is the sum, in order, of each part times its own consecutive input
 // columns (deterministic inference's row-parallel linears, as a 2-rank tensor-parallel
@@ -40,10 +43,16 @@ constexpr int64_t kFormatLen = 6;  // QuantizedTensor.format: N, K, bits, group,
 // `max_integer_rows` / `integer_gemm`: quant_linear's (-1 / false: its built-in switch,
 // what the fused layer runs).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef format,
-                  const std::optional<at::Tensor>& perm, int64_t max_integer_rows = -1, bool integer_gemm = false) {
+                  const std::optional<at::Tensor>& perm, int64_t max_integer_rows = -1, bool integer_gemm = false,
+                  const std::optional<at::Tensor>& gemm_panels = std::nullopt) {
   if (format[2] == 0)  // dense: panels [P, K, 64] / [P, K/2, 64, 2], or skinny tiles [T, K/16, 4, 16]
     return weight.size(2) == 64 ? panel_linear(x, weight, format[0]) : skinny_linear(x, weight, format[0]);
-  return quant_linear(x, QuantWeight::from_format(weight, format, perm), max_integer_rows, -1, integer_gemm);
+  return quant_linear(x, QuantWeight::from_format(weight, format, perm, gemm_panels), max_integer_rows, -1, integer_gemm);
+}
+
+// Entry i of a per-weight list of optional tensors that may be empty (none given).
+std::optional<at::Tensor> entry(const c10::List<std::optional<at::Tensor>>& list, int64_t i) {
+  return list.empty() ? std::nullopt : list.get(i);
 }
 
 // x . W^T for a weight in consecutive column parts (`weights[i]` with format row i and
@@ -51,9 +60,12 @@ at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef
 // the ranks of a tensor-parallel split and their all-reduce add them.
 at::Tensor linear_parts(const at::Tensor& x, at::TensorList weights, at::IntArrayRef formats,
                         const c10::List<std::optional<at::Tensor>>& perms, int64_t max_integer_rows = -1,
-                        bool integer_gemm = false) {
+                        bool integer_gemm = false,
+                        const c10::List<std::optional<at::Tensor>>& gemm_panels = c10::List<std::optional<at::Tensor>>()) {
   const int64_t parts = static_cast<int64_t>(weights.size());
-  if (parts == 1) return linear(x, weights[0], formats.slice(0, kFormatLen), perms.get(0), max_integer_rows, integer_gemm);
+  if (parts == 1)
+    return linear(x, weights[0], formats.slice(0, kFormatLen), perms.get(0), max_integer_rows, integer_gemm,
+                  entry(gemm_panels, 0));
   at::Tensor y;
   int64_t col = 0;
   for (int64_t w = 0; w < parts; ++w) {
@@ -61,7 +73,8 @@ at::Tensor linear_parts(const at::Tensor& x, at::TensorList weights, at::IntArra
     const int64_t k = format[1];
     TORCH_CHECK(k > 0 && col + k <= x.size(1), "a column part's K does not fit the input");
     at::Tensor product =
-        linear(x.narrow(1, col, k).contiguous(), weights[w], format, perms.get(w), max_integer_rows, integer_gemm);
+        linear(x.narrow(1, col, k).contiguous(), weights[w], format, perms.get(w), max_integer_rows, integer_gemm,
+               entry(gemm_panels, w));
     y = y.defined() ? at::add(y, product) : product;  // in order, as the all-reduce adds the ranks' products
     col += k;
   }
@@ -73,12 +86,14 @@ at::Tensor linear_parts(const at::Tensor& x, at::TensorList weights, at::IntArra
 
 // One linear in column parts (ColumnParts.apply on the native kernels): float32 x [M, K].
 at::Tensor column_parts_linear(const at::Tensor& x, at::TensorList weights, at::IntArrayRef formats,
-                               const c10::List<std::optional<at::Tensor>>& perms, int64_t max_integer_rows,
+                               const c10::List<std::optional<at::Tensor>>& perms,
+                               const c10::List<std::optional<at::Tensor>>& gemm_panels, int64_t max_integer_rows,
                                bool integer_gemm) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_contiguous(), "x: contiguous float32 [M, K]");
   TORCH_CHECK(!weights.empty() && formats.size() == weights.size() * kFormatLen && perms.size() == weights.size(),
               "a format row of 6 and a permutation (or None) per part");
-  return linear_parts(x, weights, formats, perms, max_integer_rows, integer_gemm);
+  TORCH_CHECK(gemm_panels.empty() || gemm_panels.size() == weights.size(), "gemm_panels: empty or one (or None) per part");
+  return linear_parts(x, weights, formats, perms, max_integer_rows, integer_gemm, gemm_panels);
 }
 
 // As DecoderLayer.forward: h (the previous layer's MLP output) is added into `residual`
@@ -88,7 +103,8 @@ at::Tensor column_parts_linear(const at::Tensor& x, at::TensorList weights, at::
 at::Tensor llama_decode_layer(
     const at::Tensor& h, at::Tensor residual, const at::Tensor& input_norm,
     const at::Tensor& post_norm, double eps, at::TensorList weights, at::IntArrayRef formats,
-    const c10::List<std::optional<at::Tensor>>& perms, const at::Tensor& cos, const at::Tensor& sin,
+    const c10::List<std::optional<at::Tensor>>& perms, const c10::List<std::optional<at::Tensor>>& gemm_panels,
+    const at::Tensor& cos, const at::Tensor& sin,
     at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
     const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     double scale, const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
@@ -117,17 +133,22 @@ at::Tensor llama_decode_layer(
               "per weight");
   TORCH_CHECK(integer_rows.empty() || static_cast<int64_t>(integer_rows.size()) == first[4],
               "integer_rows: empty or one per weight");
+  TORCH_CHECK(gemm_panels.empty() || static_cast<int64_t>(gemm_panels.size()) == first[4],
+              "gemm_panels: empty or one (or None) per weight");
   auto apply = [&](int64_t i, const at::Tensor& x) {
     // The plan's integer rows of the linear's weights (its parts share them); -1: quant_linear's default.
     const int64_t rows = integer_rows.empty() ? -1 : integer_rows[first[i]];
     if (first[i + 1] - first[i] == 1)
       return linear(x, weights[first[i]], formats.slice(first[i] * kFormatLen, kFormatLen), perms.get(first[i]), rows,
-                    integer_gemm);
-    c10::List<std::optional<at::Tensor>> part_perms;
-    for (int64_t w = first[i]; w < first[i + 1]; ++w) part_perms.push_back(perms.get(w));
+                    integer_gemm, entry(gemm_panels, first[i]));
+    c10::List<std::optional<at::Tensor>> part_perms, part_panels;
+    for (int64_t w = first[i]; w < first[i + 1]; ++w) {
+      part_perms.push_back(perms.get(w));
+      part_panels.push_back(entry(gemm_panels, w));
+    }
     return linear_parts(x, weights.slice(first[i], first[i + 1] - first[i]),
                         formats.slice(first[i] * kFormatLen, (first[i + 1] - first[i]) * kFormatLen), part_perms, rows,
-                        integer_gemm);
+                        integer_gemm, part_panels);
   };
   TORCH_CHECK(kv_rotation == 0 || k_scale.has_value(), "only an int8/fp8 KV cache is stored rotated");
 
@@ -161,12 +182,12 @@ at::Tensor llama_decode_layer(
 TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
   m.def(
       "llama_decode_layer(Tensor h, Tensor(a!) residual, Tensor input_norm, Tensor post_norm, float eps, "
-      "Tensor[] weights, int[] formats, Tensor?[] perms, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
+      "Tensor[] weights, int[] formats, Tensor?[] perms, Tensor?[] gemm_panels, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
       "Tensor(c!) v_cache, Tensor slots, Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, "
       "int head_dim, float scale, Tensor(d!)? k_scale=None, Tensor(e!)? v_scale=None, int kv_rotation=0, "
       "int[] parts=[], int[] integer_rows=[], bool integer_gemm=False) -> Tensor");
-  m.def("column_parts_linear(Tensor x, Tensor[] weights, int[] formats, Tensor?[] perms, int max_integer_rows=-1, "
-        "bool integer_gemm=False) -> Tensor");
+  m.def("column_parts_linear(Tensor x, Tensor[] weights, int[] formats, Tensor?[] perms, Tensor?[] gemm_panels, "
+        "int max_integer_rows=-1, bool integer_gemm=False) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(tokenmill, CPU, m) {

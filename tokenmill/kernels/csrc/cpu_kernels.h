@@ -20,9 +20,12 @@ struct QuantWeight {
   int64_t scale_bytes;  // 2: float16 scales/mins, 4: float32
   int64_t code_offset;  // symmetric: w = scale * (u - code_offset); -1: w = scale * u + min, mins stored
   std::optional<at::Tensor> col_perm;  // int64 [K] (GPTQ act-order): y = x[:, col_perm] . W_stored^T
+  // The block GEMM's panels of W, unpacked at load (quant_gemm_panels), or none: unpacked per call.
+  std::optional<at::Tensor> gemm_panels = std::nullopt;
 
   // format = QuantizedTensor.format = [N, K, bits, group_size, scale_bytes, code_offset]
-  static QuantWeight from_format(at::Tensor packed, at::IntArrayRef format, std::optional<at::Tensor> col_perm);
+  static QuantWeight from_format(at::Tensor packed, at::IntArrayRef format, std::optional<at::Tensor> col_perm,
+                                 std::optional<at::Tensor> gemm_panels = std::nullopt);
 };
 
 // cpu_quant.cpp. y [M, N] = x [M, K] . W^T for any M, x contiguous float32 or bfloat16 (y in
@@ -41,6 +44,9 @@ struct QuantWeight {
 // (AVX512-VNNI builds, weight groups of 32 or more; other bits than the row kernel's).
 at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w, int64_t max_integer_rows = -1,
                         int64_t many_rows = -1, bool integer_gemm = false);
+// W's panels for the block GEMM (integer_gemm), unpacked once: quant_linear reads them instead of
+// unpacking W per call. uint8, ~1.25 bytes per weight (groups of 32 with mins). AVX512-VNNI builds.
+at::Tensor quant_gemm_panels(const QuantWeight& w);
 // W (or its rows `rows`, e.g. embedding lookups) as float32 or bfloat16 [rows, K], in the
 // stored column order (col_perm not undone).
 at::Tensor quant_dequantize(const QuantWeight& w, at::ScalarType dtype, const std::optional<at::Tensor>& rows = std::nullopt);

@@ -1145,11 +1145,49 @@ constexpr int kBlockPanels = 3;  // panels per kernel call
 // Activation rows per pass over an unpacked chunk: their int8 rows stay in L2 with it.
 constexpr int64_t kBlockChunkRows = 128;
 
+// Every panel of W unpacked once, at load (quant_gemm_panels): what unpack_panels writes per
+// call, for the whole weight, in three regions: codes [panels][Kp / 4][16][4], scales
+// [panels][groups][16] float32, mins likewise (formats with mins).
+struct PanelStore {
+  int64_t panels, Kp, groups, code_bytes, scale_bytes, total;
+  bool has_mins;
+  explicit PanelStore(const Layout& L)
+      : panels((L.tiles + kPanelTiles - 1) / kPanelTiles), Kp(L.Kp), groups(L.Kp / L.group),
+        code_bytes(panels * L.Kp * kPanelRows), scale_bytes(panels * (L.Kp / L.group) * kPanelRows * 4),
+        total(code_bytes + scale_bytes * (L.has_mins ? 2 : 1)), has_mins(L.has_mins) {}
+  // Panels from p0 on, indexed from 0.
+  Panels at(const uint8_t* base, int64_t p0) const {
+    Panels u;
+    u.Kp = Kp, u.groups = groups;
+    u.codes = const_cast<uint8_t*>(base) + p0 * Kp * kPanelRows;
+    u.scale = reinterpret_cast<float*>(const_cast<uint8_t*>(base) + code_bytes) + p0 * groups * kPanelRows;
+    u.mins = has_mins ? reinterpret_cast<float*>(const_cast<uint8_t*>(base) + code_bytes + scale_bytes) + p0 * groups * kPanelRows
+                      : nullptr;
+    return u;
+  }
+};
+
 // Rows [m0, m1) (m0 a multiple of 4) against RW panels from `pnl`, a quad at a time.
+// `ahead` panels from pnl + RW on (panels unpacked at load, read from memory) are fetched
+// into L2 meanwhile, a share with each quad.
 template <int RW, bool MINS>
 void panel_quads(const Panels& P, int64_t pnl, const QuadRows& a, int64_t M, int64_t m0, int64_t m1, const Layout& L,
-                 float* y, int64_t n0) {
+                 float* y, int64_t n0, int64_t ahead = 0) {
+  const int64_t quads = (m1 - m0 + 3) / 4;
+  const int64_t code_lines = ahead * P.Kp * kPanelRows / 64, scale_lines = ahead * P.groups * kPanelRows * 4 / 64;
+  const char* next_codes = reinterpret_cast<const char*>(P.panel_codes(pnl + RW));
+  const char* next_scale = reinterpret_cast<const char*>(P.panel_scale(pnl + RW));
+  const char* next_mins = MINS ? reinterpret_cast<const char*>(P.panel_mins(pnl + RW)) : nullptr;
   for (int64_t m = m0; m < m1; m += 4) {
+    if (ahead) {
+      const int64_t q = (m - m0) / 4;
+      for (int64_t l = q * code_lines / quads; l < (q + 1) * code_lines / quads; ++l)
+        _mm_prefetch(next_codes + 64 * l, _MM_HINT_T1);
+      for (int64_t l = q * scale_lines / quads; l < (q + 1) * scale_lines / quads; ++l) {
+        _mm_prefetch(next_scale + 64 * l, _MM_HINT_T1);
+        if (MINS) _mm_prefetch(next_mins + 64 * l, _MM_HINT_T1);
+      }
+    }
     switch (std::min<int64_t>(4, M - m)) {
       case 4: panel_quad<4, RW, MINS>(P, pnl, a, m / 4, L, y, m, n0); break;
       case 3: panel_quad<3, RW, MINS>(P, pnl, a, m / 4, L, y, m, n0); break;
@@ -1162,25 +1200,32 @@ void panel_quads(const Panels& P, int64_t pnl, const QuadRows& a, int64_t M, int
 // Panels [begin, end) of W against every activation row.
 template <bool MINS>
 void run_panels(int64_t begin, int64_t end, const uint8_t* packed, const Layout& L, const QuadRows& a, int64_t M,
-                float* y) {
+                float* y, const uint8_t* repacked) {
   thread_local Scratch scratch;
   Panels u;
   u.Kp = L.Kp, u.groups = L.Kp / L.group;
   const int64_t panel_bytes = L.Kp * kPanelRows;
   const int64_t chunk = std::max<int64_t>(kBlockPanels, (kLaneChunkBytes / panel_bytes) / kBlockPanels * kBlockPanels);
-  const int64_t n_panels = std::min(chunk, end - begin);
-  const size_t code_bytes = round64(n_panels * panel_bytes), scale_bytes = round64(n_panels * u.groups * kPanelRows * 4);
-  uint8_t* base = scratch.take(code_bytes + 2 * scale_bytes);
-  u.codes = base, u.scale = reinterpret_cast<float*>(base + code_bytes),
-  u.mins = reinterpret_cast<float*>(base + code_bytes + scale_bytes);
+  if (!repacked) {
+    const int64_t n_panels = std::min(chunk, end - begin);
+    const size_t code_bytes = round64(n_panels * panel_bytes), scale_bytes = round64(n_panels * u.groups * kPanelRows * 4);
+    uint8_t* base = scratch.take(code_bytes + 2 * scale_bytes);
+    u.codes = base, u.scale = reinterpret_cast<float*>(base + code_bytes),
+    u.mins = reinterpret_cast<float*>(base + code_bytes + scale_bytes);
+  }
+  const PanelStore store(L);
   for (int64_t p0 = begin; p0 < end; p0 += chunk) {
     const int64_t p1 = std::min(end, p0 + chunk);
-    unpack_panels(packed, L, p0, p1, u);
+    if (repacked)
+      u = store.at(repacked, p0);
+    else
+      unpack_panels(packed, L, p0, p1, u);
     for (int64_t m0 = 0; m0 < M; m0 += kBlockChunkRows) {
       const int64_t m1 = std::min(M, m0 + kBlockChunkRows);
       int64_t p = p0;
       for (; p + kBlockPanels <= p1; p += kBlockPanels)
-        panel_quads<kBlockPanels, MINS>(u, p - p0, a, M, m0, m1, L, y, p * kPanelRows);
+        panel_quads<kBlockPanels, MINS>(u, p - p0, a, M, m0, m1, L, y, p * kPanelRows,
+                                        repacked ? std::clamp<int64_t>(end - p - kBlockPanels, 0, kBlockPanels) : 0);
       for (; p < p1; ++p) panel_quads<1, MINS>(u, p - p0, a, M, m0, m1, L, y, p * kPanelRows);
     }
   }
@@ -1191,24 +1236,39 @@ void run_panels(int64_t begin, int64_t end, const uint8_t* packed, const Layout&
 int32_t block_init_multiplier(const Layout& L) { return L.has_mins ? 0 : -static_cast<int32_t>(L.offset); }
 
 // Every panel against every row of `a` (quantized by_block), panels spread over the threads.
-void run_all_panels(const ActRows& a, const Layout& L, const uint8_t* packed, float* y) {
+void run_all_panels(const ActRows& a, const Layout& L, const uint8_t* packed, float* y, const uint8_t* repacked) {
   thread_local Scratch scratch;
   const QuadRows quads = interleave_quads(a, L, scratch);
   const int64_t panels = (L.tiles + kPanelTiles - 1) / kPanelTiles;
   const int64_t grain = std::max<int64_t>(1, panels / (2 * at::get_num_threads()));
   at::parallel_for(0, panels, grain, [&](int64_t begin, int64_t end) {
     if (L.has_mins)
-      run_panels<true>(begin, end, packed, L, quads, a.M, y);
+      run_panels<true>(begin, end, packed, L, quads, a.M, y, repacked);
     else
-      run_panels<false>(begin, end, packed, L, quads, a.M, y);
+      run_panels<false>(begin, end, packed, L, quads, a.M, y, repacked);
   });
 }
 
 void block_integer_linear(const float* x, int64_t M, const int64_t* perm, const Layout& L, const uint8_t* packed,
-                          float* y) {
+                          float* y, const uint8_t* repacked) {
   thread_local Scratch scratch;
   run_all_panels(quantize_activations(x, M, L.K, perm, L, block_init_multiplier(L), scratch, L.has_mins, true), L,
-                 packed, y);
+                 packed, y, repacked);
+}
+
+// W's panels for the block GEMM, unpacked once (PanelStore).
+at::Tensor repack_panels(const tokenmill::QuantWeight& w, const Layout& L) {
+  const PanelStore store(L);
+  at::Tensor out = at::empty({store.total}, w.packed.options());
+  uint8_t* base = out.data_ptr<uint8_t>();
+  const uint8_t* packed = w.packed.data_ptr<uint8_t>();
+  at::parallel_for(0, store.panels, 1, [&](int64_t p0, int64_t p1) {
+    Panels u = store.at(base, p0);
+    float unused[kPanelRows];
+    if (!u.mins) u.mins = unused;  // unpack_panels writes mins only for formats with mins
+    unpack_panels(packed, L, p0, p1, u);
+  });
+  return out;
 }
 
 // ----- few rows in the block GEMM's order ------------------------------------------------------
@@ -1343,12 +1403,12 @@ bool block_gemm_covers(const Layout& L) {
 // any number under deterministic inference). From `many_rows` rows on (-1: kManyRows) the
 // lane-rows kernel computes the same bits faster, where the build has it.
 void integer_linear(const float* x, int64_t M, const int64_t* perm, const Layout& L, const uint8_t* packed, float* y,
-                    int64_t many_rows) {
+                    int64_t many_rows, const uint8_t* repacked) {
   thread_local Scratch scratch;
 #if defined(TM_QUANT_BLOCK_GEMM)
   if (block_gemm_covers(L)) {  // the block order: the row kernel and the block GEMM give the same bits
     const ActRows a = quantize_activations(x, M, L.K, perm, L, block_init_multiplier(L), scratch, L.has_mins, true);
-    if (M >= (many_rows < 0 ? kManyRows : many_rows)) return run_all_panels(a, L, packed, y);
+    if (M >= (many_rows < 0 ? kManyRows : many_rows)) return run_all_panels(a, L, packed, y, repacked);
     const RowBlocks blocks(M);
     const RunFn run = pick_blocked_run_fn(L);
     const int64_t grain = std::max<int64_t>(4, L.tiles / (4 * at::get_num_threads()));
@@ -1607,10 +1667,22 @@ at::Tensor gemm_linear(const at::Tensor& x, const tokenmill::QuantWeight& w, con
 
 namespace tokenmill {
 
-QuantWeight QuantWeight::from_format(at::Tensor packed, at::IntArrayRef format, std::optional<at::Tensor> col_perm) {
+QuantWeight QuantWeight::from_format(at::Tensor packed, at::IntArrayRef format, std::optional<at::Tensor> col_perm,
+                                     std::optional<at::Tensor> gemm_panels) {
   TORCH_CHECK(format.size() == 6, "quantized weight format must be [N, K, bits, group_size, scale_bytes, code_offset]");
   return QuantWeight{std::move(packed), format[0], format[1], format[2], format[3], format[4], format[5],
-                     std::move(col_perm)};
+                     std::move(col_perm), std::move(gemm_panels)};
+}
+
+at::Tensor quant_gemm_panels(const QuantWeight& w) {
+  const Layout L(w);
+#if defined(TM_QUANT_BLOCK_GEMM)
+  TORCH_CHECK(block_gemm_covers(L), "quant_gemm_panels: the block GEMM does not cover groups of ", L.group);
+  return repack_panels(w, L);
+#else
+  TORCH_CHECK(false, "quant_gemm_panels: this build has no block GEMM (AVX512-VNNI)");
+  return at::Tensor();
+#endif
 }
 
 at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w, int64_t max_integer_rows, int64_t many_rows,
@@ -1644,13 +1716,21 @@ at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w, int64_t max_i
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const uint8_t* packed = w.packed.data_ptr<uint8_t>();
+  const uint8_t* repacked = nullptr;  // the block GEMM's panels, unpacked at load
 #if defined(TM_QUANT_BLOCK_GEMM)
+  if (w.gemm_panels.has_value() && block_gemm_covers(L)) {
+    const at::Tensor& t = *w.gemm_panels;
+    TORCH_CHECK(t.scalar_type() == at::kByte && t.is_contiguous() && t.numel() == PanelStore(L).total,
+                "gemm_panels: not quant_gemm_panels of this weight (uint8, ", PanelStore(L).total, " bytes; got ",
+                t.scalar_type(), ", ", t.numel(), ")");
+    repacked = t.data_ptr<uint8_t>();
+  }
   if (block) {
-    block_integer_linear(xp, M, perm, L, packed, yp);
+    block_integer_linear(xp, M, perm, L, packed, yp, repacked);
     return y;
   }
 #endif
-  integer_linear(xp, M, perm, L, packed, yp, many_rows);
+  integer_linear(xp, M, perm, L, packed, yp, many_rows, repacked);
   return y;
 }
 
@@ -1699,9 +1779,12 @@ const char* quant_isa() {
 namespace {
 at::Tensor quant_linear_op(const at::Tensor& x, const at::Tensor& packed, at::IntArrayRef format,
                            const std::optional<at::Tensor>& col_perm, int64_t max_integer_rows, int64_t many_rows,
-                           bool integer_gemm) {
-  return tokenmill::quant_linear(x, tokenmill::QuantWeight::from_format(packed, format, col_perm), max_integer_rows,
-                                 many_rows, integer_gemm);
+                           bool integer_gemm, const std::optional<at::Tensor>& gemm_panels) {
+  return tokenmill::quant_linear(x, tokenmill::QuantWeight::from_format(packed, format, col_perm, gemm_panels),
+                                 max_integer_rows, many_rows, integer_gemm);
+}
+at::Tensor quant_gemm_panels_op(const at::Tensor& packed, at::IntArrayRef format) {
+  return tokenmill::quant_gemm_panels(tokenmill::QuantWeight::from_format(packed, format, std::nullopt));
 }
 at::Tensor quant_dequantize_op(const at::Tensor& packed, at::IntArrayRef format, at::ScalarType dtype,
                                const std::optional<at::Tensor>& rows) {
@@ -1712,7 +1795,8 @@ std::string quant_isa_op() { return tokenmill::quant_isa(); }
 
 TORCH_LIBRARY_FRAGMENT(TOKENMILL_OPS_NS, m) {
   m.def("quant_linear(Tensor x, Tensor packed, int[] format, Tensor? col_perm, int max_integer_rows=-1, "
-        "int many_rows=-1, bool integer_gemm=False) -> Tensor");
+        "int many_rows=-1, bool integer_gemm=False, Tensor? gemm_panels=None) -> Tensor");
+  m.def("quant_gemm_panels(Tensor packed, int[] format) -> Tensor");
   m.def("quant_dequantize(Tensor packed, int[] format, ScalarType dtype, Tensor? rows=None) -> Tensor");
   m.def("quantize_activations_q8(Tensor x) -> (Tensor, Tensor)");
   m.def("quant_isa() -> str", &quant_isa_op);
@@ -1721,5 +1805,6 @@ TORCH_LIBRARY_FRAGMENT(TOKENMILL_OPS_NS, m) {
 TORCH_LIBRARY_IMPL(TOKENMILL_OPS_NS, CPU, m) {
   m.impl("quant_linear", &quant_linear_op);
   m.impl("quant_dequantize", &quant_dequantize_op);
+  m.impl("quant_gemm_panels", &quant_gemm_panels_op);
   m.impl("quantize_activations_q8", &tokenmill::quantize_activations_q8);
 }
