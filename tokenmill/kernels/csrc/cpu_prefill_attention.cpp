@@ -96,11 +96,12 @@ void attend_rows_of(const uint16_t* q, int64_t q_row, int64_t r0, int64_t offset
   constexpr int64_t nr = NR;
   constexpr int64_t d = ND * 16, pairs = d / 2, KV = kKeys / 16;
   __m512 acc[NR][ND];
-  float m[NR], l[NR];
+  __m512 l[NR];  // each row's running sum of probabilities, lane by lane (added across at the end)
+  float m[NR];
   for (int64_t r = 0; r < NR; ++r) {
     for (int j = 0; j < ND; ++j) acc[r][j] = _mm512_setzero_ps();
     m[r] = -std::numeric_limits<float>::infinity();
-    l[r] = 0.f;
+    l[r] = _mm512_setzero_ps();
   }
   const int64_t last = offset + (r0 + nr - 1) * row_step;  // the last row's last key
   const __m512 vscale = _mm512_set1_ps(scale);
@@ -126,34 +127,40 @@ void attend_rows_of(const uint16_t* q, int64_t q_row, int64_t r0, int64_t offset
         for (int64_t x = 0; x < KV; ++x) s[r][x] = _mm512_dpbf16_ps(s[r][x], kv[x], qv);
       }
     }
+#pragma GCC unroll 4
     for (int64_t r = 0; r < nr; ++r) {
+      // The block's scores (invisible keys at -inf), their max in one reduction, the
+      // probabilities, and the running sum kept lane by lane: the horizontal sums and a
+      // libm exp per row and block were a third of a decode row's instructions.
       __m512 sc[KV];
       __mmask16 valid[KV];
-      float bm = -std::numeric_limits<float>::infinity();
+      __m512 bmv = minus_inf;
       for (int64_t x = 0; x < KV; ++x) {
         const int64_t limit = offset + (r0 + r) * row_step - kb * kKeys - x * 16;  // lanes 0..limit are visible
         valid[x] = limit >= 15 ? __mmask16(0xFFFF) : limit < 0 ? __mmask16(0) : __mmask16((1u << (limit + 1)) - 1);
         sc[x] = _mm512_mask_mov_ps(minus_inf, valid[x], _mm512_mul_ps(s[r][x], vscale));
-        if (valid[x]) bm = std::max(bm, _mm512_reduce_max_ps(sc[x]));
+        bmv = _mm512_max_ps(bmv, sc[x]);
       }
+      const float bm = _mm512_reduce_max_ps(bmv);
       if (bm == -std::numeric_limits<float>::infinity()) {  // no key of this block is visible to the row
         std::memset(pb[r], 0, sizeof(pb[r]));
         continue;
       }
+      __m512 sum = _mm512_setzero_ps();
       const float new_m = std::max(m[r], bm);
-      const float alpha = std::exp(m[r] - new_m);
-      float sum = 0.f;
+      const __m512 vm = _mm512_set1_ps(new_m);
       for (int64_t x = 0; x < KV; ++x) {
-        const __m512 pr = _mm512_maskz_mov_ps(valid[x], exp16(_mm512_sub_ps(sc[x], _mm512_set1_ps(new_m))));
-        sum += _mm512_reduce_add_ps(pr);
+        const __m512 pr = _mm512_maskz_mov_ps(valid[x], exp16(_mm512_sub_ps(sc[x], vm)));
+        sum = _mm512_add_ps(sum, pr);
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(pb[r] + x * 16), (__m256i)_mm512_cvtneps_pbh(pr));
       }
-      l[r] = l[r] * alpha + sum;
-      m[r] = new_m;
-      if (alpha != 1.0f) {
-        const __m512 va = _mm512_set1_ps(alpha);
+      if (new_m != m[r]) {  // the max moved: what was summed so far is rescaled (e^0 = 1 otherwise)
+        const __m512 va = _mm512_set1_ps(std::exp(m[r] - new_m));
+        l[r] = _mm512_mul_ps(l[r], va);
         for (int j = 0; j < ND; ++j) acc[r][j] = _mm512_mul_ps(acc[r][j], va);
       }
+      l[r] = _mm512_add_ps(l[r], sum);
+      m[r] = new_m;
     }
     for (int64_t mp = 0; mp < kKeys / 2; ++mp) {
       __m512bh pv[NR];
@@ -166,7 +173,7 @@ void attend_rows_of(const uint16_t* q, int64_t q_row, int64_t r0, int64_t offset
     }
   }
   for (int64_t r = 0; r < nr; ++r) {
-    const __m512 inv = _mm512_set1_ps(1.0f / l[r]);
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(l[r]));
     out_t* o = out + (r0 + r) * out_row;
     for (int j = 0; j < ND; ++j) {
       const __m256i bf = (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[r][j], inv));
