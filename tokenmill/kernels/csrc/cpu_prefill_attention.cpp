@@ -49,7 +49,6 @@ constexpr int64_t kRows = 4;   // query rows per task
 // cpu_attention.cpp's prefetch_block).
 inline void prefetch_line(const void* p) { asm volatile("prefetcht1 %0" : : "m"(*static_cast<const char*>(p))); }
 
-
 // e^x on 16 float32 lanes (cpu_vec.h's exp8, 16 wide): x = n ln2 + r, e^r by a degree-6
 // polynomial, 2^n through the exponent bits.
 inline __m512 exp16(__m512 x) {
@@ -83,7 +82,7 @@ struct KeyBlock {
   const uint32_t* v[2];
 };
 
-// One task: query rows [r0, r0 + nr) (nr <= 4) of one head, row r seeing keys 0 .. offset + r
+// One task: query rows [r0, r0 + NR) (NR <= 4) of one head, row r seeing keys 0 .. offset + r
 // x row_step (1: a chunk's rows, bottom-right causal; 0: rows that all see the same keys, a
 // decode token's heads of one KV head). ND = head_dim / 16; a key block is KV vectors of 16 keys.
 // `blocks(kb)`: key block kb (its keys 32 kb .. 32 kb + 31), from the step's packed blocks
@@ -93,7 +92,6 @@ struct KeyBlock {
 template <int ND, int NR, typename Blocks, typename out_t>
 void attend_rows_of(const uint16_t* q, int64_t q_row, int64_t r0, int64_t offset, int64_t row_step,
                     const Blocks& blocks, float scale, out_t* out, int64_t out_row) {
-  constexpr int64_t nr = NR;
   constexpr int64_t d = ND * 16, pairs = d / 2, KV = kKeys / 16;
   __m512 acc[NR][ND];
   __m512 l[NR];  // each row's running sum of probabilities, lane by lane (added across at the end)
@@ -103,7 +101,7 @@ void attend_rows_of(const uint16_t* q, int64_t q_row, int64_t r0, int64_t offset
     m[r] = -std::numeric_limits<float>::infinity();
     l[r] = _mm512_setzero_ps();
   }
-  const int64_t last = offset + (r0 + nr - 1) * row_step;  // the last row's last key
+  const int64_t last = offset + (r0 + NR - 1) * row_step;  // the last row's last key
   const __m512 vscale = _mm512_set1_ps(scale);
   const __m512 minus_inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
   alignas(64) uint16_t pb[NR][kKeys];  // each row's probabilities of the block, in bf16
@@ -112,7 +110,8 @@ void attend_rows_of(const uint16_t* q, int64_t q_row, int64_t r0, int64_t offset
     for (int64_t r = 0; r < NR; ++r)
       for (int64_t x = 0; x < KV; ++x) s[r][x] = _mm512_setzero_ps();
     const KeyBlock block = blocks(kb);
-    // The next block's K and V lines (4 x d / 2 of them) asked for a line of each a pair.
+    // The next block's K and V lines (4 x d / 2 of them): one line of each of the four
+    // half-blocks with every pair of columns.
     KeyBlock next{};
     if constexpr (Blocks::kPrefetch)
       if (blocks.ahead && (kb + 1) * kKeys <= last) next = blocks.locate(kb + 1);
@@ -128,7 +127,7 @@ void attend_rows_of(const uint16_t* q, int64_t q_row, int64_t r0, int64_t offset
       }
     }
 #pragma GCC unroll 4
-    for (int64_t r = 0; r < nr; ++r) {
+    for (int64_t r = 0; r < NR; ++r) {
       // The block's scores (invisible keys at -inf), their max in one reduction, the
       // probabilities, and the running sum kept lane by lane: the horizontal sums and a
       // libm exp per row and block were a third of a decode row's instructions.
@@ -172,7 +171,7 @@ void attend_rows_of(const uint16_t* q, int64_t q_row, int64_t r0, int64_t offset
       }
     }
   }
-  for (int64_t r = 0; r < nr; ++r) {
+  for (int64_t r = 0; r < NR; ++r) {
     const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(l[r]));
     out_t* o = out + (r0 + r) * out_row;
     for (int j = 0; j < ND; ++j) {
@@ -184,7 +183,6 @@ void attend_rows_of(const uint16_t* q, int64_t q_row, int64_t r0, int64_t offset
     }
   }
 }
-
 
 // attend_rows_of for nr = 1 .. kRows rows: the row count a compile-time constant, so every row
 // loop unrolls with its scores and accumulators in registers and no row is computed for nothing
@@ -304,7 +302,7 @@ struct CacheGroups {
 
   // A cache's blocks sit anywhere, so the hardware prefetchers lose the stream at every block:
   // attend_rows asks for the next block's lines (into L2) while it computes on this one
-  // (where `ahead`, below).
+  // (where `ahead`, above).
   static constexpr bool kPrefetch = true;
 
   // Where key block kb's halves are (a half past the last key: its other half's lines again).
