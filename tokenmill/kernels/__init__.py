@@ -36,7 +36,7 @@ _SOURCES = [
 ]
 _OPS = ("argmax_rows", "paged_decode_attention", "skinny_linear", "panel_linear", "grouped_skinny_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary_",
         "llama_decode_layer", "column_parts_linear", "write_kv_cache", "hadamard_", "quant_linear", "quant_dequantize",
-        "quantize_activations_q8", "quant_isa", "prefill_attention", "prefill_attention_chunks",
+        "quantize_activations_q8", "quant_isa", "quant_gemm_panels", "prefill_attention", "prefill_attention_chunks",
         "has_prefill_attention")
 _NAME = "tokenmill_cpu_kernels"
 

@@ -129,7 +129,8 @@ class ExecutionPlan:
     # Quantized weights on the integer GEMM keep its panels unpacked from load, so a many-row call
     # (a batched decode step, a prompt) does not unpack the weight again: the same bits, a second
     # copy of the weight (a byte per code: as large again at 8 bits, twice at 4). apply_plan does
-    # it where the copies fit GEMM_PANELS_MEMORY_FRACTION of the machine's memory.
+    # it where the copies fit GEMM_PANELS_MEMORY_FRACTION of the machine's memory and a quarter of
+    # what is free.
     gemm_panels: bool = False
 
     @property
@@ -242,19 +243,35 @@ def apply_plan(model: LlamaForCausalLM, plan: ExecutionPlan, kv_cache_dtype: str
     return plan
 
 
-# At most this share of the machine's memory goes to the integer GEMM's panels unpacked at load.
+# At most this share of the machine's memory goes to the integer GEMM's panels unpacked at load
+# (each process's, e.g. each tensor-parallel rank's), and at most a quarter of what is free then.
 GEMM_PANELS_MEMORY_FRACTION = 1 / 8
+
+
+def _available_memory() -> int | None:
+    """MemAvailable (Linux), None where it cannot be read."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
 
 
 def _unpack_gemm_panels(model: LlamaForCausalLM, plan: ExecutionPlan) -> ExecutionPlan:
     budget = int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") * GEMM_PANELS_MEMORY_FRACTION)
+    if (available := _available_memory()) is not None:
+        budget = min(budget, available // 4)
     unpacked, needed = unpack_gemm_panels(model, budget)
     if unpacked:
         logger.info("the integer GEMM's panels unpacked at load: %.0f MiB", unpacked / 2**20)
         return plan
     if needed:
-        logger.info("the integer GEMM's panels would take %.0f MiB, over %.0f MiB (1/%d of memory): the GEMM "
-                    "unpacks each weight per call", needed / 2**20, budget / 2**20, round(1 / GEMM_PANELS_MEMORY_FRACTION))
+        logger.info("the integer GEMM's panels would take %.0f MiB, over %.0f MiB (1/%d of memory, at most a "
+                    "quarter of what is free): the GEMM unpacks each weight per call", needed / 2**20, budget / 2**20,
+                    round(1 / GEMM_PANELS_MEMORY_FRACTION))
     return dataclasses.replace(plan, gemm_panels=False)
 
 

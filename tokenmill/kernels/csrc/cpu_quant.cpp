@@ -1095,8 +1095,8 @@ __attribute__((always_inline)) inline void panel_quad(const Panels& P, int64_t p
   const float* gs = a.gs_quad(quad);
   const uint8_t* w = P.panel_codes(pnl);
   const float* sc = P.panel_scale(pnl);
-  const float* mn = P.panel_mins(pnl);
-  for (int64_t g = 0; g < P.groups; ++g, sc += kPanelRows, mn += kPanelRows, gs += 4) {
+  const float* mn = MINS ? P.panel_mins(pnl) : nullptr;
+  for (int64_t g = 0; g < P.groups; ++g, sc += kPanelRows, mn += MINS ? kPanelRows : 0, gs += 4) {
     for (int64_t bb = 0; bb < blocks_per_group; ++bb, w += kBlock * kPanelRows, xq += kBlock, d += 4, init += 4) {
       _mm_prefetch(reinterpret_cast<const char*>(w + 4096), _MM_HINT_T0);
       __m512i dot[RA][RW];
@@ -1175,9 +1175,9 @@ void panel_quads(const Panels& P, int64_t pnl, const QuadRows& a, int64_t M, int
                  float* y, int64_t n0, int64_t ahead = 0) {
   const int64_t quads = (m1 - m0 + 3) / 4;
   const int64_t code_lines = ahead * P.Kp * kPanelRows / 64, scale_lines = ahead * P.groups * kPanelRows * 4 / 64;
-  const char* next_codes = reinterpret_cast<const char*>(P.panel_codes(pnl + RW));
-  const char* next_scale = reinterpret_cast<const char*>(P.panel_scale(pnl + RW));
-  const char* next_mins = MINS ? reinterpret_cast<const char*>(P.panel_mins(pnl + RW)) : nullptr;
+  const char* next_codes = ahead ? reinterpret_cast<const char*>(P.panel_codes(pnl + RW)) : nullptr;
+  const char* next_scale = ahead ? reinterpret_cast<const char*>(P.panel_scale(pnl + RW)) : nullptr;
+  const char* next_mins = ahead && MINS ? reinterpret_cast<const char*>(P.panel_mins(pnl + RW)) : nullptr;
   for (int64_t m = m0; m < m1; m += 4) {
     if (ahead) {
       const int64_t q = (m - m0) / 4;
@@ -1264,8 +1264,7 @@ at::Tensor repack_panels(const tokenmill::QuantWeight& w, const Layout& L) {
   const uint8_t* packed = w.packed.data_ptr<uint8_t>();
   at::parallel_for(0, store.panels, 1, [&](int64_t p0, int64_t p1) {
     Panels u = store.at(base, p0);
-    float unused[kPanelRows];
-    if (!u.mins) u.mins = unused;  // unpack_panels writes mins only for formats with mins
+    if (!u.mins) u.mins = u.scale;  // never written: unpack_panels writes mins only for formats with mins
     unpack_panels(packed, L, p0, p1, u);
   });
   return out;
