@@ -697,3 +697,87 @@ def test_gemm_panels_unpacked_at_load_give_the_gemms_bits(native, fmt) -> None:
     assert torch.equal(kernels.quant_linear(x, qt.packed, qt.format, qt.col_perm, ALL_ROWS, gemm_panels=panels), rows)
     with pytest.raises(RuntimeError, match="not quant_gemm_panels of this weight"):
         kernels.quant_linear(x, qt.packed, qt.format, qt.col_perm, 8, integer_gemm=True, gemm_panels=panels[:-64])
+
+
+def _parts_apart(x: torch.Tensor, qt: QuantizedTensor, cuts: tuple[int, ...], **settings) -> torch.Tensor:
+    """The products of qt's column parts, each times its own input columns by its own call (as
+    the ranks of a tensor-parallel split compute them), added in order (as their all-reduce)."""
+    bounds = [0, *cuts, qt.shape[1]]
+    y = None
+    for start, stop in zip(bounds, bounds[1:]):
+        part = qt.narrow_cols(start, stop - start)
+        product = kernels.quant_linear(x[:, start:stop].contiguous(), part.packed, part.format, None, **settings)
+        y = product if y is None else y + product
+    return y
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_column_splits_give_the_parts_bits_in_one_call(native, fmt) -> None:
+    """quant_linear's column_splits (deterministic inference's row-parallel linears, whole):
+    each output's sum starts again at every split and the parts' sums are added in order,
+    which gives the bits of the parts computed apart (each padded to its own 64 columns) and
+    added, at every row count: the row kernel (1-8 rows: a split inside a 64-column step and
+    at its start), the block GEMM (9-130 rows, with and without its panels from load), the
+    integer kernel at every row count. Where the block-order kernels do not run (Q6_K's
+    groups of 16, builds without AVX512-VNNI, an act-order weight) or a split is not on a
+    group, a clear error."""
+    qt = FORMATS[fmt]()
+    k, group = qt.shape[1], qt.format[3]
+    x = torch.randn(130, k, generator=torch.Generator().manual_seed(5)) * torch.logspace(-2, 1, k)
+    if not kernels.quant_integer_gemm_built() or group % 32:
+        with pytest.raises(RuntimeError, match="column_splits need the block-order integer kernels"):
+            kernels.quant_linear(x[:4], qt.packed, qt.format, None, 8, integer_gemm=True, column_splits=[2 * group])
+        return
+    cut_sets = [c for c in ([group], [k - group], [group, 2 * group], [k // 2]) if all(0 < v < k and v % group == 0 for v in c)]
+    if not cut_sets:  # one group a row (per-channel int8): nowhere to split
+        with pytest.raises(RuntimeError, match="multiples of 32 and of the group"):
+            kernels.quant_linear(x[:4], qt.packed, qt.format, None, 8, column_splits=[k // 2])
+        return
+    if group == 32 and k % 64 == 32:
+        assert any(v % 64 == 32 for c in cut_sets for v in c)  # a split inside a 64-column step
+    panels = kernels.quant_gemm_panels(qt.packed, qt.format)
+    for cuts in cut_sets:
+        for m in (1, 3, 8, 9, 32, 130):
+            xm = x[:m].contiguous()
+            apart = _parts_apart(xm, qt, tuple(cuts), max_integer_rows=8, integer_gemm=True)
+            for loaded in (None, panels):
+                whole = kernels.quant_linear(xm, qt.packed, qt.format, None, 8, integer_gemm=True, gemm_panels=loaded,
+                                             column_splits=cuts)
+                assert torch.equal(whole, apart), f"cuts {cuts}, {m} rows: {int((whole != apart).sum())} outputs differ"
+        every = kernels.quant_linear(x, qt.packed, qt.format, None, ALL_ROWS, column_splits=cuts)
+        assert torch.equal(every, _parts_apart(x, qt, tuple(cuts), max_integer_rows=ALL_ROWS)), f"cuts {cuts}"
+    assert not torch.equal(kernels.quant_linear(x[:9], qt.packed, qt.format, None, 8, integer_gemm=True),
+                           kernels.quant_linear(x[:9], qt.packed, qt.format, None, 8, integer_gemm=True,
+                                                column_splits=cut_sets[0]))  # the splits change the sums
+    with pytest.raises(RuntimeError, match="multiples of 32 and of the group"):
+        kernels.quant_linear(x[:4], qt.packed, qt.format, None, 8, column_splits=[group + 16])
+    with pytest.raises(RuntimeError, match="column_splits need the block-order integer kernels"):
+        kernels.quant_linear(x[:9], qt.packed, qt.format, None, 8, integer_gemm=False, column_splits=cut_sets[0])
+
+
+def test_a_quantized_row_parallel_linear_runs_whole_with_its_parts_bits(native) -> None:
+    """split_in_columns (deterministic inference's o_proj / down_proj): a stored quantized weight
+    cut on its groups is kept whole with column splits where the block-order kernels run, and
+    computes what the parts stored and computed apart (ColumnParts) do, bit for bit, at 1-40
+    rows; an int4 weight quantized here likewise; Q6_K's groups of 16 and a cut inside a group
+    stay in parts."""
+    from tokenmill.quantization import ColumnParts, split_in_columns
+    from tokenmill.quantization.formats import QuantizedWeights
+    from tokenmill.runner.plan import cpu_native_plan, quantized_plan
+
+    fmt = quantized_plan(cpu_native_plan(torch.float32), "stored", integer_gemm=True).weight_format
+    int4 = quantized_plan(cpu_native_plan(torch.float32), "int4", integer_gemm=True).weight_format
+    x = torch.randn(40, 96, generator=torch.Generator().manual_seed(8))
+    block_order = kernels.quant_integer_gemm_built()
+    cases = [(fmt, FORMATS["Q4_1"](), (32,), block_order), (fmt, FORMATS["Q8_0"](), (64,), block_order),
+             (int4, torch.randn(37, 96, generator=torch.Generator().manual_seed(9)), (32,), block_order),
+             (fmt, FORMATS["Q6_K"](), (256,), False), (fmt, FORMATS["Q4_1"](), (48,), False)]
+    for weight_format, weight, cuts, whole in cases:
+        weights = split_in_columns(weight_format, weight, cuts)
+        parts = ColumnParts.make(weight_format, weight, cuts)
+        assert isinstance(weights, QuantizedWeights if whole else ColumnParts)
+        if whole:
+            assert weights.column_splits == cuts and weights.fused_decode_operand().column_splits == cuts
+        xk = x[:, :weight.shape[1]] if weight.shape[1] <= 96 else torch.randn(40, weight.shape[1])
+        for m in (1, 8, 9, 40):
+            assert torch.equal(weights.apply(xk[:m].contiguous()), parts.apply(xk[:m].contiguous())), (cuts, m)

@@ -258,6 +258,7 @@ def quant_linear(
     many_rows: int = -1,
     integer_gemm: bool = False,
     gemm_panels: torch.Tensor | None = None,
+    column_splits: Sequence[int] = (),
 ) -> torch.Tensor:
     """x [M, K] float32 or bfloat16 (contiguous) @ W^T for a quantized W given as a
     QuantizedTensor's `packed`, `format` and `col_perm` (tokenmill/quantization/qtensor.py):
@@ -273,9 +274,15 @@ def quant_linear(
     each 32-column block, then one scale product; weight groups of 32 or more; groups of 16,
     Q6_K's, the integer kernel's many-row form) instead of the bf16 GEMM, on AVX512-VNNI builds
     (others: the bf16 GEMM): the plan turns it on where measured faster. A row then gets the
-    row kernel's bits at any row count."""
+    row kernel's bits at any row count.
+    `column_splits`: columns (multiples of 32 and of the weight's group) where each output's
+    sum starts again, the parts' sums then added in order: what the products of W's column
+    parts, each times its own input columns, added in order give, bit for bit, in one call
+    (deterministic inference's row-parallel linears; the block-order kernels only: AVX512-VNNI
+    builds, groups of 32 or more, no act-order permutation, `integer_gemm` past the integer
+    rows; otherwise an error)."""
     return torch.ops.tokenmill.quant_linear(x, packed, format, col_perm, max_integer_rows, many_rows, integer_gemm,
-                                            gemm_panels)
+                                            gemm_panels, list(column_splits))
 
 
 def quant_gemm_panels(packed: torch.Tensor, format: Sequence[int]) -> torch.Tensor:
@@ -374,8 +381,8 @@ def llama_decode_layer(
     op covers: fused_layer.py). A weight is tiles for skinny_linear (operand.format None) or a
     quantized stream, or several of either over consecutive input columns, added in order
     (operand.column_parts); a quantized one runs with the plan's integer rows and integer GEMM
-    (operand.integer_rows, operand.integer_gemm; its GEMM panels unpacked at load, operand.gemm_panels),
-    as op by op. An int8/fp8 cache comes with its scales; `kv_rotation` is the Hadamard
+    (operand.integer_rows, operand.integer_gemm; its GEMM panels unpacked at load, operand.gemm_panels;
+    its column splits, operand.column_splits), as op by op. An int8/fp8 cache comes with its scales; `kv_rotation` is the Hadamard
     block it stores K and V rotated by (0: none)."""
     tensors, formats, perms, parts = layer.flat_weights
     integer_rows, integer_gemm = layer.quantized_settings
@@ -383,5 +390,5 @@ def llama_decode_layer(
         h, residual, layer.input_norm, layer.post_norm, layer.eps, tensors, formats, perms, layer.gemm_panels, *rope,
         *kv_cache, slots,
         block_tables, context_lens, layer.num_heads, layer.num_kv_heads, layer.head_dim, layer.scale,
-        *(kv_scales or (None, None)), kv_rotation, parts, integer_rows, integer_gemm,
+        *(kv_scales or (None, None)), kv_rotation, parts, integer_rows, integer_gemm, layer.column_splits,
     )

@@ -105,6 +105,9 @@ class DecodeOperand:
     integer_gemm: bool = False
     # Its panels for the integer GEMM, unpacked at load (kernels.quant_gemm_panels), or None.
     gemm_panels: torch.Tensor | None = None
+    # A quantized weight's column splits (QuantizedWeights.column_splits): the sums of its
+    # column parts, each from zero, added in order, in one call. Empty: one sum.
+    column_splits: tuple[int, ...] = ()
 
     @property
     def kind(self) -> str:
@@ -160,6 +163,15 @@ class FusedLayerOperands:
     def gemm_panels(self) -> list[torch.Tensor | None]:
         """The op's `gemm_panels`: one per weight (as flat_weights lists them), or none at all."""
         return self.flatten_gemm_panels(self.weights)
+
+    @functools.cached_property
+    def column_splits(self) -> list[int]:
+        """The op's `column_splits`: per weight (as flat_weights lists them) a count, then that many
+        columns; empty where no weight has any."""
+        pieces = [piece for operand in self.weights for piece in operand.pieces]
+        if not any(piece.column_splits for piece in pieces):
+            return []
+        return [value for piece in pieces for value in (len(piece.column_splits), *piece.column_splits)]
 
     @staticmethod
     def flatten_gemm_panels(operands: Sequence[DecodeOperand]) -> list[torch.Tensor | None]:

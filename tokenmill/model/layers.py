@@ -14,7 +14,7 @@ from torch import nn
 from tokenmill import kernels
 from tokenmill.kernels import huge_pages
 from tokenmill.kernels.ops import REFERENCE_OPS, TorchOps, apply_rotary
-from tokenmill.quantization import ColumnParts, LinearWeights, WeightFormat
+from tokenmill.quantization import LinearWeights, WeightFormat, split_in_columns
 from tokenmill.quantization.dense import CPUDenseWeights
 
 __all__ = ["Experts", "GatedMLP", "Linear", "RMSNorm", "RotaryEmbedding", "SwiGLU", "apply_rotary", "rope_inv_freq",
@@ -40,7 +40,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features)) if bias else None
         self.weights: LinearWeights | None = None
         # Input columns before which the weight is cut into parts whose products are added in
-        # order (ColumnParts; deterministic inference's row-parallel linears). Empty: whole.
+        # order (split_in_columns; deterministic inference's row-parallel linears). Empty: whole.
         self.column_cuts: tuple[int, ...] = ()
         # nn.Linear's initialisation (random test models; checkpoints overwrite it).
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
@@ -67,7 +67,7 @@ class Linear(nn.Module):
 
     def _make(self, fmt: WeightFormat, weight) -> LinearWeights:
         if self.column_cuts:
-            return ColumnParts.make(self._format(fmt), weight, self.column_cuts, self.many_rows)
+            return split_in_columns(self._format(fmt), weight, self.column_cuts, self.many_rows)
         return self._format(fmt).make(weight, many_rows=self.many_rows)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,9 @@ AWQ); reference.py holds the kernels' PyTorch references.
 """
 
 from tokenmill.quantization.base import LinearWeights, WeightFormat
-from tokenmill.quantization.column_parts import ColumnParts
+from tokenmill.quantization.column_parts import ColumnParts, split_in_columns
 from tokenmill.quantization.dense import CPUDenseWeights, DenseFormat, PlainWeights
 from tokenmill.quantization.qtensor import QuantizedTensor
 
-__all__ = ["CPUDenseWeights", "ColumnParts", "DenseFormat", "LinearWeights", "PlainWeights", "QuantizedTensor", "WeightFormat"]
+__all__ = ["CPUDenseWeights", "ColumnParts", "DenseFormat", "LinearWeights", "PlainWeights", "QuantizedTensor", "WeightFormat",
+           "split_in_columns"]

@@ -1,4 +1,5 @@
-"""A weight stored as consecutive column parts whose products are added in order."""
+"""A weight whose products over consecutive column parts are added in order: deterministic
+inference's row-parallel linears (`split_in_columns`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,32 @@ from tokenmill.kernels.fused_layer import DecodeOperand, FusedLayerOperands
 from tokenmill.quantization.base import LinearWeights, WeightFormat
 from tokenmill.quantization.dense import CPUDenseWeights
 from tokenmill.quantization.formats import QuantizedWeights
+from tokenmill.quantization.qtensor import QuantizedTensor
+
+
+def split_in_columns(fmt: WeightFormat, weight, cuts: tuple[int, ...], many_rows: bool = True) -> LinearWeights:
+    """`weight` [N, K] in `fmt`, its products over the column parts cut before `cuts` added in
+    order (x W^T = x[:, :c] W[:, :c]^T + x[:, c:] W[:, c:]^T, each part's sum from zero).
+    A quantized weight whose parts are its own groups runs whole, the block-order kernels
+    keeping each part's sum apart (QuantizedWeights.column_splits): the same bits as the parts
+    computed apart, in one call (one activation quantization, no padded part, no copies);
+    otherwise the parts are stored and computed apart (ColumnParts)."""
+    if kernels.quant_integer_gemm_built():  # the block-order kernels
+        whole = fmt.make(weight, many_rows=many_rows)
+        if isinstance(whole, QuantizedWeights) and _parts_are_groups(whole.qt, cuts, isinstance(weight, QuantizedTensor)):
+            whole.column_splits = cuts
+            return whole
+    return ColumnParts.make(fmt, weight, cuts, many_rows)
+
+
+def _parts_are_groups(qt: QuantizedTensor, cuts: tuple[int, ...], stored: bool) -> bool:
+    """Whether cutting `qt` before `cuts` gives the parts a rank of the split holds (`_columns`):
+    whole groups of 32 or more, no act-order permutation, and, for a weight quantized here from
+    float values, float16 scales (a part's own quantization picks float32 scales only when its
+    values are too large for float16, and its values are among the whole's)."""
+    group, scale_bytes = qt.format[3], qt.format[4]
+    return (qt.col_perm is None and group % 32 == 0 and all(c % group == 0 for c in cuts)
+            and (stored or scale_bytes == 2))
 
 
 class ColumnParts(LinearWeights):

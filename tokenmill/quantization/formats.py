@@ -38,6 +38,10 @@ class QuantizedWeights(LinearWeights):
         self.integer_gemm = integer_gemm
         self.out_features, self.in_features = qt.shape
         self.gemm_panels: torch.Tensor | None = None  # unpack_gemm_panels
+        # Input columns where each output's sum starts again, the parts' sums added in order
+        # (column_parts.py, `split_in_columns`: deterministic inference's row-parallel linears
+        # in one call). Empty: one sum.
+        self.column_splits: tuple[int, ...] = ()
 
     @property
     def format_name(self) -> str:
@@ -47,8 +51,9 @@ class QuantizedWeights(LinearWeights):
         # bf16 rows (the bf16 activation path) go in as they are: the GEMM path multiplies
         # bf16 anyway and then returns bf16 without casts.
         if x.dtype not in (torch.float32, torch.bfloat16):
-            return self.qt.native_linear(x.float(), self.integer_rows, self.integer_gemm, self.gemm_panels).to(x.dtype)
-        return self.qt.native_linear(x, self.integer_rows, self.integer_gemm, self.gemm_panels)
+            return self.qt.native_linear(x.float(), self.integer_rows, self.integer_gemm, self.gemm_panels,
+                                         self.column_splits).to(x.dtype)
+        return self.qt.native_linear(x, self.integer_rows, self.integer_gemm, self.gemm_panels, self.column_splits)
 
     def dequantize(self) -> torch.Tensor:
         return self.qt.dequantize()
@@ -90,7 +95,7 @@ class QuantizedWeights(LinearWeights):
     def fused_decode_operand(self) -> DecodeOperand:
         return DecodeOperand(self.qt.packed, self.out_features, tuple(self.qt.format), self.qt.col_perm,
                              self.in_features, integer_rows=self.integer_rows, integer_gemm=self.integer_gemm,
-                             gemm_panels=self.gemm_panels)
+                             gemm_panels=self.gemm_panels, column_splits=self.column_splits)
 
 
 class QuantizedFormat(WeightFormat):

@@ -158,15 +158,16 @@ class QuantizedTensor:
         return torch.nn.functional.linear(x, self.dequantize().to(x.dtype))
 
     def native_linear(self, x: torch.Tensor, max_integer_rows: int, integer_gemm: bool = False,
-                      gemm_panels: torch.Tensor | None = None) -> torch.Tensor:
+                      gemm_panels: torch.Tensor | None = None, column_splits: tuple[int, ...] = ()) -> torch.Tensor:
         """y = x W^T by the native kernel (x [M, K] float32 or bfloat16 on the CPU): up to
         `max_integer_rows` rows x is quantized to int8 per 32 and multiplied on integers; beyond,
         the whole-block integer GEMM if `integer_gemm`, else a bf16 GEMM on the dequantized
-        weight (see kernels.quant_linear; `gemm_panels`: the GEMM's panels unpacked at load)."""
+        weight (see kernels.quant_linear; `gemm_panels`: the GEMM's panels unpacked at load;
+        `column_splits`: the sums of consecutive column parts added in order)."""
         from tokenmill.kernels import quant_linear
 
         return quant_linear(x.contiguous(), self.packed, self.format, self.col_perm, max_integer_rows,
-                            integer_gemm=integer_gemm, gemm_panels=gemm_panels)
+                            integer_gemm=integer_gemm, gemm_panels=gemm_panels, column_splits=column_splits)
 
     @property
     def gemm_panels_nbytes(self) -> int:

@@ -25,6 +25,8 @@
 // a linear of several is the sum, in order, of each part times its own consecutive input
 // columns (deterministic inference's row-parallel linears, as a 2-rank tensor-parallel
 // split computes and all-reduces them: tokenmill/parallel/model_parallel.py).
+// `column_splits` (empty: none) the same sum in one quantized weight, where the block-order
+// kernels run (QuantWeight::column_splits): per weight a count, then its columns.
 
 #include <ATen/ATen.h>
 #include <ATen/Dispatch_v2.h>
@@ -44,10 +46,27 @@ constexpr int64_t kFormatLen = 6;  // QuantizedTensor.format: N, K, bits, group,
 // what the fused layer runs).
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef format,
                   const std::optional<at::Tensor>& perm, int64_t max_integer_rows = -1, bool integer_gemm = false,
-                  const std::optional<at::Tensor>& gemm_panels = std::nullopt) {
+                  const std::optional<at::Tensor>& gemm_panels = std::nullopt, at::IntArrayRef column_splits = {}) {
   if (format[2] == 0)  // dense: panels [P, K, 64] / [P, K/2, 64, 2], or skinny tiles [T, K/16, 4, 16]
     return weight.size(2) == 64 ? panel_linear(x, weight, format[0]) : skinny_linear(x, weight, format[0]);
-  return quant_linear(x, QuantWeight::from_format(weight, format, perm, gemm_panels), max_integer_rows, -1, integer_gemm);
+  return quant_linear(x, QuantWeight::from_format(weight, format, perm, gemm_panels, column_splits), max_integer_rows,
+                      -1, integer_gemm);
+}
+
+// Each weight's column splits out of the op's `column_splits` (per weight: a count, then that
+// many columns; empty: none for any).
+std::vector<at::IntArrayRef> splits_per_weight(at::IntArrayRef column_splits, int64_t weights) {
+  std::vector<at::IntArrayRef> out(weights);
+  int64_t at = 0;
+  for (int64_t w = 0; w < weights && !column_splits.empty(); ++w) {
+    TORCH_CHECK(at < static_cast<int64_t>(column_splits.size()) &&
+                    at + 1 + column_splits[at] <= static_cast<int64_t>(column_splits.size()),
+                "column_splits: per weight a count, then that many columns");
+    out[w] = column_splits.slice(at + 1, column_splits[at]);
+    at += 1 + column_splits[at];
+  }
+  TORCH_CHECK(at == static_cast<int64_t>(column_splits.size()), "column_splits: entries past the last weight's");
+  return out;
 }
 
 // Entry i of a per-weight list of optional tensors that may be empty (none given).
@@ -108,7 +127,8 @@ at::Tensor llama_decode_layer(
     at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slots, const at::Tensor& block_tables,
     const at::Tensor& context_lens, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
     double scale, const c10::optional<at::Tensor>& k_scale, const c10::optional<at::Tensor>& v_scale,
-    int64_t kv_rotation, at::IntArrayRef parts, at::IntArrayRef integer_rows, bool integer_gemm) {
+    int64_t kv_rotation, at::IntArrayRef parts, at::IntArrayRef integer_rows, bool integer_gemm,
+    at::IntArrayRef column_splits) {
   const int64_t tokens = h.size(0), hidden = h.size(1);
   const int64_t q_size = num_heads * head_dim, kv_size = num_kv_heads * head_dim;
   if (k_cache.dim() == 6) {  // a packed bf16 cache (kv_cache.py)
@@ -135,12 +155,13 @@ at::Tensor llama_decode_layer(
               "integer_rows: empty or one per weight");
   TORCH_CHECK(gemm_panels.empty() || static_cast<int64_t>(gemm_panels.size()) == first[4],
               "gemm_panels: empty or one (or None) per weight");
+  const std::vector<at::IntArrayRef> splits = splits_per_weight(column_splits, first[4]);
   auto apply = [&](int64_t i, const at::Tensor& x) {
     // The plan's integer rows of the linear's weights (its parts share them); -1: quant_linear's default.
     const int64_t rows = integer_rows.empty() ? -1 : integer_rows[first[i]];
     if (first[i + 1] - first[i] == 1)
       return linear(x, weights[first[i]], formats.slice(first[i] * kFormatLen, kFormatLen), perms.get(first[i]), rows,
-                    integer_gemm, entry(gemm_panels, first[i]));
+                    integer_gemm, entry(gemm_panels, first[i]), splits[first[i]]);
     c10::List<std::optional<at::Tensor>> part_perms, part_panels;
     for (int64_t w = first[i]; w < first[i + 1]; ++w) {
       part_perms.push_back(perms.get(w));
@@ -185,7 +206,7 @@ TORCH_LIBRARY_FRAGMENT(tokenmill, m) {
       "Tensor[] weights, int[] formats, Tensor?[] perms, Tensor?[] gemm_panels, Tensor cos, Tensor sin, Tensor(b!) k_cache, "
       "Tensor(c!) v_cache, Tensor slots, Tensor block_tables, Tensor context_lens, int num_heads, int num_kv_heads, "
       "int head_dim, float scale, Tensor(d!)? k_scale=None, Tensor(e!)? v_scale=None, int kv_rotation=0, "
-      "int[] parts=[], int[] integer_rows=[], bool integer_gemm=False) -> Tensor");
+      "int[] parts=[], int[] integer_rows=[], bool integer_gemm=False, int[] column_splits=[]) -> Tensor");
   m.def("column_parts_linear(Tensor x, Tensor[] weights, int[] formats, Tensor?[] perms, Tensor?[] gemm_panels, "
         "int max_integer_rows=-1, bool integer_gemm=False) -> Tensor");
 }

@@ -7,6 +7,7 @@
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
 namespace tokenmill {
 
@@ -22,10 +23,17 @@ struct QuantWeight {
   std::optional<at::Tensor> col_perm;  // int64 [K] (GPTQ act-order): y = x[:, col_perm] . W_stored^T
   // The block GEMM's panels of W, unpacked at load (quant_gemm_panels), or none: unpacked per call.
   std::optional<at::Tensor> gemm_panels = std::nullopt;
+  // Columns (multiples of 32 and of the group, increasing) where each output's float sum
+  // starts again from zero; the parts' sums are added in order at the end: the products of
+  // consecutive column parts, as the ranks of a tensor-parallel split and their all-reduce
+  // add them (deterministic inference's row-parallel linears, in one call). Empty: none.
+  // The block-order kernels only (AVX512-VNNI builds, groups of 32 or more, no col_perm).
+  std::vector<int64_t> column_splits = {};
 
   // format = QuantizedTensor.format = [N, K, bits, group_size, scale_bytes, code_offset]
   static QuantWeight from_format(at::Tensor packed, at::IntArrayRef format, std::optional<at::Tensor> col_perm,
-                                 std::optional<at::Tensor> gemm_panels = std::nullopt);
+                                 std::optional<at::Tensor> gemm_panels = std::nullopt,
+                                 at::IntArrayRef column_splits = {});
 };
 
 // cpu_quant.cpp. y [M, N] = x [M, K] . W^T for any M, x contiguous float32 or bfloat16 (y in

@@ -32,6 +32,12 @@
 // with the integer GEMM on they stay on the integer kernel past the integer rows (its
 // many-row form) rather than the bf16 GEMM, for the same reason (Gemma 3's *_K_M files hold
 // Q6_K tensors beside Q4_K and Q5_0 ones).
+// In the block order a weight may have column splits (QuantWeight::column_splits): each
+// output's sum starts again from zero at every split and the parts' sums are added in order
+// at the end, which is what the parts computed apart (each padded to its own 64 columns: the
+// padding adds exact zeros) and then added give, in one call: deterministic inference's
+// row-parallel linears, as the ranks of a 2-way tensor-parallel split and their all-reduce sum
+// them (one activation quantization and one pass instead of one per part).
 //
 // Many rows (prefill, large batches): W is dequantized to bf16 in chunks of up to 4 MiB
 // (4-bit codes through a 16-entry table per group) and multiplied by oneDNN's bf16 GEMM,
@@ -80,6 +86,7 @@ namespace {
 constexpr int64_t kRows = 4;     // rows of W per tile
 constexpr int64_t kStep = 64;    // columns per kernel step
 constexpr int64_t kBlock = 32;   // columns per activation scale
+constexpr int64_t kMaxSplits = 7;  // QuantWeight::column_splits
 constexpr int64_t kLanes = 16;   // int32 lanes per step (4 columns each)
 constexpr int64_t kMaxIntegerRows = 16;  // rows per pass of the integer kernel over W
 // From this many rows on the integer path runs the lane-rows kernel (the same bits, faster at
@@ -119,6 +126,11 @@ struct Layout {
   alignas(64) int32_t pair16[kRows][kLanes];
   // mins_lanes[j][r] = r * gps + j: the lane of row r's group j in a span's mins (r < 4).
   alignas(64) int32_t mins_lanes[4][kLanes];
+  // QuantWeight::column_splits as 32-column block indices (the block-order kernels' part sums).
+  int64_t split_blocks[kMaxSplits];
+  int64_t splits = 0;
+  // Per 64-column step, with splits: bit h set where a part ends before the step's block h.
+  std::vector<uint8_t> step_cuts;
 
   explicit Layout(const tokenmill::QuantWeight& w)
       : N(w.N), K(w.K), bits(w.bits), group(w.group_size), scale_bytes(w.scale_bytes), offset(w.code_offset),
@@ -150,6 +162,16 @@ struct Layout {
       }
     for (int64_t j = 0; j < 4; ++j)
       for (int64_t l = 0; l < kLanes; ++l) mins_lanes[j][l] = static_cast<int32_t>(l < kRows ? l * gps + std::min(j, gps - 1) : 0);
+    TORCH_CHECK(static_cast<int64_t>(w.column_splits.size()) <= kMaxSplits, "column_splits: at most ", kMaxSplits);
+    for (const int64_t c : w.column_splits) {
+      TORCH_CHECK(c > (splits ? split_blocks[splits - 1] * kBlock : 0) && c < K && c % kBlock == 0 && c % group == 0,
+                  "column_splits: increasing columns inside K, multiples of 32 and of the group (", group, "); got ", c);
+      split_blocks[splits++] = c / kBlock;
+    }
+    if (splits) {
+      step_cuts.assign(Kp / kStep, 0);
+      for (int64_t i = 0; i < splits; ++i) step_cuts[split_blocks[i] / 2] |= 1 << (split_blocks[i] % 2);
+    }
     const at::Tensor& p = w.packed;
     TORCH_CHECK(p.scalar_type() == at::kByte && p.is_contiguous() && p.numel() == tiles * spans * span_bytes,
                 "quantized weight: packed must be contiguous uint8 holding ", tiles, " tiles x ", spans, " spans x ",
@@ -1082,21 +1104,26 @@ inline __m128 fma_ordered(__m128 a, __m128 b, __m128 acc) {
 // The symmetric form costs one float product and one fma per 8 vpdpbusd (the form with
 // mins two products, an fma and an add: measured 155 -> 200 int8 GMAC/s on one Zen 4 core
 // for the kernel alone).
+// Groups [g0, g1) only (one column part of a weight with column splits: panel_quad_parts),
+// the sums stored in y, or with `add_to_y` added to what y holds (a later part, in order, as
+// the all-reduce of a tensor-parallel split adds its ranks' products).
 template <int RA, int RW, bool MINS>
 __attribute__((always_inline)) inline void panel_quad(const Panels& P, int64_t pnl, const QuadRows& a, int64_t quad,
-                                                      const Layout& L, float* y, int64_t m0, int64_t n0) {
+                                                      const Layout& L, float* y, int64_t m0, int64_t n0, int64_t g0,
+                                                      int64_t g1, bool add_to_y) {
   __m512 acc[RA][RW];
   for (int i = 0; i < RA; ++i)
     for (int v = 0; v < RW; ++v) acc[i][v] = _mm512_setzero_ps();
   const int64_t blocks_per_group = L.group / kBlock, w_stride = P.Kp * kPanelRows, s_stride = P.groups * kPanelRows;
-  const int32_t* xq = a.q_quad(quad);
-  const float* d = a.d_quad(quad);
-  const int32_t* init = a.init_quad(quad);
-  const float* gs = a.gs_quad(quad);
-  const uint8_t* w = P.panel_codes(pnl);
-  const float* sc = P.panel_scale(pnl);
-  const float* mn = MINS ? P.panel_mins(pnl) : nullptr;
-  for (int64_t g = 0; g < P.groups; ++g, sc += kPanelRows, mn += MINS ? kPanelRows : 0, gs += 4) {
+  const int64_t b0 = g0 * blocks_per_group;
+  const int32_t* xq = a.q_quad(quad) + b0 * kBlock;
+  const float* d = a.d_quad(quad) + b0 * 4;
+  const int32_t* init = a.init_quad(quad) + b0 * 4;
+  const float* gs = a.gs_quad(quad) + g0 * 4;
+  const uint8_t* w = P.panel_codes(pnl) + b0 * kBlock * kPanelRows;
+  const float* sc = P.panel_scale(pnl) + g0 * kPanelRows;
+  const float* mn = MINS ? P.panel_mins(pnl) + g0 * kPanelRows : nullptr;
+  for (int64_t g = g0; g < g1; ++g, sc += kPanelRows, mn += MINS ? kPanelRows : 0, gs += 4) {
     for (int64_t bb = 0; bb < blocks_per_group; ++bb, w += kBlock * kPanelRows, xq += kBlock, d += 4, init += 4) {
       _mm_prefetch(reinterpret_cast<const char*>(w + 4096), _MM_HINT_T0);
       __m512i dot[RA][RW];
@@ -1132,9 +1159,22 @@ __attribute__((always_inline)) inline void panel_quad(const Panels& P, int64_t p
   for (int i = 0; i < RA; ++i)
     for (int v = 0; v < RW; ++v) {
       const int64_t n = n0 + v * kPanelRows;
-      const int64_t valid = std::max<int64_t>(0, std::min(kPanelRows, L.N - n));
-      _mm512_mask_storeu_ps(y + (m0 + i) * L.N + n, static_cast<__mmask16>((1u << valid) - 1), acc[i][v]);
+      const __mmask16 valid = static_cast<__mmask16>((1u << std::max<int64_t>(0, std::min(kPanelRows, L.N - n))) - 1);
+      float* out = y + (m0 + i) * L.N + n;
+      _mm512_mask_storeu_ps(out, valid, add_to_y ? add_ordered(_mm512_maskz_loadu_ps(valid, out), acc[i][v]) : acc[i][v]);
     }
+}
+
+// panel_quad over each column part in turn (one part: the whole weight).
+template <int RA, int RW, bool MINS>
+inline void panel_quad_parts(const Panels& P, int64_t pnl, const QuadRows& a, int64_t quad, const Layout& L, float* y,
+                             int64_t m0, int64_t n0) {
+  const int64_t blocks_per_group = L.group / kBlock;
+  for (int64_t part = 0, g0 = 0; part <= L.splits; ++part) {
+    const int64_t g1 = part < L.splits ? L.split_blocks[part] / blocks_per_group : P.groups;
+    panel_quad<RA, RW, MINS>(P, pnl, a, quad, L, y, m0, n0, g0, g1, part > 0);
+    g0 = g1;
+  }
 }
 
 // 4 activation rows x 3 panels (48 outputs): 12 int32 and 12 float sums, 3 weight vectors
@@ -1189,10 +1229,10 @@ void panel_quads(const Panels& P, int64_t pnl, const QuadRows& a, int64_t M, int
       }
     }
     switch (std::min<int64_t>(4, M - m)) {
-      case 4: panel_quad<4, RW, MINS>(P, pnl, a, m / 4, L, y, m, n0); break;
-      case 3: panel_quad<3, RW, MINS>(P, pnl, a, m / 4, L, y, m, n0); break;
-      case 2: panel_quad<2, RW, MINS>(P, pnl, a, m / 4, L, y, m, n0); break;
-      case 1: panel_quad<1, RW, MINS>(P, pnl, a, m / 4, L, y, m, n0); break;
+      case 4: panel_quad_parts<4, RW, MINS>(P, pnl, a, m / 4, L, y, m, n0); break;
+      case 3: panel_quad_parts<3, RW, MINS>(P, pnl, a, m / 4, L, y, m, n0); break;
+      case 2: panel_quad_parts<2, RW, MINS>(P, pnl, a, m / 4, L, y, m, n0); break;
+      case 1: panel_quad_parts<1, RW, MINS>(P, pnl, a, m / 4, L, y, m, n0); break;
     }
   }
 }
@@ -1290,11 +1330,21 @@ inline __m256i half_sums(__m512i v0, __m512i v1, __m512i v2, __m512i v3) {
   return _mm512_castsi512_si256(_mm512_add_epi32(_mm512_shuffle_i32x4(u, u, 0x08), _mm512_shuffle_i32x4(u, u, 0x0D)));
 }
 
-template <int MB, int BITS, bool MINS, bool HALF>
+// A column part ends before a block: its sum joins the parts' before it (in order), and the
+// next part's sum starts from zero.
+// (The first part's sum is added to zero: that is the sum itself, never -0: no sum starting
+// from +0 becomes -0 in round-to-nearest.)
+__attribute__((always_inline)) inline void close_part(__m128& parts, __m128& acc) {
+  parts = add_ordered(parts, acc);
+  acc = _mm_setzero_ps();
+}
+
+// SPLITS: the weight has column splits (L.split_blocks), each part's sum kept apart until the end.
+template <int MB, int BITS, bool MINS, bool HALF, bool SPLITS>
 __attribute__((always_inline)) inline void tile_rows_blocked(const uint8_t* tile, const Layout& L, const ActRows& a,
                                                              int64_t m0, float* y, int64_t N, int64_t valid) {
-  __m128 acc[MB];
-  for (int m = 0; m < MB; ++m) acc[m] = _mm_setzero_ps();
+  __m128 acc[MB], parts[MB];  // parts: the sum of the column parts closed so far
+  for (int m = 0; m < MB; ++m) acc[m] = parts[m] = _mm_setzero_ps();
   const __mmask16 smask = static_cast<__mmask16>((1u << (kRows * L.gps)) - 1);
   const int64_t steps = L.span / kStep, gps = L.gps;
   const uint8_t* p = tile;
@@ -1319,46 +1369,65 @@ __attribute__((always_inline)) inline void tile_rows_blocked(const uint8_t* tile
       // the group sums times the mins where a block ends a group (groups of 32: both blocks;
       // of 64+: block 1 of the span's last step, by_block_gsum's lanes 4-7), else times 0
       const bool mins_here = gps > 1 || st == steps - 1;
+      // Column parts that end before this step's block 0 (bit 0) or block 1 (bit 1).
+      const int cuts = SPLITS ? L.step_cuts[col / kStep] : 0;
       __m512i w[kRows];
       load_step_codes<BITS>(c, w);
-      for (int m = 0; m < MB; ++m) {
-        const int8_t* xq = a.q_row(m0 + m) + col;
-        const float* dx = a.d_row(m0 + m) + col / 4;
-        __m512i dot[kRows];
-        if (BITS == 8) {
-          const __m512i xv = _mm512_loadu_si512(xq);
-          for (int v = 0; v < kRows; ++v) dot[v] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[v], xv);
-        } else {  // vector 2p + h: rows 2p, 2p + 1, block h
-          for (int h = 0; h < 2; ++h) {
-            const __m512i xv = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * h)));
-            dot[h] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[h], xv);
-            dot[2 + h] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[2 + h], xv);
+      // The step's rows; with CUT, the parts that end in it closed before their block (its own
+      // copy: the other steps carry no test for them).
+      auto step_rows = [&](auto cut) __attribute__((always_inline)) {
+        constexpr bool CUT = decltype(cut)::value;
+        for (int m = 0; m < MB; ++m) {
+          const int8_t* xq = a.q_row(m0 + m) + col;
+          const float* dx = a.d_row(m0 + m) + col / 4;
+          __m512i dot[kRows];
+          if (BITS == 8) {
+            const __m512i xv = _mm512_loadu_si512(xq);
+            for (int v = 0; v < kRows; ++v) dot[v] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[v], xv);
+          } else {  // vector 2p + h: rows 2p, 2p + 1, block h
+            for (int h = 0; h < 2; ++h) {
+              const __m512i xv = _mm512_broadcast_i64x4(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(xq + 32 * h)));
+              dot[h] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[h], xv);
+              dot[2 + h] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[2 + h], xv);
+            }
           }
+          __m256i blocks;  // [block 0 | block 1] integer dots of rows 0-3
+          if (BITS == 8) {
+            blocks = half_sums(dot[0], dot[1], dot[2], dot[3]);
+          } else {
+            blocks = _mm256_permutevar8x32_epi32(half_sums(dot[0], dot[2], dot[1], dot[3]), rows4);
+          }
+          const __m256 d = _mm256_loadu_ps(dx + 4);  // lanes 4-11 of the step: d of block 0 x4, block 1 x4
+          if (!MINS) {  // the dots start from -offset * sum(q) (init lanes 4-11, as d), then one fma per block
+            blocks = _mm256_add_epi32(blocks, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.init_row(m0 + m) + col / 4 + 4)));
+            const __m256 x = _mm256_cvtepi32_ps(blocks), sd = _mm256_mul_ps(sw, d);
+            if (CUT && (cuts & 1)) close_part(parts[m], acc[m]);
+            acc[m] = fma_ordered(_mm256_castps256_ps128(x), _mm256_castps256_ps128(sd), acc[m]);
+            if (CUT && (cuts & 2)) close_part(parts[m], acc[m]);
+            acc[m] = fma_ordered(_mm256_extractf128_ps(x, 1), _mm256_extractf128_ps(sd, 1), acc[m]);
+            continue;
+          }
+          const __m256 g = mins_here ? _mm256_loadu_ps(a.gsum_span(m0 + m, s)) : _mm256_setzero_ps();
+          const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(blocks), _mm256_mul_ps(sw, d), _mm256_mul_ps(mw, g));
+          if (CUT && (cuts & 1)) close_part(parts[m], acc[m]);
+          acc[m] = add_ordered(acc[m], _mm256_castps256_ps128(t));
+          if (CUT && (cuts & 2)) close_part(parts[m], acc[m]);
+          acc[m] = add_ordered(acc[m], _mm256_extractf128_ps(t, 1));
         }
-        __m256i blocks;  // [block 0 | block 1] integer dots of rows 0-3
-        if (BITS == 8) {
-          blocks = half_sums(dot[0], dot[1], dot[2], dot[3]);
-        } else {
-          blocks = _mm256_permutevar8x32_epi32(half_sums(dot[0], dot[2], dot[1], dot[3]), rows4);
-        }
-        const __m256 d = _mm256_loadu_ps(dx + 4);  // lanes 4-11 of the step: d of block 0 x4, block 1 x4
-        if (!MINS) {  // the dots start from -offset * sum(q) (init lanes 4-11, as d), then one fma per block
-          blocks = _mm256_add_epi32(blocks, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(a.init_row(m0 + m) + col / 4 + 4)));
-          const __m256 x = _mm256_cvtepi32_ps(blocks), sd = _mm256_mul_ps(sw, d);
-          acc[m] = fma_ordered(_mm256_castps256_ps128(x), _mm256_castps256_ps128(sd), acc[m]);
-          acc[m] = fma_ordered(_mm256_extractf128_ps(x, 1), _mm256_extractf128_ps(sd, 1), acc[m]);
-          continue;
-        }
-        const __m256 g = mins_here ? _mm256_loadu_ps(a.gsum_span(m0 + m, s)) : _mm256_setzero_ps();
-        const __m256 t = _mm256_fmadd_ps(_mm256_cvtepi32_ps(blocks), _mm256_mul_ps(sw, d), _mm256_mul_ps(mw, g));
-        acc[m] = add_ordered(add_ordered(acc[m], _mm256_castps256_ps128(t)), _mm256_extractf128_ps(t, 1));
-      }
+      };
+      if (SPLITS && cuts)
+        step_rows(std::true_type{});
+      else
+        step_rows(std::false_type{});
     }
   }
-  for (int m = 0; m < MB; ++m) _mm_mask_storeu_ps(y + (m0 + m) * N, static_cast<__mmask8>((1u << valid) - 1), acc[m]);
+  for (int m = 0; m < MB; ++m) {
+    if (SPLITS) acc[m] = add_ordered(parts[m], acc[m]);  // the last part joins the others
+    _mm_mask_storeu_ps(y + (m0 + m) * N, static_cast<__mmask8>((1u << valid) - 1), acc[m]);
+  }
 }
 
-template <int BITS, bool MINS, bool HALF>
+template <int BITS, bool MINS, bool HALF, bool SPLITS>
 void run_tiles_blocked(int64_t begin, int64_t end, const uint8_t* packed, const Layout& L, const ActRows& a,
                        const RowBlocks& blocks, float* y) {
   for (int64_t t = begin; t < end; ++t) {
@@ -1368,23 +1437,30 @@ void run_tiles_blocked(int64_t begin, int64_t end, const uint8_t* packed, const 
     for (int64_t b = 0; b < blocks.count; ++b) {
       const int64_t m0 = blocks.start[b];
       switch (blocks.rows[b]) {
-        case 1: tile_rows_blocked<1, BITS, MINS, HALF>(tile, L, a, m0, yt, L.N, valid); break;
-        case 2: tile_rows_blocked<2, BITS, MINS, HALF>(tile, L, a, m0, yt, L.N, valid); break;
-        case 3: tile_rows_blocked<3, BITS, MINS, HALF>(tile, L, a, m0, yt, L.N, valid); break;
-        case 4: tile_rows_blocked<4, BITS, MINS, HALF>(tile, L, a, m0, yt, L.N, valid); break;
+        case 1: tile_rows_blocked<1, BITS, MINS, HALF, SPLITS>(tile, L, a, m0, yt, L.N, valid); break;
+        case 2: tile_rows_blocked<2, BITS, MINS, HALF, SPLITS>(tile, L, a, m0, yt, L.N, valid); break;
+        case 3: tile_rows_blocked<3, BITS, MINS, HALF, SPLITS>(tile, L, a, m0, yt, L.N, valid); break;
+        case 4: tile_rows_blocked<4, BITS, MINS, HALF, SPLITS>(tile, L, a, m0, yt, L.N, valid); break;
       }
     }
   }
 }
 
+template <bool SPLITS>
 RunFn pick_blocked_run_fn(const Layout& L) {
   const bool half = L.scale_bytes == 2;
   if (L.bits == 4) {
-    if (L.has_mins) return half ? &run_tiles_blocked<4, true, true> : &run_tiles_blocked<4, true, false>;
-    return half ? &run_tiles_blocked<4, false, true> : &run_tiles_blocked<4, false, false>;
+    if (L.has_mins) return half ? &run_tiles_blocked<4, true, true, SPLITS> : &run_tiles_blocked<4, true, false, SPLITS>;
+    return half ? &run_tiles_blocked<4, false, true, SPLITS> : &run_tiles_blocked<4, false, false, SPLITS>;
   }
-  if (L.has_mins) return half ? &run_tiles_blocked<8, true, true> : &run_tiles_blocked<8, true, false>;
-  return half ? &run_tiles_blocked<8, false, true> : &run_tiles_blocked<8, false, false>;
+  if (L.has_mins) return half ? &run_tiles_blocked<8, true, true, SPLITS> : &run_tiles_blocked<8, true, false, SPLITS>;
+  return half ? &run_tiles_blocked<8, false, true, SPLITS> : &run_tiles_blocked<8, false, false, SPLITS>;
+}
+
+// The row kernel for this weight: where it has column splits, an instance that keeps its parts'
+// sums apart (the usual one carries no test for them).
+RunFn pick_blocked_run_fn(const Layout& L) {
+  return L.splits ? pick_blocked_run_fn<true>(L) : pick_blocked_run_fn<false>(L);
 }
 #endif
 
@@ -1667,10 +1743,10 @@ at::Tensor gemm_linear(const at::Tensor& x, const tokenmill::QuantWeight& w, con
 namespace tokenmill {
 
 QuantWeight QuantWeight::from_format(at::Tensor packed, at::IntArrayRef format, std::optional<at::Tensor> col_perm,
-                                     std::optional<at::Tensor> gemm_panels) {
+                                     std::optional<at::Tensor> gemm_panels, at::IntArrayRef column_splits) {
   TORCH_CHECK(format.size() == 6, "quantized weight format must be [N, K, bits, group_size, scale_bytes, code_offset]");
   return QuantWeight{std::move(packed), format[0], format[1], format[2], format[3], format[4], format[5],
-                     std::move(col_perm), std::move(gemm_panels)};
+                     std::move(col_perm), std::move(gemm_panels), column_splits.vec()};
 }
 
 at::Tensor quant_gemm_panels(const QuantWeight& w) {
@@ -1700,6 +1776,9 @@ at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w, int64_t max_i
   const int64_t M = x.size(0);
   const bool many = M > (max_integer_rows < 0 ? default_integer_rows(L.bits) : max_integer_rows);
   const bool block = many && integer_gemm && block_gemm_covers(L);
+  TORCH_CHECK(!L.splits || (block_gemm_covers(L) && !perm && (!many || integer_gemm)),
+              "column_splits need the block-order integer kernels (an AVX512-VNNI build, groups of 32 or more, no "
+              "act-order permutation, the integer GEMM past the integer rows): compute the parts apart (ColumnParts)");
   // With integer_gemm a weight the block GEMM does not cover (Q6_K's groups of 16) keeps the
   // row kernel's integer arithmetic at every row count (its lane-rows form from 16 rows on), so
   // that the plan's "a row's bits do not depend on the step's rows" holds for every tensor.
@@ -1778,9 +1857,11 @@ const char* quant_isa() {
 namespace {
 at::Tensor quant_linear_op(const at::Tensor& x, const at::Tensor& packed, at::IntArrayRef format,
                            const std::optional<at::Tensor>& col_perm, int64_t max_integer_rows, int64_t many_rows,
-                           bool integer_gemm, const std::optional<at::Tensor>& gemm_panels) {
-  return tokenmill::quant_linear(x, tokenmill::QuantWeight::from_format(packed, format, col_perm, gemm_panels),
-                                 max_integer_rows, many_rows, integer_gemm);
+                           bool integer_gemm, const std::optional<at::Tensor>& gemm_panels,
+                           at::IntArrayRef column_splits) {
+  return tokenmill::quant_linear(
+      x, tokenmill::QuantWeight::from_format(packed, format, col_perm, gemm_panels, column_splits), max_integer_rows,
+      many_rows, integer_gemm);
 }
 at::Tensor quant_gemm_panels_op(const at::Tensor& packed, at::IntArrayRef format) {
   return tokenmill::quant_gemm_panels(tokenmill::QuantWeight::from_format(packed, format, std::nullopt));
@@ -1794,7 +1875,7 @@ std::string quant_isa_op() { return tokenmill::quant_isa(); }
 
 TORCH_LIBRARY_FRAGMENT(TOKENMILL_OPS_NS, m) {
   m.def("quant_linear(Tensor x, Tensor packed, int[] format, Tensor? col_perm, int max_integer_rows=-1, "
-        "int many_rows=-1, bool integer_gemm=False, Tensor? gemm_panels=None) -> Tensor");
+        "int many_rows=-1, bool integer_gemm=False, Tensor? gemm_panels=None, int[] column_splits=[]) -> Tensor");
   m.def("quant_gemm_panels(Tensor packed, int[] format) -> Tensor");
   m.def("quant_dequantize(Tensor packed, int[] format, ScalarType dtype, Tensor? rows=None) -> Tensor");
   m.def("quantize_activations_q8(Tensor x) -> (Tensor, Tensor)");
