@@ -1,6 +1,6 @@
 """Micro-benchmarks of tokenmill's CPU kernels against what PyTorch offers for the same work.
 
-    .venv/bin/python benchmarks/kernels.py [--threads 2] [--only linear|attention]
+    .venv/bin/python benchmarks/kernels.py [--threads 2] [--only linear|attention|quant|decode-step|column-splits]
 
 - linear: `skinny_linear` on tiled weights (float32 and bfloat16) against oneDNN on its packed
   float32 weights, for the default model's projection shapes and 1-64 rows. Each call gets
@@ -12,6 +12,10 @@
   bf16 F.linear, for the default model's shapes and 1-512 rows. Every candidate streams its
   own set of distinct weight copies of `--quant-set-mib` (default 256 MiB, beyond this
   machine's cache), the candidates taking turns within each timing round.
+- column-splits: deterministic inference's row-parallel linears (the default model's o_proj and
+  down_proj, all 30 layers, cut where a 2-rank split's second rank starts) at 1-32 rows on the
+  plan's integer kernels: whole with no split (the default plan), as two parts computed apart
+  (`column_parts_linear`), whole with the cut as a column split (`quant_linear(..., column_splits=)`).
 
 Median of up to 7 timed calls after a warm-up call (compare.py's timing helper). Not part of CI: timings on shared machines
 are noisy, compare within one run.
@@ -239,10 +243,49 @@ def bench_decode_step(rounds: int) -> None:
               f"ratio {b / q:.2f}x", flush=True)
 
 
+def bench_column_splits(rounds: int) -> None:
+    from tokenmill.kernels import column_parts_linear, quant_gemm_panels, quant_integer_gemm_built
+    from tokenmill.model_arch import ModelArchConfig
+    from tokenmill.parallel.layout import reference_split
+    from tokenmill.parallel.model_parallel import ModelParallel
+
+    if not quant_integer_gemm_built():
+        raise SystemExit("column splits run on the block-order integer kernels: an AVX512-VNNI build")
+    layers, _ = default_model_weights()
+    smollm2 = ModelArchConfig("llama", 49152, 576, 1536, 30, 9, 3, 64, tie_word_embeddings=True)
+    single = ModelParallel.single(smollm2, reduce_as=reference_split(smollm2, 32))
+    cuts = {576: single.column_cuts("layers.0.self_attn.o_proj.weight"),
+            1536: single.column_cuts("layers.0.mlp.down_proj.weight")}
+    weights = [w for i, w in enumerate(layers) if i % 4 in (1, 3)]  # o_proj, down_proj
+    rows_gemm = ROWS.quant_integer_rows[4]
+
+    def parts_of(w: QuantizedTensor) -> list[QuantizedTensor]:
+        bounds = [0, *cuts[w.shape[1]], w.shape[1]]
+        return [w.narrow_cols(a, b - a) for a, b in zip(bounds, bounds[1:])]
+
+    whole = [(w, quant_gemm_panels(w.packed, w.format)) for w in weights]
+    parts = [[(p, quant_gemm_panels(p.packed, p.format)) for p in parts_of(w)] for w in weights]
+    print(f"\ncolumn splits: o_proj and down_proj of the default model's 30 layers, cut at {cuts[576]} / {cuts[1536]}; "
+          f"threads: {torch.get_num_threads()}; microseconds a layer (both linears)")
+    for rows in (1, 8, 16, 32):
+        xs = {k: torch.randn(rows, k) for k in cuts}
+        candidates = {
+            "whole, no split": lambda: [quant_linear(xs[w.shape[1]], w.packed, w.format, None, rows_gemm, integer_gemm=True,
+                                                     gemm_panels=p) for w, p in whole],
+            "two parts": lambda: [column_parts_linear(xs[sum(p.shape[1] for p, _ in ps)], [p.packed for p, _ in ps],
+                                                      [v for p, _ in ps for v in p.format], [None] * len(ps), rows_gemm,
+                                                      True, gemm_panels=[g for _, g in ps]) for ps in parts],
+            "whole, split": lambda: [quant_linear(xs[w.shape[1]], w.packed, w.format, None, rows_gemm, integer_gemm=True,
+                                                  gemm_panels=p, column_splits=cuts[w.shape[1]]) for w, p in whole],
+        }
+        med = interleaved_medians(candidates, rounds)
+        print(f"  M={rows}: " + ", ".join(f"{name} {t / 30 * 1e6:.0f} us" for name, t in med.items()), flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--only", choices=("linear", "attention", "quant", "decode-step"))
+    parser.add_argument("--only", choices=("linear", "attention", "quant", "decode-step", "column-splits"))
     parser.add_argument("--quant-set-mib", type=int, default=256, help="distinct weights per candidate (quant)")
     parser.add_argument("--rounds", type=int, default=5, help="timed rounds per candidate (quant)")
     args = parser.parse_args()
@@ -257,6 +300,8 @@ def main() -> None:
         bench_quant(args.quant_set_mib, args.rounds)
     if args.only in (None, "quant", "decode-step"):
         bench_decode_step(args.rounds)
+    if args.only in (None, "column-splits"):
+        bench_column_splits(args.rounds)
 
 
 if __name__ == "__main__":

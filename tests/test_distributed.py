@@ -294,8 +294,8 @@ def test_default_model_deterministic_at_tp2_equals_one_process() -> None:
     answered the capital-of-France question otherwise than one process (a near-tie flipped).
     With deterministic inference the two give the same tokens and logprobs bit for bit, the
     fused decode layer of the one process (its o_proj and down_proj summed in two column
-    parts: whole with column splits on AVX512-VNNI builds) against the split's per-op path; when each degree kept its own sums, 3 of the 4 text
-    prompts changed tokens."""
+    parts: whole with column splits on AVX512-VNNI builds) against the split's per-op path;
+    when each degree kept its own sums, 3 of the 4 text prompts changed tokens."""
     messages = [[{"role": "user", "content": "What is the capital of France?"}]]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     results = []

@@ -728,7 +728,8 @@ def test_column_splits_give_the_parts_bits_in_one_call(native, fmt) -> None:
         with pytest.raises(RuntimeError, match="column_splits need the block-order integer kernels"):
             kernels.quant_linear(x[:4], qt.packed, qt.format, None, 8, integer_gemm=True, column_splits=[2 * group])
         return
-    cut_sets = [c for c in ([group], [k - group], [group, 2 * group], [k // 2]) if all(0 < v < k and v % group == 0 for v in c)]
+    cut_sets = [c for c in ([group], [k - group], [group, 2 * group], [2 * group, 3 * group], [k // 2])
+                if all(0 < v < k and v % group == 0 for v in c)]
     if not cut_sets:  # one group a row (per-channel int8): nowhere to split
         with pytest.raises(RuntimeError, match="multiples of 32 and of the group"):
             kernels.quant_linear(x[:4], qt.packed, qt.format, None, 8, column_splits=[k // 2])
@@ -749,8 +750,14 @@ def test_column_splits_give_the_parts_bits_in_one_call(native, fmt) -> None:
     assert not torch.equal(kernels.quant_linear(x[:9], qt.packed, qt.format, None, 8, integer_gemm=True),
                            kernels.quant_linear(x[:9], qt.packed, qt.format, None, 8, integer_gemm=True,
                                                 column_splits=cut_sets[0]))  # the splits change the sums
+    if group == 32 and k >= 128:
+        assert [2 * group, 3 * group] in cut_sets  # two cuts in one 64-column step: a one-block part
     with pytest.raises(RuntimeError, match="multiples of 32 and of the group"):
         kernels.quant_linear(x[:4], qt.packed, qt.format, None, 8, column_splits=[group + 16])
+    with pytest.raises(RuntimeError, match="at most 7"):
+        kernels.quant_linear(x[:4], qt.packed, qt.format, None, 8, column_splits=list(range(32, 32 * 9, 32)))
+    with pytest.raises(RuntimeError, match="float32 activations"):
+        kernels.quant_linear(x[:4].bfloat16(), qt.packed, qt.format, None, 8, column_splits=cut_sets[0])
     with pytest.raises(RuntimeError, match="column_splits need the block-order integer kernels"):
         kernels.quant_linear(x[:9], qt.packed, qt.format, None, 8, integer_gemm=False, column_splits=cut_sets[0])
 

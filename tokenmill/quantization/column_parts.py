@@ -20,14 +20,24 @@ def split_in_columns(fmt: WeightFormat, weight, cuts: tuple[int, ...], many_rows
     order (x W^T = x[:, :c] W[:, :c]^T + x[:, c:] W[:, c:]^T, each part's sum from zero).
     A quantized weight whose parts are its own groups runs whole, the block-order kernels
     keeping each part's sum apart (QuantizedWeights.column_splits): the same bits as the parts
-    computed apart, in one call (one activation quantization, no padded part, no copies);
-    otherwise the parts are stored and computed apart (ColumnParts)."""
-    if kernels.quant_integer_gemm_built():  # the block-order kernels
+    computed apart, in one call (one activation quantization, no padded part, no copies), for
+    float32 activations (deterministic inference's); otherwise the parts are stored and
+    computed apart (ColumnParts)."""
+    if kernels.quant_integer_gemm_built() and _may_split(fmt, weight, cuts):  # the block-order kernels
         whole = fmt.make(weight, many_rows=many_rows)
         if isinstance(whole, QuantizedWeights) and _parts_are_groups(whole.qt, cuts, isinstance(weight, QuantizedTensor)):
             whole.column_splits = cuts
             return whole
     return ColumnParts.make(fmt, weight, cuts, many_rows)
+
+
+def _may_split(fmt: WeightFormat, weight, cuts: tuple[int, ...]) -> bool:
+    """Whether `fmt` makes `weight` a quantized weight that may run whole with these cuts, as far
+    as is known before making it (else it goes to parts without being formatted whole first)."""
+    if isinstance(weight, QuantizedTensor):
+        return _parts_are_groups(weight, cuts, stored=True)
+    group = getattr(fmt, "group_size", 0)  # a QuantizedFormat's for weights it quantizes (int4)
+    return getattr(fmt, "method", None) == "int4" and group % 32 == 0 and all(c % group == 0 for c in cuts)
 
 
 def _parts_are_groups(qt: QuantizedTensor, cuts: tuple[int, ...], stored: bool) -> bool:

@@ -47,8 +47,10 @@ constexpr int64_t kFormatLen = 6;  // QuantizedTensor.format: N, K, bits, group,
 at::Tensor linear(const at::Tensor& x, const at::Tensor& weight, at::IntArrayRef format,
                   const std::optional<at::Tensor>& perm, int64_t max_integer_rows = -1, bool integer_gemm = false,
                   const std::optional<at::Tensor>& gemm_panels = std::nullopt, at::IntArrayRef column_splits = {}) {
-  if (format[2] == 0)  // dense: panels [P, K, 64] / [P, K/2, 64, 2], or skinny tiles [T, K/16, 4, 16]
+  if (format[2] == 0) {  // dense: panels [P, K, 64] / [P, K/2, 64, 2], or skinny tiles [T, K/16, 4, 16]
+    TORCH_CHECK(column_splits.empty(), "column_splits are for quantized weights (the block-order kernels)");
     return weight.size(2) == 64 ? panel_linear(x, weight, format[0]) : skinny_linear(x, weight, format[0]);
+  }
   return quant_linear(x, QuantWeight::from_format(weight, format, perm, gemm_panels, column_splits), max_integer_rows,
                       -1, integer_gemm);
 }
@@ -59,7 +61,7 @@ std::vector<at::IntArrayRef> splits_per_weight(at::IntArrayRef column_splits, in
   std::vector<at::IntArrayRef> out(weights);
   int64_t at = 0;
   for (int64_t w = 0; w < weights && !column_splits.empty(); ++w) {
-    TORCH_CHECK(at < static_cast<int64_t>(column_splits.size()) &&
+    TORCH_CHECK(at < static_cast<int64_t>(column_splits.size()) && column_splits[at] >= 0 &&
                     at + 1 + column_splits[at] <= static_cast<int64_t>(column_splits.size()),
                 "column_splits: per weight a count, then that many columns");
     out[w] = column_splits.slice(at + 1, column_splits[at]);
@@ -164,6 +166,7 @@ at::Tensor llama_decode_layer(
                     integer_gemm, entry(gemm_panels, first[i]), splits[first[i]]);
     c10::List<std::optional<at::Tensor>> part_perms, part_panels;
     for (int64_t w = first[i]; w < first[i + 1]; ++w) {
+      TORCH_CHECK(splits[w].empty(), "a linear in column parts has no column splits besides");
       part_perms.push_back(perms.get(w));
       part_panels.push_back(entry(gemm_panels, w));
     }

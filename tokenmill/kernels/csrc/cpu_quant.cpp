@@ -34,7 +34,7 @@
 // Q6_K tensors beside Q4_K and Q5_0 ones).
 // In the block order a weight may have column splits (QuantWeight::column_splits): each
 // output's sum starts again from zero at every split and the parts' sums are added in order
-// at the end, which is what the parts computed apart (each padded to its own 64 columns: the
+// at the end, which is what the parts computed apart (each padded to its own span: the
 // padding adds exact zeros) and then added give, in one call: deterministic inference's
 // row-parallel linears, as the ranks of a 2-way tensor-parallel split and their all-reduce sum
 // them (one activation quantization and one pass instead of one per part).
@@ -86,7 +86,7 @@ namespace {
 constexpr int64_t kRows = 4;     // rows of W per tile
 constexpr int64_t kStep = 64;    // columns per kernel step
 constexpr int64_t kBlock = 32;   // columns per activation scale
-constexpr int64_t kMaxSplits = 7;  // QuantWeight::column_splits
+constexpr int64_t kMaxSplits = 7;  // QuantWeight::column_splits (a 2-rank split needs one; room for 8)
 constexpr int64_t kLanes = 16;   // int32 lanes per step (4 columns each)
 constexpr int64_t kMaxIntegerRows = 16;  // rows per pass of the integer kernel over W
 // From this many rows on the integer path runs the lane-rows kernel (the same bits, faster at
@@ -1331,9 +1331,9 @@ inline __m256i half_sums(__m512i v0, __m512i v1, __m512i v2, __m512i v3) {
 }
 
 // A column part ends before a block: its sum joins the parts' before it (in order), and the
-// next part's sum starts from zero.
-// (The first part's sum is added to zero: that is the sum itself, never -0: no sum starting
-// from +0 becomes -0 in round-to-nearest.)
+// next part's sum starts from zero. The parts' sum starts at -0, which added to the first
+// part's sum gives that sum exactly, whatever its sign (as the parts computed apart have it).
+inline __m128 negative_zeros() { return _mm_castsi128_ps(_mm_set1_epi32(static_cast<int>(0x80000000u))); }
 __attribute__((always_inline)) inline void close_part(__m128& parts, __m128& acc) {
   parts = add_ordered(parts, acc);
   acc = _mm_setzero_ps();
@@ -1344,7 +1344,8 @@ template <int MB, int BITS, bool MINS, bool HALF, bool SPLITS>
 __attribute__((always_inline)) inline void tile_rows_blocked(const uint8_t* tile, const Layout& L, const ActRows& a,
                                                              int64_t m0, float* y, int64_t N, int64_t valid) {
   __m128 acc[MB], parts[MB];  // parts: the sum of the column parts closed so far
-  for (int m = 0; m < MB; ++m) acc[m] = parts[m] = _mm_setzero_ps();
+  for (int m = 0; m < MB; ++m) acc[m] = _mm_setzero_ps(), parts[m] = negative_zeros();
+  const uint8_t* step_cuts = SPLITS ? L.step_cuts.data() : nullptr;
   const __mmask16 smask = static_cast<__mmask16>((1u << (kRows * L.gps)) - 1);
   const int64_t steps = L.span / kStep, gps = L.gps;
   const uint8_t* p = tile;
@@ -1370,7 +1371,7 @@ __attribute__((always_inline)) inline void tile_rows_blocked(const uint8_t* tile
       // of 64+: block 1 of the span's last step, by_block_gsum's lanes 4-7), else times 0
       const bool mins_here = gps > 1 || st == steps - 1;
       // Column parts that end before this step's block 0 (bit 0) or block 1 (bit 1).
-      const int cuts = SPLITS ? L.step_cuts[col / kStep] : 0;
+      const int cuts = SPLITS ? step_cuts[col / kStep] : 0;
       __m512i w[kRows];
       load_step_codes<BITS>(c, w);
       // The step's rows; with CUT, the parts that end in it closed before their block (its own
@@ -1779,6 +1780,8 @@ at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w, int64_t max_i
   TORCH_CHECK(!L.splits || (block_gemm_covers(L) && !perm && (!many || integer_gemm)),
               "column_splits need the block-order integer kernels (an AVX512-VNNI build, groups of 32 or more, no "
               "act-order permutation, the integer GEMM past the integer rows): compute the parts apart (ColumnParts)");
+  // (bf16 rows would round the sum of the parts once where the parts computed apart round each.)
+  TORCH_CHECK(!L.splits || x.scalar_type() == at::kFloat, "column_splits take float32 activations");
   // With integer_gemm a weight the block GEMM does not cover (Q6_K's groups of 16) keeps the
   // row kernel's integer arithmetic at every row count (its lane-rows form from 16 rows on), so
   // that the plan's "a row's bits do not depend on the step's rows" holds for every tensor.
