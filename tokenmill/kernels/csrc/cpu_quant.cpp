@@ -236,6 +236,18 @@ inline float block_scales(float amax, float* inv) {
   return static_cast<float>(static_cast<double>(amax) / 127.0);
 }
 
+#if defined(TM_QUANT_AVX512)
+// A block's codes by its 1 / d (block_scales'); returns the sum of q.
+inline int32_t quantize_block_with(const float* x, int8_t* q, float inv) {
+  const __m512 vi = _mm512_set1_ps(inv);
+  const __m512i qa = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x), vi));
+  const __m512i qb = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(x + 16), vi));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtsepi32_epi8(qa));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtsepi32_epi8(qb));
+  return _mm512_reduce_add_epi32(_mm512_add_epi32(qa, qb));  // |x * inv| <= 127: no saturation
+}
+#endif
+
 // Returns the block's sum of q.
 int32_t quantize_block(const float* x, int8_t* q, float* d_out) {
   float inv;
@@ -262,6 +274,22 @@ int32_t quantize_block(const float* x, int8_t* q, float* d_out) {
 #endif
 }
 
+#if defined(TM_QUANT_AVX512)
+// The scales of `n` blocks at once from their max |x| (block_scales' arithmetic, 8 in a
+// vector: the same correctly rounded quotients, without a chain of scalar divisions).
+void blocks_scales(const float* amax, int64_t n, float* d, float* inv) {
+  const __m512d num = _mm512_set1_pd(127.0);
+  for (int64_t b = 0; b < n; b += 8) {
+    const __mmask8 in = static_cast<__mmask8>(n - b >= 8 ? 0xFF : (1u << (n - b)) - 1);
+    const __m256 a = _mm256_maskz_loadu_ps(in, amax + b);
+    const __mmask8 live = _mm256_mask_cmp_ps_mask(in, a, _mm256_set1_ps(1e-30f), _CMP_GT_OQ);
+    const __m512d ad = _mm512_cvtps_pd(a);
+    _mm256_mask_storeu_ps(inv + b, in, _mm256_maskz_mov_ps(live, _mm512_cvtpd_ps(_mm512_div_pd(num, _mm512_mask_blend_pd(live, num, ad)))));
+    _mm256_mask_storeu_ps(d + b, in, _mm256_maskz_mov_ps(live, _mm512_cvtpd_ps(_mm512_div_pd(ad, num))));
+  }
+}
+#endif
+
 // x [M, K] float32 (columns gathered through perm when given) -> ActRows in `scratch`.
 // init_mult: see ActRows; group_sums: fill gsum (the weight has mins, or the block kernel).
 // by_block (the block-order kernels): gsum as d * (the block's sum of q), added block by
@@ -274,7 +302,8 @@ ActRows quantize_activations(const float* x, int64_t M, int64_t K, const int64_t
   a.M = M, a.Kp = L.Kp, a.lanes = L.Kp / 4, a.spans = L.spans;
   const size_t q_bytes = round64(M * a.Kp), d_bytes = round64(M * a.lanes * 4);
   const size_t init_bytes = init_mult ? d_bytes : 0, gsum_bytes = group_sums ? round64(M * a.spans * kLanes * 4) : 0;
-  const size_t row_bytes = round64(a.Kp * 4);  // a gathered / padded row, one per thread
+  // a gathered / padded row, one per thread, and its blocks' max |x|, d and 1 / d
+  const size_t row_bytes = round64(a.Kp * 4 + 3 * (a.Kp / kBlock) * 4);
   uint8_t* base = scratch.take(q_bytes + d_bytes + init_bytes + gsum_bytes + row_bytes * at::get_num_threads());
   a.q = reinterpret_cast<int8_t*>(base);
   a.d = reinterpret_cast<float*>(base + q_bytes);
@@ -298,13 +327,27 @@ ActRows quantize_activations(const float* x, int64_t M, int64_t K, const int64_t
     int8_t* q = a.q + m * a.Kp;
     float* d = a.d + m * a.lanes;
     if (by_block) {
-      const int64_t blocks_per_group = L.group / kBlock;
+      const int64_t blocks_per_group = L.group / kBlock, blocks = a.Kp / kBlock;
       int32_t* init = a.init ? a.init + m * a.lanes : nullptr;
-      for (int64_t b = 0, g = 0; b < a.Kp / kBlock; ++g) {
+#if defined(TM_QUANT_AVX512)
+      // Every block's scale first, then its codes: the blocks' divisions in vectors.
+      float* scales = reinterpret_cast<float*>(row + a.Kp);  // 3 x blocks floats past the row
+      for (int64_t b = 0; b < blocks; ++b) {
+        const __m512 lo = _mm512_loadu_ps(xr + b * kBlock), hi = _mm512_loadu_ps(xr + b * kBlock + 16);
+        scales[b] = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+      }
+      blocks_scales(scales, blocks, scales + blocks, scales + 2 * blocks);
+#endif
+      for (int64_t b = 0, g = 0; b < blocks; ++g) {
         float sum = 0.f;
         for (int64_t e = b + blocks_per_group; b < e; ++b) {
           float db;
+#if defined(TM_QUANT_AVX512)
+          db = scales[blocks + b];
+          const int32_t qs = quantize_block_with(xr + b * kBlock, q + b * kBlock, scales[2 * blocks + b]);
+#else
           const int32_t qs = quantize_block(xr + b * kBlock, q + b * kBlock, &db);
+#endif
           for (int l = 0; l < kBlock / 4; ++l) d[b * (kBlock / 4) + l] = db;
           if (init) std::fill(init + b * (kBlock / 4), init + (b + 1) * (kBlock / 4), init_mult * qs);
           sum += db * static_cast<float>(qs);
