@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from tokenmill.attention.kv_cache import KVCacheSpec, PagedKVCache
 from tokenmill.kernels import huge_pages
 from tokenmill.llm import LLM
 from tokenmill import SamplingParams
@@ -51,6 +52,42 @@ def test_the_arena_places_copies_on_aligned_boundaries_and_refuses_overflow() ->
     assert arena.used == arena.nbytes
     with pytest.raises(ValueError, match="arena holds"):
         arena.place(torch.zeros(1))
+
+
+def resident_bytes(tensors: list[torch.Tensor]) -> int:
+    """Rss of the mappings holding the tensors' first bytes, each mapping once (/proc/self/smaps)."""
+    addresses = [t.data_ptr() for t in tensors]
+    total, inside = 0, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()[0]
+            if "-" in head and not head.endswith(":"):
+                start, end = (int(x, 16) for x in head.split("-"))
+                inside = any(start <= a < end for a in addresses)
+            elif inside and head == "Rss:":
+                total += int(line.split()[1]) * 1024
+    return total
+
+
+@pytest.mark.parametrize("dtype, packed", [(torch.bfloat16, True), (torch.bfloat16, False), (torch.int8, False)])
+def test_a_small_kv_cache_on_huge_pages_takes_its_budget_not_a_huge_page_per_tensor(dtype, packed) -> None:
+    """The default model's 30 layers at a 16 MiB budget: 60 K/V tensors (and 60 scale tensors
+    in int8) of ~270 KiB, each on 2 MiB pages of its own, were 120 MiB resident; in one arena
+    they take their bytes, on huge pages, and read and write as zeros-initialised tensors."""
+    spec = KVCacheSpec(30, 3, 64, 16, dtype, packed=packed)
+    num_blocks = (16 << 20) // spec.bytes_per_block
+    cache = PagedKVCache(spec, num_blocks, torch.device("cpu"), huge_pages=True)
+    tensors = [t for layer in cache for t in (layer.k, layer.v, *(layer.scales or ()))]
+    assert all(not t.any() for t in tensors)
+    for i, t in enumerate(tensors):
+        t.view(-1)[::97] = i % 5 + 1  # written through, each its own bytes
+    assert all(bool((t.view(-1)[::97] == i % 5 + 1).all()) for i, t in enumerate(tensors))
+    stored = sum(t.numel() * t.element_size() for t in tensors)
+    if huge_pages.available():
+        assert len({t.untyped_storage().data_ptr() for t in tensors}) == 1  # one arena
+        assert anon_huge_bytes(tensors[0]) > 0
+        assert resident_bytes(tensors) <= stored + 2 * huge_pages.HUGE_PAGE_BYTES, \
+            f"{resident_bytes(tensors) >> 20} MiB resident for {stored >> 20} MiB of KV"
 
 
 def test_the_default_model_on_huge_pages_computes_what_it_does_on_small_pages(monkeypatch) -> None:

@@ -77,6 +77,22 @@ def test_measure_times_the_panel_kernel_where_the_build_has_it() -> None:
         assert t.panels == {}
 
 
+def test_a_measured_pass_streams_few_layers_of_a_big_model_and_many_of_a_small_one(monkeypatch) -> None:
+    """Layers' copies within MEASURE_WEIGHT_BYTES of float32: the first start of an 8B model
+    took 18 GB to choose its kernels over 8 copies of its layer shapes."""
+    def llama(hidden: int, kv: int, ffn: int) -> list[tuple[int, int]]:
+        return [(hidden + 2 * kv, hidden), (hidden, hidden), (2 * ffn, hidden), (hidden, ffn)]
+
+    assert tune.measured_layers(llama(576, 192, 1536), 8) == 8  # SmolLM2-135M: 14 MB a layer
+    assert tune.measured_layers(llama(2048, 512, 8192), 8) == 2  # Llama-3.2-1B: 243 MB
+    assert tune.measured_layers(llama(4096, 1024, 14336), 8) == 1  # Llama-3.1-8B: 872 MB, still one
+    assert tune.measured_layers(llama(4096, 1024, 14336), 4) == 1
+    shapes = [(64, 32), (32, 64)]
+    monkeypatch.setattr(tune, "MEASURE_WEIGHT_BYTES", 3 * 4 * 2 * 64 * 32)  # room for 3 layers
+    t = tune.measure(shapes, torch.float32, ("onednn_f32",), layers=8, reps=1)
+    assert t.weight_elements == 3 * 2 * 64 * 32
+
+
 def test_the_choice_is_measured_once_then_read_from_the_cache(tmp_path, monkeypatch) -> None:
     calls = []
 

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from tokenmill.attention import kv_quant
-from tokenmill.kernels.huge_pages import empty as huge_pages_empty
+from tokenmill.kernels.huge_pages import HugePageArena, available as huge_pages_available, empty as huge_pages_empty
 from tokenmill.dtypes import dtype_name
 
 # (shape, dtype=, device=) -> an uninitialized tensor, as torch.empty
@@ -240,12 +240,31 @@ class PagedKVCache:
         self.num_sliding_blocks = num_sliding_blocks if sliding_layers else 0
         self.sliding_layers = sliding_layers if self.num_sliding_blocks else frozenset()
         self.device = device
-        self.layers = [
-            LayerKVCache.allocate(self.num_sliding_blocks if i in self.sliding_layers else num_blocks,
-                                  spec.block_size, spec.num_kv_heads, spec.head_dim, spec.dtype, device, spec.rotation,
-                                  huge_pages, empty, packed=spec.packed and i not in self.sliding_layers)
-            for i in range(spec.num_layers)
-        ]
+
+        def allocate(empty: TensorAllocator | None) -> list[LayerKVCache]:
+            return [
+                LayerKVCache.allocate(self.num_sliding_blocks if i in self.sliding_layers else num_blocks,
+                                      spec.block_size, spec.num_kv_heads, spec.head_dim, spec.dtype, device,
+                                      spec.rotation, huge_pages, empty, packed=spec.packed and i not in self.sliding_layers)
+                for i in range(spec.num_layers)
+            ]
+
+        if empty is None and huge_pages and torch.device(device).type == "cpu" and huge_pages_available():
+            empty = self._huge_page_arena(allocate)
+        self.layers = allocate(empty)
+
+    @staticmethod
+    def _huge_page_arena(allocate: Callable[[TensorAllocator], list[LayerKVCache]]) -> TensorAllocator:
+        """Every layer's tensors in one huge-page arena, sized by allocating them as meta
+        tensors first (each tensor on 2 MiB pages of its own rounds each up to whole pages)."""
+        tensors: list[torch.Tensor] = []
+
+        def measure(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str = "cpu") -> torch.Tensor:
+            tensors.append(torch.empty(shape, dtype=dtype, device="meta"))
+            return tensors[-1]
+
+        allocate(measure)
+        return HugePageArena(HugePageArena.measure(tensors)).empty
 
     def __getitem__(self, layer: int) -> LayerKVCache:
         return self.layers[layer]

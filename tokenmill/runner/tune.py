@@ -91,6 +91,18 @@ def decide(timings: Timings) -> CPUMatmulChoice:
 
 # Attempts at a measurement that is not disturbed before falling back to the default split.
 MEASURE_ATTEMPTS = 3
+# At most this many bytes of float32 weights per measured pass (the candidates' copies of
+# them, tiles, panels and oneDNN's packed forms, add about twice as much). A pass needs only
+# weights beyond the caches; 8 layers of an 8B model's shapes were 7 GB of float32 plus
+# their copies, and the first start of such a model took 18 GB to choose its kernels.
+MEASURE_WEIGHT_BYTES = 512 << 20
+
+
+def measured_layers(shapes: Sequence[Shape], at_most: int) -> int:
+    """How many copies of a layer's shapes a measured pass streams: up to `at_most`, within
+    MEASURE_WEIGHT_BYTES of float32 weights, at least one."""
+    layer_bytes = 4 * sum(n * k for n, k in shapes)
+    return max(1, min(at_most, MEASURE_WEIGHT_BYTES // max(1, layer_bytes)))
 # A pass over the same weights with fewer rows cannot honestly take this much longer than
 # one with more rows: such a timing is other work stealing a thread (an OpenMP region waits
 # for its descheduled peer), not the kernel. On a 2-core box shared by several jobs the
@@ -187,9 +199,10 @@ def choose(shapes: Sequence[Shape], tile_dtype: torch.dtype, *, allowed: Sequenc
 def measure(shapes: Sequence[Shape], tile_dtype: torch.dtype, gemms: Sequence[str] | None = None, layers: int = 8,
             reps: int = 5) -> Timings:
     """Time every candidate over `layers` copies of the model's per-layer shapes (distinct
-    weights, several MB each, so a pass streams them as a real step does)."""
+    weights, several MB each, so a pass streams them as a real step does; fewer where they
+    would pass MEASURE_WEIGHT_BYTES)."""
     gen = torch.Generator().manual_seed(0)
-    weights = [torch.randn(n, k, generator=gen) * 0.02 for _ in range(layers) for n, k in shapes]
+    weights = [torch.randn(n, k, generator=gen) * 0.02 for _ in range(measured_layers(shapes, layers)) for n, k in shapes]
     tiles = [kernels.tile_for_skinny(w, tile_dtype) for w in weights]
     out_features = [w.shape[0] for w in weights]
     skinny = {m: _pass_time(lambda x, i: kernels.skinny_linear(x, tiles[i], out_features[i]), weights, m, reps)
@@ -267,12 +280,14 @@ QUANT_LAYERS = 4  # distinct layers' weights per measured pass (4-bit: a few MB,
 
 
 def measure_quant_gemm(shapes: Sequence[Shape], reps: int = 5) -> dict[str, dict[int, float]]:
-    """Seconds per pass of each candidate over QUANT_LAYERS copies of the layer shapes: the
-    integer GEMM on float32 rows, the bf16 GEMM on bf16 rows (the bf16 activation path's)."""
+    """Seconds per pass of each candidate over QUANT_LAYERS copies of the layer shapes (fewer
+    where they would pass MEASURE_WEIGHT_BYTES): the integer GEMM on float32 rows, the bf16
+    GEMM on bf16 rows (the bf16 activation path's)."""
     from tokenmill.quantization.rtn import quantize_int4
 
     gen = torch.Generator().manual_seed(0)
-    floats = [torch.randn(n, k, generator=gen) * 0.02 for _ in range(QUANT_LAYERS) for n, k in shapes]
+    floats = [torch.randn(n, k, generator=gen) * 0.02 for _ in range(measured_layers(shapes, QUANT_LAYERS))
+              for n, k in shapes]
     qts = [quantize_int4(w, 32) for w in floats]
 
     def integer(x: torch.Tensor, i: int) -> torch.Tensor:
