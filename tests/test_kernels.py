@@ -485,6 +485,35 @@ def test_silu_and_mul_matches_torch(tokens) -> None:
     torch.testing.assert_close(kernels.silu_and_mul(x), F.silu(gate) * up, atol=1e-5, rtol=1e-5)
 
 
+def test_large_kernel_outputs_reuse_freed_buffers_and_never_alias_live_ones() -> None:
+    """glibc maps outputs of 32 MiB or more afresh and the kernel faults in every page at
+    every call: the kernels' large outputs come from a cache of freed buffers instead."""
+    x = torch.randn(512, 2 * 8192)  # silu_and_mul writes 16 MiB
+    gate, up = x.chunk(2, dim=-1)
+    expected = F.silu(gate) * up
+    first = kernels.silu_and_mul(x)
+    address = first.data_ptr()
+    del first  # back to the cache, pages resident
+    assert kernels.activation_cache_stats()[1] >= 16 << 20
+    second = kernels.silu_and_mul(x)
+    assert second.data_ptr() == address  # the freed buffer, not a fresh mapping
+    third = kernels.silu_and_mul(x * 2)  # while `second` lives: a buffer of its own
+    assert third.data_ptr() != address
+    torch.testing.assert_close(second, expected, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(third, F.silu(2 * gate) * 2 * up, atol=1e-5, rtol=1e-5)
+    small = kernels.silu_and_mul(torch.randn(4, 200))  # under 1 MiB: the heap's
+    del second, third, small
+    assert kernels.activation_cache_stats()[1] >= 32 << 20
+
+
+def test_the_output_cache_returns_the_least_recently_freed_buffers_past_its_bound() -> None:
+    outputs = [kernels.silu_and_mul(torch.zeros(rows, 2 * 8192)) for rows in range(512, 512 + 40 * 64, 64)]
+    assert sum(o.numel() * 4 for o in outputs) > 1 << 30  # more than the cache keeps
+    del outputs
+    buffers, nbytes = kernels.activation_cache_stats()
+    assert 0 < nbytes <= 512 << 20 and buffers < 40
+
+
 def test_rotary_in_place_matches_the_torch_rotation_on_a_strided_view() -> None:
     from tokenmill.model.layers import RotaryEmbedding, apply_rotary
 

@@ -32,12 +32,12 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).parent / "csrc"
 _SOURCES = [
     _CSRC / name for name in ("cpu_attention.cpp", "cpu_linear.cpp", "cpu_ops.cpp", "cpu_decoder.cpp", "cpu_quant.cpp",
-                              "cpu_prefill_attention.cpp")
+                              "cpu_prefill_attention.cpp", "cpu_activations.cpp")
 ]
 _OPS = ("argmax_rows", "paged_decode_attention", "skinny_linear", "panel_linear", "grouped_skinny_linear", "rms_norm", "add_rms_norm", "silu_and_mul", "rotary_",
         "llama_decode_layer", "column_parts_linear", "write_kv_cache", "hadamard_", "quant_linear", "quant_dequantize",
         "quantize_activations_q8", "quant_isa", "quant_gemm_panels", "prefill_attention", "prefill_attention_chunks",
-        "has_prefill_attention")
+        "has_prefill_attention", "activation_cache_stats")
 _NAME = "tokenmill_cpu_kernels"
 
 
@@ -342,6 +342,13 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[tokens, 2I] holding gate | up -> silu(gate) * up, [tokens, I], in x's dtype (float32
     or bfloat16; computed in float32)."""
     return torch.ops.tokenmill.silu_and_mul(x)
+
+
+def activation_cache_stats() -> tuple[int, int]:
+    """(buffers, bytes) the kernels' output cache holds free for the next large output
+    (csrc/cpu_activations.cpp: outputs of 1 MiB or more reuse freed buffers' resident pages)."""
+    count, nbytes = torch.ops.tokenmill.activation_cache_stats()
+    return int(count), int(nbytes)
 
 
 def rotary_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

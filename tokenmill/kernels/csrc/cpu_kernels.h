@@ -36,6 +36,11 @@ struct QuantWeight {
                                  at::IntArrayRef column_splits = {});
 };
 
+// cpu_activations.cpp. An uninitialised tensor for a kernel's output; from 1 MiB on its
+// buffer comes from a cache that keeps freed buffers' pages resident (glibc maps outputs of
+// 32 MiB or more afresh, and writing them faulted in every page at every call).
+at::Tensor activation_empty(at::IntArrayRef sizes, const at::TensorOptions& options);
+
 // cpu_quant.cpp. y [M, N] = x [M, K] . W^T for any M, x contiguous float32 or bfloat16 (y in
 // x's dtype; bf16 x saves the GEMM path two conversions, the integer path takes float32).
 // Up to max_integer_rows rows (-1: the measured default, 8 for 4-bit codes, 12 for 8-bit)

@@ -119,7 +119,7 @@ at::Tensor skinny_linear(const at::Tensor& x, const at::Tensor& tiled, int64_t N
   const int64_t M = x.size(0), K = x.size(1), tiles = tiled.size(0);
   TORCH_CHECK(tiled.size(1) * kKBlock == K, "x and weight disagree on K");
   TORCH_CHECK(N > (tiles - 1) * kTileRows && N <= tiles * kTileRows, "N does not match the number of weight tiles");
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = activation_empty({M, N}, x.options());
   if (M == 0) return y;
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
@@ -152,7 +152,7 @@ at::Tensor grouped_skinny_linear(const at::Tensor& x, at::IntArrayRef offsets, a
                 "weights: contiguous [ceil(N/4), K/16, 4, 16] of one shape and dtype (see tile_for_skinny)");
   }
   TORCH_CHECK(N > (tiles - 1) * kTileRows && N <= tiles * kTileRows, "N does not match the number of weight tiles");
-  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  at::Tensor y = activation_empty({x.size(0), N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const int64_t total = groups * tiles;
@@ -371,13 +371,13 @@ at::Tensor panel_linear(const at::Tensor& x, const at::Tensor& panels, int64_t N
   const int64_t M = x.size(0), K = x.size(1), count = panels.size(0);
   TORCH_CHECK((bf16 ? 2 * panels.size(1) : panels.size(1)) == K, "x and weight disagree on K");
   TORCH_CHECK(N > (count - 1) * kPanelCols && N <= count * kPanelCols, "N does not match the number of panels");
-  at::Tensor y = at::empty({M, N}, x.options());
+  at::Tensor y = activation_empty({M, N}, x.options());
   if (M == 0) return y;
   if (K == 0) return y.zero_();
   float* yp = y.data_ptr<float>();
 #if defined(__AVX512F__) && defined(__AVX512BF16__)
   if (bf16) {
-    at::Tensor xb = at::empty({M, K}, x.options().dtype(at::kBFloat16));
+    at::Tensor xb = activation_empty({M, K}, x.options().dtype(at::kBFloat16));
     round_rows_to_bf16(x.data_ptr<float>(), M * K, reinterpret_cast<uint16_t*>(xb.data_ptr()));
     const uint32_t* xp = reinterpret_cast<const uint32_t*>(xb.data_ptr());
     const uint32_t* wp = reinterpret_cast<const uint32_t*>(panels.data_ptr());

@@ -94,7 +94,7 @@ at::ScalarType out_type(const at::Tensor& x, std::optional<at::ScalarType> out_d
 
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps, std::optional<at::ScalarType> out_dtype) {
   check_norm_args(x, weight);
-  at::Tensor out = at::empty(x.sizes(), x.options().dtype(out_type(x, out_dtype)));
+  at::Tensor out = activation_empty(x.sizes(), x.options().dtype(out_type(x, out_dtype)));
   const int64_t n = x.size(1);
   const float* wp = weight.data_ptr<float>();
   with_types(x, out, [&](auto* xp, auto* op) {
@@ -113,7 +113,7 @@ at::Tensor add_rms_norm(const at::Tensor& x, at::Tensor residual, const at::Tens
   check_norm_args(x, weight);
   TORCH_CHECK(residual.sizes() == x.sizes() && residual.scalar_type() == at::kFloat && residual.is_contiguous(),
               "residual: contiguous float32, shaped like x");
-  at::Tensor out = at::empty(x.sizes(), x.options().dtype(out_type(x, out_dtype)));
+  at::Tensor out = activation_empty(x.sizes(), x.options().dtype(out_type(x, out_dtype)));
   const int64_t n = x.size(1);
   const float* wp = weight.data_ptr<float>();
   float* rp = residual.data_ptr<float>();
@@ -135,7 +135,7 @@ at::Tensor silu_and_mul(const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 2 && is_activation(x) && x.is_contiguous() && x.size(1) % 2 == 0,
               "x: contiguous float32 or bfloat16 [tokens, 2 * intermediate]");
   const int64_t tokens = x.size(0), inter = x.size(1) / 2;
-  at::Tensor out = at::empty({tokens, inter}, x.options());
+  at::Tensor out = activation_empty({tokens, inter}, x.options());
   with_types(x, out, [&](auto* xp, auto* op) {
     using TO = std::remove_pointer_t<decltype(op)>;
     at::parallel_for(0, tokens, grain_rows(inter), [&](int64_t begin, int64_t end) {

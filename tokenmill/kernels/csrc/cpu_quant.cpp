@@ -1773,7 +1773,7 @@ at::Tensor gemm_linear(const at::Tensor& x, const tokenmill::QuantWeight& w, con
     dequantize_rows(p, L, 0, L.N, buffer);
     return product(at::from_blob(buffer, {L.N, L.K}, xb.options()));
   }
-  at::Tensor y = at::empty({x.size(0), L.N}, x.options());
+  at::Tensor y = tokenmill::activation_empty({x.size(0), L.N}, x.options());
   for (int64_t r = 0; r < L.N; r += chunk) {
     const int64_t end = std::min(L.N, r + chunk);
     dequantize_rows(p, L, r, end, buffer);
@@ -1836,7 +1836,7 @@ at::Tensor quant_linear(const at::Tensor& x, const QuantWeight& w, int64_t max_i
 #endif
   if (x.scalar_type() == at::kBFloat16)
     return quant_linear(x.to(at::kFloat), w, max_integer_rows, many_rows, integer_gemm).to(at::kBFloat16);
-  at::Tensor y = at::empty({M, L.N}, x.options());
+  at::Tensor y = activation_empty({M, L.N}, x.options());
   const float* xp = x.data_ptr<float>();
   float* yp = y.data_ptr<float>();
   const uint8_t* packed = w.packed.data_ptr<uint8_t>();
