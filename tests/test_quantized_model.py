@@ -84,6 +84,31 @@ def test_gguf_blocks_served_as_stored_match_the_dequantized_model(gguf_type) -> 
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
 
 
+@pytest.mark.parametrize("gguf_type", ["Q4_0", "Q8_0"])
+def test_an_untied_quantized_embedding_table_is_kept_as_stored_not_as_floats(gguf_type) -> None:
+    """An untied GGUF token_embd as stored serves the lookups from its blocks (Llama-3.1-8B's is
+    2.1 GB as float32, 0.3 GB as Q4_0), rows equal to the dequantized table's."""
+    import dataclasses
+
+    cfg = dataclasses.replace(CFG, tie_word_embeddings=False)
+    ckpt = checkpoint(cfg, gguf_type)
+    table = dict(ckpt)["embed_tokens.weight"]
+    assert isinstance(table, QuantizedTensor)
+    dense_plan = cpu_native_plan(torch.float32, fused_decode=False)
+    stored, reference = LlamaForCausalLM(cfg).eval(), LlamaForCausalLM(cfg).eval()
+    stored.load_weights(iter(ckpt), quantized_plan(dense_plan, "stored").weight_format)
+    apply_plan(stored, quantized_plan(dense_plan, "stored"))
+    reference.load_weights(iter(dequantized(ckpt)), dense_plan.weight_format)
+    apply_plan(reference, dense_plan)
+    assert stored.embed_tokens.weight is None and stored.table_rows is not None
+    assert stored.lm_head.weights is not stored.table_rows  # the head keeps its own (untied) weight
+    ids = torch.tensor([0, 5, 319, 5, 77])
+    with torch.inference_mode():
+        torch.testing.assert_close(stored._lookup(ids), table.dequantize()[ids], rtol=0, atol=0)
+    got, want = logits(stored, ids), logits(reference, ids)
+    assert (got - want).norm() / want.norm() < 0.02
+
+
 @pytest.mark.parametrize("method,bound", [("int8", 0.02), ("int4", 0.15)])
 def test_int8_and_int4_at_load_match_their_own_dequantized_weights(method, bound) -> None:
     ckpt = checkpoint(CFG, None)

@@ -62,6 +62,15 @@ class GGUFFile:
         data_start = -(-parser.offset // alignment) * alignment
         return [GGUFTensorInfo(n, tuple(int(d) for d in s), t, data_start + o) for n, s, t, o in raw]
 
+    def release(self, info: GGUFTensorInfo) -> None:
+        """Drop the tensor's file pages from this process's resident memory once it has been
+        read (they stay in the page cache; a later read faults them back in): the whole file
+        otherwise stayed resident through the load beside the weights made of it (an 8B Q4_0
+        model's load peaked 4 GB higher)."""
+        raw, _, _ = self._raw_rows(info)
+        start = info.offset // mmap.PAGESIZE * mmap.PAGESIZE
+        self._data.madvise(mmap.MADV_DONTNEED, start, info.offset + raw.nbytes - start)
+
     def blocks(self, info: GGUFTensorInfo, part: tuple[int, int, int] | None = None) -> np.ndarray:
         """The tensor's raw bytes as rows of blocks, uint8 [rows, row_bytes] (a view of the
         file where possible). `part` = (dim, start, length) of a 2-D tensor keeps only those

@@ -223,8 +223,10 @@ class LlamaForCausalLM(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = Linear(cfg.hidden_size, layout.vocab.size, bias=False, many_rows=False) \
             if layout.last_stage and lm_head else None
-        # A tied table in the head's format on a stage without the head (release_tied_embedding).
-        self.tied_rows: LinearWeights | None = None
+        # The embedding table in a weight format, serving the lookups by its `rows`: a tied table
+        # on a stage without the head (release_tied_embedding), or an untied quantized table kept
+        # as stored (_keep_table_quantized).
+        self.table_rows: LinearWeights | None = None
         # Each layer's operands for the native fused layer, set at load when the plan runs it.
         self.fused_layers: list[FusedLayerOperands] | None = None
         self.tie_weights()
@@ -266,7 +268,7 @@ class LlamaForCausalLM(nn.Module):
             self.embed_tokens.weight = None
         elif (fmt is not None and not self.parallel.layout.last_stage and self.embed_tokens is not None
               and self.embed_tokens.weight is not None):
-            self.tied_rows = fmt.make(self.embed_tokens.weight.detach().float(), many_rows=False)
+            self.table_rows = fmt.make(self.embed_tokens.weight.detach().float(), many_rows=False)
             self.embed_tokens.weight = None
 
     @property
@@ -338,10 +340,10 @@ class LlamaForCausalLM(nn.Module):
         return h if self.cfg.embedding_scale is None else h * self.cfg.embedding_scale
 
     def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
-        """Embedding rows: from the table, or from a tied head's own storage."""
+        """Embedding rows: from the table, the table in a weight format, or a tied head's own storage."""
         if self.embed_tokens.weight is None:
-            tied = self.lm_head.weights if self.lm_head is not None else self.tied_rows
-            return tied.rows(ids).to(self.dtype)
+            table = self.table_rows if self.table_rows is not None else self.lm_head.weights
+            return table.rows(ids).to(self.dtype)
         return self.embed_tokens(ids).to(self.dtype)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -386,7 +388,7 @@ class LlamaForCausalLM(nn.Module):
                 continue
             target, shard = self._target(local_name)
             if target == "embed_tokens.weight" and isinstance(tensor, QuantizedTensor) \
-                    and self._tied_head_takes(tensor, fmt):
+                    and self._keep_table_quantized(tensor, fmt):
                 loaded.add(f"{target}#{shard}")
                 continue
             if target.endswith(".bias") and target not in params and not _nonzero(tensor):
@@ -492,11 +494,19 @@ class LlamaForCausalLM(nn.Module):
             return tensor
         return torch.cat([tensor.narrow(1, cols.start, cols.size), tensor.narrow(1, full + cols.start, cols.size)], 1)
 
-    def _tied_head_takes(self, table: QuantizedTensor, fmt: WeightFormat | None) -> bool:
-        """A quantized embedding table (a GGUF token_embd as stored) tied to the LM head
-        becomes the head's weight in `fmt`, and the head serves the embedding lookups from
-        it (its `rows`). Without a format, or untied, the table is read dequantized."""
-        if fmt is None or not self.cfg.tie_word_embeddings or self.lm_head is None:
+    def _keep_table_quantized(self, table: QuantizedTensor, fmt: WeightFormat | None) -> bool:
+        """A quantized embedding table (a GGUF token_embd as stored) stays quantized: tied to
+        the LM head, it becomes the head's weight in `fmt` and the head serves the embedding
+        lookups from it (its `rows`); untied, it is kept in `fmt` for the lookups alone (Llama-3.1-8B's
+        table is 2.1 GB as float32, 0.3 GB as Q4_0). Without a format, or tied on a
+        stage without the head, the table is read dequantized."""
+        if fmt is None:
+            return False
+        if not self.cfg.tie_word_embeddings:
+            self.embed_tokens.weight = None
+            self.table_rows = fmt.make(table, many_rows=False)
+            return True
+        if self.lm_head is None:
             return False
         self.embed_tokens.weight = None
         self.lm_head.load_weight(table, fmt)

@@ -280,11 +280,12 @@ def _gguf_weights(gguf_file: GGUFFile, arch: ModelArchConfig, layout: ShardLayou
             if rope_rows:
                 qt = qt.take_rows(torch.from_numpy(unpermute_rope_rows(np.arange(qt.shape[0]), qt.shape[0] // arch.head_dim)))
             yield hf_name, qt
-            continue
-        weight = gguf_file.dequantize(info, part)
-        if rope_rows:
-            weight = unpermute_rope_rows(weight, weight.shape[0] // arch.head_dim)  # whole heads
-        yield hf_name, torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
+        else:
+            weight = gguf_file.dequantize(info, part)
+            if rope_rows:
+                weight = unpermute_rope_rows(weight, weight.shape[0] // arch.head_dim)  # whole heads
+            yield hf_name, torch.from_numpy(np.ascontiguousarray(weight, dtype=np.float32))
+        gguf_file.release(info)  # taken in by now
 
 
 def _gguf_experts(gguf_file: GGUFFile, info, hf_name: str, layout: ShardLayout,
